@@ -1,0 +1,63 @@
+"""`qwen-mtp` command line: `qwen-mtp run recipe.yaml [--set key=value ...]`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qwen_mtp.errors import QwenMTPError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+@app.callback()
+def main() -> None:
+    """Exact MTP speculative decoding for Qwen3.5 hybrid models."""
+
+
+def _fail(err: Exception) -> None:
+    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def run(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe (see recipes/)")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set mtp.k=4")] = None,
+) -> None:
+    """Load the recipe's model and generate greedily for its prompts; print text, tokens and speed."""
+    from qwen_mtp.engine import Engine
+
+    try:
+        started = time.perf_counter()
+        engine = Engine.from_recipe(recipe, tuple(set_ or ()), progress=sys.stderr.isatty())
+        cfg = engine.config
+        typer.echo(
+            f"model: {engine.recipe.model.path or 'fixture ' + str(engine.recipe.model.fixture)} "
+            f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+            f"MTP head: {'yes' if engine.model.mtp is not None else 'no'}) "
+            f"dtype {engine.recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
+        )
+        prompts = [engine.encode(p) for p in engine.recipe.run.prompts]
+        started = time.perf_counter()
+        results = engine.generate(prompts)
+        elapsed = time.perf_counter() - started
+    except QwenMTPError as err:
+        _fail(err)
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        typer.echo(f"\n[{i}] prompt ({len(prompt)} tokens): {engine.decode(prompt)!r}")
+        typer.echo(
+            f"[{i}] output ({len(result.token_ids)} tokens, {result.finish_reason}): "
+            f"{engine.decode(result.token_ids)!r}"
+        )
+        typer.echo(f"[{i}] token ids: {result.token_ids}")
+    total = sum(len(r.token_ids) for r in results)
+    typer.echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s (prefill included)")
+
+
+if __name__ == "__main__":
+    app()

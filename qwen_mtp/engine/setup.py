@@ -1,0 +1,66 @@
+"""Recipe -> (model, tokenizer, device): where the weights come from and what can run today."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwen_mtp.errors import RecipeError
+from qwen_mtp.loader import load_model
+from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.recipe import Recipe
+
+
+@dataclass
+class LoadedModel:
+    model: QwenHybridForCausalLM
+    tokenizer: Any | None  # a transformers tokenizer, when the checkpoint ships one
+    checkpoint: Path
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(f"model.device is {name!r} but no CUDA device is available (use cpu or auto)")
+    return device
+
+
+def check_supported(recipe: Recipe) -> None:
+    """Refuse, by key, the recipe features whose code has not landed yet, rather than silently ignore them."""
+    later = {
+        "mtp.enabled": recipe.mtp.enabled,
+        "parallel.tp": recipe.parallel.tp != 1,
+        "model.quant": recipe.model.quant != "none",
+        "compile.enabled": recipe.compile.enabled,
+        "compile.cuda_graphs": recipe.compile.cuda_graphs,
+    }
+    for key, requested in later.items():
+        if requested:
+            raise RecipeError(f"{key}: this feature is not available in this version of qwen-mtp yet")
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
+    check_supported(recipe)
+    device = resolve_device(recipe.model.device)
+    if recipe.model.fixture is not None:
+        from qwen_mtp.testing import fixture_path
+
+        checkpoint = fixture_path(recipe.model.fixture, seed=recipe.model.seed)
+    else:
+        checkpoint = Path(recipe.model.path).expanduser()
+    model = load_model(checkpoint, dtype=recipe.model.dtype, device=device, progress=progress)
+    return LoadedModel(model, load_tokenizer(checkpoint), checkpoint, device)

@@ -1,0 +1,89 @@
+"""Small building blocks: (1+w) RMSNorm, gated RMSNorm, SwiGLU MLP, partial rotary embedding.
+
+Dtype handling mirrors Hugging Face exactly (norms in fp32 and cast once; cos/sin cast to the activation dtype),
+because exactness against it is what the tests check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: `x_hat * (1 + w)`, computed in fp32 and cast once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm: plain weight, normalise then gate with silu(z).
+
+    The weight product happens in the activation dtype, the gate product in fp32 (as in HF).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial NeoX-style RoPE on the first `rotary_dim` dims of each head.
+
+    Qwen3.5's M-RoPE reduces to this 1-D RoPE for text-only input (all three position streams are equal).
+    `inv_freq` is an fp32 non-persistent buffer: it is never in a checkpoint and must not be rounded to bf16.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+        return 1.0 / (self.theta**exponents)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, rotary_dim] in `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, rd]. Rotates x[..., :rd] (rotate-half), passes the rest through."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rd = cos.shape[-1]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)

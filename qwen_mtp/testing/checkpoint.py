@@ -1,0 +1,241 @@
+"""Write random-weight checkpoints in the real Hugging Face layout, MTP head included.
+
+Both our loader and `transformers.AutoModelForCausalLM.from_pretrained` read what this writes, so tests can
+compare the two on identical files. Weights are random but scaled so activations stay O(1) through the stack.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from qwen_mtp.config import ModelConfig
+from qwen_mtp.quant.fp8 import quantize_fp8_block
+from qwen_mtp.testing.tokenizer import build_tokenizer
+
+FIXTURE_VERSION = 1  # bump when the builder's output changes, so cached fixtures are rebuilt
+
+_TINY: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 4 layers (3 GDN + 1 attention), GQA 4/2, Hv = 2 * Hk, untied lm_head.
+    "tiny": {},
+    "tiny-tied": {"tie_word_embeddings": True},
+    # 8 layers given as an explicit layer_types list, MQA (4 query heads, 1 KV head), Hv = 3 * Hk.
+    "tiny-8l": {
+        "num_hidden_layers": 8,
+        "full_attention_interval": None,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        "num_key_value_heads": 1,
+        "linear_num_value_heads": 6,
+        "intermediate_size": 160,
+    },
+    # Multiples of 128 on the quantized matrices, for FP8 block checkpoints.
+    "tiny-fp8": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "head_dim": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+    },
+}
+
+# Matrices that Qwen's FP8 releases store as e4m3 blocks; everything else stays bf16 (modules_to_not_convert).
+FP8_SUFFIXES = (
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "out_proj.weight",
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
+
+
+def preset_text_config(preset: str, **overrides: Any) -> dict[str, Any]:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    config = copy.deepcopy(_TINY)
+    config.update(copy.deepcopy(PRESETS[preset]))
+    config.update(overrides)
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """fp32 random tensors for every parameter of the model (HF text names), MTP head included."""
+    from qwen_mtp.model import QwenHybridForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in QwenHybridForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=gen) * std
+
+    weights = {}
+    for name, shape in sorted(shapes.items()):
+        if name.endswith("A_log"):
+            tensor = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            tensor = torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+        elif name.endswith("linear_attn.norm.weight"):
+            tensor = 1.0 + normal(shape, 0.1)  # plain-weight gated norm
+        elif name.endswith("norm.weight") or "norm_" in name:
+            tensor = normal(shape, 0.1)  # zero-centred (1 + w) norms
+        elif name.endswith("embed_tokens.weight"):
+            tensor = normal(shape, 0.5)
+        elif name.endswith("conv1d.weight"):
+            tensor = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        else:  # linear [out, in]
+            tensor = normal(shape, 1.0 / math.sqrt(shape[1]))
+        weights[name] = tensor
+    return weights
+
+
+def _disk_name(name: str, layout: str) -> str:
+    if layout == "vlm" and name.startswith("model."):
+        return "model.language_model." + name[len("model.") :]
+    return name
+
+
+def build_checkpoint(
+    path: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    layout: str = "text",
+    fp8: bool = False,
+    shards: int = 1,
+    **config_overrides: Any,
+) -> Path:
+    """Write a checkpoint directory: config.json, generation_config.json, safetensors (sharded with an index
+    when `shards > 1`), `mtp.*` tensors with their real names, and a small local tokenizer.
+
+    layout "text" is what HF's text class saves (`model.layers...`, model_type qwen3_5_text); "vlm" is the
+    released Qwen3.5 layout (`model.language_model.layers...`, `text_config` inside a `qwen3_5` config, plus a
+    vision tensor that loaders must ignore). fp8 stores the big matrices as e4m3 with 128x128 block scales.
+    """
+    if layout not in ("text", "vlm"):
+        raise ValueError(f"layout must be 'text' or 'vlm', got {layout!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text = preset_text_config(preset, **config_overrides)
+    eos_id = build_tokenizer(path, text["vocab_size"])
+    text["eos_token_id"] = eos_id
+    text["dtype"] = dtype
+    if layout == "vlm":
+        config: dict[str, Any] = {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": text,
+            "tie_word_embeddings": text["tie_word_embeddings"],
+            "dtype": dtype,
+        }
+    else:
+        config = {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    model_config = ModelConfig.from_dict(config)
+
+    torch_dtype = getattr(torch, dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in random_weights(model_config, seed).items():
+        disk = _disk_name(name, layout)
+        if fp8 and value.ndim == 2 and name.endswith(FP8_SUFFIXES):
+            tensors[disk], tensors[disk + "_scale_inv"] = quantize_fp8_block(value)
+        else:
+            tensors[disk] = value.to(torch_dtype).contiguous()
+    if layout == "vlm":
+        tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=torch_dtype)
+    if fp8:
+        kept = sorted({n.rsplit(".", 1)[0] for n in tensors if not n.endswith(FP8_SUFFIXES + ("_scale_inv",))})
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": kept,
+        }
+    _write_safetensors(path, tensors, shards)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "do_sample": False}))
+    return path
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    if shards <= 1:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def cache_root() -> Path:
+    root = os.environ.get("QWEN_MTP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen-mtp"
+    )
+    return Path(root)
+
+
+def fixture_path(preset: str = "tiny", seed: int = 0, dtype: str = "float32", layout: str = "text") -> Path:
+    """A cached fixture checkpoint, built on first use (atomically, so concurrent users never see half of it)."""
+    target = cache_root() / "fixtures" / f"{preset}-seed{seed}-{dtype}-{layout}-v{FIXTURE_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build_checkpoint(staging, preset=preset, seed=seed, dtype=dtype, layout=layout)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

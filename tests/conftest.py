@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny checkpoints in the real HF layout, built once per session, and the HF reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen_mtp.testing import build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset="tiny", layout="text", **kwargs) -> path; identical requests share one directory."""
+    built = {}
+
+    def make(preset: str = "tiny", layout: str = "text", **kwargs):
+        key = (preset, layout, tuple(sorted(kwargs.items())))
+        if key not in built:
+            name = "-".join([preset, layout] + [f"{k}{v}" for k, v in sorted(kwargs.items())])
+            built[key] = build_checkpoint(tmp_path_factory.mktemp(name), preset=preset, layout=layout, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_fixture_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("QWEN_MTP_CACHE", str(tmp_path_factory.getbasetemp() / "qwen-mtp-cache"))

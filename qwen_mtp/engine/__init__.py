@@ -1,5 +1,5 @@
 """Generation: requests in, tokens out."""
 
-from qwen_mtp.engine.engine import Engine, Result
+from qwen_mtp.engine.engine import Engine, Result, Update
 
-__all__ = ["Engine", "Result"]
+__all__ = ["Engine", "Result", "Update"]

@@ -1,19 +1,26 @@
-"""The public `Engine`: load a model from a recipe and generate greedily.
+"""The public `Engine`: submit requests, step the continuous batch, stream or collect greedy tokens.
 
-This version runs one request at a time with dense per-sequence caches; the paged, continuously batched
-engine replaces the loop behind the same `generate` API.
+One step = the scheduler's choice (admissions, prefill chunks, one decode batch) run by the runner; finished
+or cancelled requests give back their KV pages and state row at once.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qwen_mtp.cache import SequenceCache
+from qwen_mtp.cache.kv import PagePool, pages_for
+from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine.request import Request, Status
+from qwen_mtp.engine.runner import Runner
+from qwen_mtp.engine.scheduler import Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
+from qwen_mtp.engine.sizing import PoolSizes, size_pools
 from qwen_mtp.errors import RequestError
 from qwen_mtp.recipe import Recipe, load_recipe
 
@@ -23,19 +30,60 @@ STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass
 class Result:
     token_ids: list[int]  # new tokens only
-    finish_reason: str  # "stop" (an EOS token, included in token_ids) | "length"
+    finish_reason: str  # "stop" (an EOS token, included in token_ids) | "length" | "cancelled"
     prompt_len: int
 
 
+@dataclass
+class Update:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, recipe: Recipe):
+    def __init__(self, loaded: LoadedModel, recipe: Recipe, log: Callable[[str], None] | None = None):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.recipe = recipe
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
-        self.state_dtype = STATE_DTYPES[recipe.state.dtype]
+        self.spec_tokens = recipe.mtp.k if recipe.mtp.enabled else 0
+        sizes = size_pools(self.config, recipe, self.device, self.spec_tokens)
+        self.pages, self.states = self._build_pools(sizes)
+        self.scheduler = Scheduler(
+            self.pages, self.states, recipe.cache.max_batch, recipe.cache.prefill_chunk, lookahead=self.spec_tokens
+        )
+        self.runner = Runner(self.model, self.pages, self.states, self.device)
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        (log or _stderr)(sizes.describe(self.pages.bytes, self.states.bytes))
+
+    def _build_pools(self, sizes: PoolSizes) -> tuple[PagePool, StatePool]:
+        cfg, plan = self.config, self.model.model.plan
+        attn_layers = [f"layers.{i}" for i in plan.attention_layers]
+        if self.model.mtp is not None:
+            attn_layers += [f"mtp.layers.{spec.index}" for spec in plan.mtp_layers]
+        dtype = self.model.lm_head_weight.dtype
+        pages = PagePool(
+            attn_layers, sizes.num_pages, sizes.page_size, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device
+        )
+        states = StatePool(
+            [f"layers.{i}" for i in plan.gdn_layers],
+            sizes.num_state_rows,
+            cfg.gdn_conv_dim,
+            cfg.linear_conv_kernel_dim,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            self.spec_tokens,
+            conv_dtype=dtype,
+            state_dtype=STATE_DTYPES[self.recipe.state.dtype],
+            device=self.device,
+        )
+        return pages, states
 
     @classmethod
     def from_recipe(
@@ -43,10 +91,12 @@ class Engine:
         source: str | Path | dict[str, Any] | Recipe | None = None,
         overrides: tuple[str, ...] = (),
         progress: bool = False,
+        log: Callable[[str], None] | None = None,
     ) -> Engine:
         recipe = source if isinstance(source, Recipe) else load_recipe(source, overrides)
-        return cls(load_from_recipe(recipe, progress=progress), recipe)
+        return cls(load_from_recipe(recipe, progress=progress), recipe, log=log)
 
+    # ---- text <-> tokens -------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Text through the checkpoint's tokenizer; token ids pass through."""
         if isinstance(prompt, str):
@@ -58,12 +108,13 @@ class Engine:
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
+    # ---- requests --------------------------------------------------------------------------------------------
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
-        """Raise `RequestError` for a request that can never run."""
+        """Raise `RequestError` for a request that can never run. Nothing is allocated."""
         if not prompt:
             raise RequestError("empty prompt: give at least one token")
         vocab = self.config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:10]}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -74,29 +125,113 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"max_position_embeddings ({limit})"
             )
+        need = pages_for(len(prompt) + max_new_tokens + self.spec_tokens, self.pages.page_size)
+        if need > self.pages.num_pages:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) needs {need} KV pages but the "
+                f"whole pool has {self.pages.num_pages}; raise cache.num_pages or cache.memory_fraction"
+            )
 
+    def submit(self, prompt_ids: list[int], max_new_tokens: int | None = None, ignore_eos: bool | None = None) -> int:
+        """Queue a request; returns its id. It runs as soon as pages, a state row and a batch place are free."""
+        prompt = list(prompt_ids)
+        max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
+        self.check_request(prompt, max_new)
+        request = Request(
+            self._next_id, prompt, max_new, self.recipe.run.ignore_eos if ignore_eos is None else ignore_eos
+        )
+        self._next_id += 1
+        self.requests[request.id] = request
+        self.scheduler.add(request)
+        return request.id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now and reclaim its pages and state row; False if it had already ended."""
+        request = self.requests[request_id]
+        if request.done:
+            return False
+        self.scheduler.remove(request)
+        request.status, request.finish_reason = Status.CANCELLED, "cancelled"
+        return True
+
+    def result(self, request_id: int) -> Result:
+        request = self.requests[request_id]
+        return Result(list(request.output), request.finish_reason or "", len(request.prompt))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- the loop --------------------------------------------------------------------------------------------
     @torch.inference_mode()
+    def step(self) -> list[Update]:
+        """Run one engine step; returns the new tokens of every request that got some, and who finished."""
+        plan = self.scheduler.schedule()
+        if plan.empty and self.scheduler.waiting:
+            raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
+        updates = []
+        for chunk in plan.prefills:
+            token = self.runner.prefill(chunk)
+            chunk.request.num_computed += chunk.length
+            if token is not None:
+                updates.append(self._accept(chunk.request, [token]))
+        if plan.decodes:
+            for request, token in zip(plan.decodes, self.runner.decode(plan.decodes), strict=True):
+                request.num_computed += 1
+                updates.append(self._accept(request, [token]))
+        return updates
+
+    def _accept(self, request: Request, tokens: list[int]) -> Update:
+        """Append tokens, cutting exactly where plain greedy decoding would stop (EOS or max_new_tokens)."""
+        new = []
+        for token in tokens:
+            new.append(token)
+            request.output.append(token)
+            if token in self.eos_ids and not request.ignore_eos:
+                request.finish_reason = "stop"
+            elif len(request.output) >= request.max_new_tokens:
+                request.finish_reason = "length"
+            if request.finish_reason:
+                request.status = Status.FINISHED
+                self.scheduler.remove(request)
+                break
+        return Update(request.id, new, request.done, request.finish_reason)
+
+    def stream(
+        self, prompts: list[list[int]], max_new_tokens: int | None = None, ignore_eos: bool | None = None
+    ) -> Iterator[Update]:
+        """Submit the prompts and yield their updates as they come (other requests keep running too)."""
+        ids = self._submit_all(prompts, max_new_tokens, ignore_eos)
+        mine = set(ids)
+        while any(not self.requests[i].done for i in ids):
+            for update in self.step():
+                if update.request_id in mine:
+                    yield update
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int | None = None, ignore_eos: bool | None = None
     ) -> list[Result]:
-        """Greedy continuation of each prompt (token ids); results in prompt order."""
-        max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
-        ignore = self.recipe.run.ignore_eos if ignore_eos is None else ignore_eos
-        for prompt in prompts:
-            self.check_request(list(prompt), max_new)
-        return [self._generate_one(list(prompt), max_new, ignore) for prompt in prompts]
+        """Greedy continuation of each prompt (token ids), generated as one continuous batch; prompt order."""
+        ids = self._submit_all(prompts, max_new_tokens, ignore_eos)
+        while any(not self.requests[i].done for i in ids):
+            self.step()
+        return [self.result(i) for i in ids]
 
-    def _generate_one(self, prompt: list[int], max_new: int, ignore_eos: bool) -> Result:
-        cache = SequenceCache(1, self.device, self.state_dtype)
-        ids = torch.tensor([prompt], device=self.device)
-        out: list[int] = []
-        while True:
-            hidden = self.model.hidden_states(ids, cache=cache)
-            # HF picks the first maximal index of fp32 logits; torch.argmax does the same.
-            token = int(self.model.logits(hidden[:, -1]).float().argmax(dim=-1))
-            out.append(token)
-            if token in self.eos_ids and not ignore_eos:
-                return Result(out, "stop", len(prompt))
-            if len(out) >= max_new:
-                return Result(out, "length", len(prompt))
-            ids = torch.tensor([[token]], device=self.device)
+    def _submit_all(self, prompts, max_new_tokens, ignore_eos) -> list[int]:
+        max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
+        for prompt in prompts:  # validate all first: a bad prompt must not leave the others queued
+            self.check_request(list(prompt), max_new)
+        return [self.submit(prompt, max_new, ignore_eos) for prompt in prompts]
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total_pages": self.pages.num_pages,
+            "free_pages": self.pages.free_pages,
+            "total_state_rows": self.states.num_rows,
+            "free_state_rows": self.states.free_rows,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)

@@ -1,0 +1,92 @@
+"""Paged KV cache: every full-attention layer (and the MTP block's layer) stores keys/values in fixed-size
+pages from one shared pool; each request owns a page table that grows as its sequence grows.
+
+Admission *reserves* a request's worst-case page count up front and pages are taken from that reservation as
+the sequence grows, so a running request never runs out of pages (no preemption, no recomputation, which
+would break exactness). Finishing or cancelling returns both the pages and the unused reservation at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class PagePool:
+    def __init__(
+        self,
+        layers: list[str],
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.layer_index = {name: i for i, name in enumerate(layers)}
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # [layers, 2 (k, v), pages, page_size, kv_heads, head_dim]: one allocation at a fixed address
+        self.storage = torch.zeros(len(layers), 2, num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low page ids first
+        self.tables: dict[int, list[int]] = {}
+        self._reserved: dict[int, int] = {}  # request -> pages it may still take
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages neither allocated nor promised to a running request."""
+        return len(self._free) - sum(self._reserved.values())
+
+    @property
+    def bytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        return pages_for(num_tokens, self.page_size) <= self.available_pages
+
+    def reserve(self, request: int, num_tokens: int) -> None:
+        """Promise `request` enough pages for `num_tokens` positions; pages are taken later by `grow`."""
+        need = pages_for(num_tokens, self.page_size)
+        if need > self.available_pages:
+            raise RuntimeError(f"cannot reserve {need} pages: only {self.available_pages} available")
+        self.tables[request] = []
+        self._reserved[request] = need
+
+    def grow(self, request: int, num_tokens: int) -> None:
+        """Make the request's page table cover positions [0, num_tokens)."""
+        table = self.tables[request]
+        while len(table) * self.page_size < num_tokens:
+            if self._reserved[request] == 0:
+                raise RuntimeError(f"request {request} grew past its reservation ({len(table)} pages)")
+            self._reserved[request] -= 1
+            table.append(self._free.pop())
+
+    def release(self, request: int) -> None:
+        """Return the request's pages and its unused reservation to the pool."""
+        self._free.extend(reversed(self.tables.pop(request, [])))
+        self._reserved.pop(request, None)
+
+    def _slots(self, request: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.tensor(self.tables[request], device=positions.device)
+        return table[positions // self.page_size], positions % self.page_size
+
+    def write(self, layer: str, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, KV, D] at `positions` [T] of `request`."""
+        pages, offsets = self._slots(request, positions)
+        store = self.storage[self.layer_index[layer]]
+        store[0, pages, offsets] = k.to(store.dtype)
+        store[1, pages, offsets] = v.to(store.dtype)
+
+    def read(self, layer: str, request: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, length): each [length, KV, D]."""
+        positions = torch.arange(length, device=self.storage.device)
+        pages, offsets = self._slots(request, positions)
+        store = self.storage[self.layer_index[layer]]
+        return store[0, pages, offsets], store[1, pages, offsets]

@@ -1,0 +1,74 @@
+"""How big the KV page pool and the state pool are: explicit counts from the recipe, or (GPU) a share of the
+free memory after the model is loaded, or (CPU) enough for `max_batch` sequences of up to 4096 tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwen_mtp.cache.kv import pages_for
+from qwen_mtp.config import ModelConfig
+from qwen_mtp.errors import RecipeError
+from qwen_mtp.recipe import Recipe
+
+CPU_DEFAULT_TOKENS = 4096
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_pages: int
+    page_size: int
+    num_state_rows: int
+    spec_tokens: int
+    state_dtype: str
+
+    def describe(self, kv_bytes: int, state_bytes: int) -> str:
+        return (
+            f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.num_pages * self.page_size} "
+            f"positions ({kv_bytes / MiB:.1f} MiB); state pool: {self.num_state_rows} rows x "
+            f"{1 + self.spec_tokens} SSM slots, {self.state_dtype} ({state_bytes / MiB:.1f} MiB)"
+        )
+
+
+def _element_size(dtype: str | torch.dtype) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
+
+
+def page_bytes(config: ModelConfig, num_attention_layers: int, page_size: int, dtype: torch.dtype) -> int:
+    return num_attention_layers * 2 * page_size * config.num_key_value_heads * config.head_dim * _element_size(dtype)
+
+
+def state_row_bytes(config: ModelConfig, spec_tokens: int, dtype: torch.dtype, state_dtype: str) -> int:
+    gdn_layers = config.layer_types.count("gdn")
+    conv = config.gdn_conv_dim * (config.linear_conv_kernel_dim - 1 + spec_tokens) * _element_size(dtype)
+    ssm = (
+        (1 + spec_tokens)
+        * config.linear_num_value_heads
+        * config.linear_key_head_dim
+        * config.linear_value_head_dim
+        * _element_size(state_dtype)
+    )
+    return gdn_layers * (conv + ssm)
+
+
+def size_pools(config: ModelConfig, recipe: Recipe, device: torch.device, spec_tokens: int) -> PoolSizes:
+    cache = recipe.cache
+    dtype = getattr(torch, recipe.model.dtype)
+    rows = cache.num_state_rows or cache.max_batch
+    attention_layers = config.layer_types.count("attn") + config.mtp_num_hidden_layers
+    if cache.num_pages is not None:
+        pages = cache.num_pages
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cache.memory_fraction - rows * state_row_bytes(config, spec_tokens, dtype, recipe.state.dtype)
+        pages = int(budget // page_bytes(config, attention_layers, cache.page_size, dtype))
+        if pages < 1:
+            raise RecipeError(
+                f"cache.memory_fraction={cache.memory_fraction} leaves no GPU memory for KV pages after "
+                f"{rows} state rows; lower cache.num_state_rows / cache.max_batch or raise the fraction"
+            )
+    else:
+        pages = rows * pages_for(min(config.max_position_embeddings, CPU_DEFAULT_TOKENS), cache.page_size)
+    return PoolSizes(pages, cache.page_size, rows, spec_tokens, recipe.state.dtype)

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from qwen_mtp.engine.request import SpecStats
 from qwen_mtp.errors import QwenMTPError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -55,8 +56,24 @@ def run(
             f"{engine.decode(result.token_ids)!r}"
         )
         typer.echo(f"[{i}] token ids: {result.token_ids}")
+        if result.spec is not None:
+            typer.echo(f"[{i}] MTP: {_acceptance(result.spec)}")
     total = sum(len(r.token_ids) for r in results)
-    typer.echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s (prefill included)")
+    note = "prefill included"
+    if engine.recipe.mtp.enabled and engine.recipe.mtp.draft == "oracle":
+        note += ", and the plain pass that computes the oracle continuations"
+    typer.echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({note})")
+    if engine.speculator is not None:
+        mtp = engine.recipe.mtp
+        typer.echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
+
+
+def _acceptance(spec: SpecStats) -> str:
+    positions = ", ".join(f"{p:.2f}" for p in spec.position_acceptance)
+    return (
+        f"{spec.verify_steps} verify steps, {spec.accepted}/{spec.drafted} drafts accepted, "
+        f"acceptance length {spec.acceptance_length:.2f}, per-position acceptance [{positions}]"
+    )
 
 
 if __name__ == "__main__":

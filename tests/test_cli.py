@@ -27,3 +27,15 @@ def test_run_reports_bad_recipe_cleanly(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = _run("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_run_with_mtp_prints_acceptance():
+    plain = _run("run", "recipes/tiny.yaml", "--set", "run.max_new_tokens=8")
+    proc = _run(
+        "run", "recipes/tiny.yaml", "--set", "mtp.enabled=true", "--set", "mtp.k=2", "--set", "run.max_new_tokens=8"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("MTP: ") == 3 and "MTP k=2, head drafts:" in proc.stdout
+    assert "acceptance length" in proc.stdout and "per-position acceptance [" in proc.stdout
+    token_lines = [line for line in proc.stdout.splitlines() if "token ids:" in line]
+    assert token_lines == [line for line in plain.stdout.splitlines() if "token ids:" in line]  # lossless

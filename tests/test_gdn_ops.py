@@ -25,32 +25,39 @@ def test_chunked_equals_recurrent(length, with_state):
     q, k, v, decay, beta, state = _inputs(length)
     init = state if with_state else None
     out_c, final_c = chunked_gated_delta_rule(q, k, v, decay, beta, initial_state=init)
-    out_r, final_r = recurrent_gated_delta_rule(q, k, v, decay, beta, initial_state=init)
+    out_r, states_r = recurrent_gated_delta_rule(q, k, v, decay, beta, initial_state=init)
+    assert states_r.shape == (2, length, 4, 16, 8)
     torch.testing.assert_close(out_c, out_r, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(final_c, final_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final_c, states_r[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def test_recurrent_split_equals_whole_bitwise():
-    """Token-at-a-time recurrence is the same computation however the tokens are grouped into calls."""
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_recurrent_split_equals_whole_bitwise(state_dtype):
+    """Token-at-a-time recurrence is the same computation however the tokens are grouped into calls, and the
+    per-token states are the states a one-token-at-a-time run passes along (through a bf16 pool too)."""
     q, k, v, decay, beta, state = _inputs(9)
-    whole, final = recurrent_gated_delta_rule(q, k, v, decay, beta, initial_state=state)
+    whole, states = recurrent_gated_delta_rule(q, k, v, decay, beta, initial_state=state, state_dtype=state_dtype)
     s, outs = state, []
     for t in range(9):
+        step = slice(t, t + 1)
         o, s = recurrent_gated_delta_rule(
-            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], decay[:, t : t + 1], beta[:, t : t + 1], s
+            q[:, step], k[:, step], v[:, step], decay[:, step], beta[:, step], s, state_dtype=state_dtype
         )
+        s = s[:, 0] if state_dtype is None else s[:, 0].to(state_dtype)  # through the pool
+        assert torch.equal(s.float(), states[:, t])
         outs.append(o)
-    assert torch.equal(torch.cat(outs, 1), whole) and torch.equal(s, final)
+    assert torch.equal(torch.cat(outs, 1), whole)
 
 
 def test_causal_conv_window_continuation():
     x = torch.randn(2, 6, 20)
     w = torch.randn(6, 4)
-    whole, window = causal_conv1d(x, w)
-    first, win = causal_conv1d(x[..., :11], w)
+    whole, inputs = causal_conv1d(x, w)
+    assert torch.equal(inputs[..., 3:], x) and not inputs[..., :3].any()
+    first, inputs = causal_conv1d(x[..., :11], w)
     rest = [first]
     for t in range(11, 20):
-        out, win = causal_conv1d(x[..., t : t + 1], w, win)
+        out, inputs = causal_conv1d(x[..., t : t + 1], w, inputs[..., -3:])
         rest.append(out)
+        assert torch.equal(inputs, x[..., t - 3 : t + 1])
     torch.testing.assert_close(torch.cat(rest, -1), whole, rtol=1e-6, atol=1e-6)
-    assert torch.equal(win, window) and torch.equal(window, x[..., -3:])

@@ -31,11 +31,15 @@ class SequenceCache:
         self.kv[layer] = (k, v)
         return causal_attention(q, k, v, scale)
 
+    def gdn_recurrent(self, num_tokens: int) -> bool:
+        # Hugging Face's rule: one token on top of a state runs the recurrence, anything else the chunked form.
+        return num_tokens == 1 and self.length > 0
+
     def gdn_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.gdn.get(layer, (None, None))
 
-    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
-        self.gdn[layer] = (window, ssm.to(self.state_dtype))
+    def set_gdn_state(self, layer: str, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
+        self.gdn[layer] = (conv_inputs, states[:, -1].to(self.state_dtype))
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

@@ -1,8 +1,9 @@
 """Recurrent-state pool for the GDN layers: conv windows and SSM states in rows at fixed addresses.
 
 Each running request owns one row. A row holds `1 + K` SSM slots and a conv window `K` positions longer than
-the kernel needs (K = MTP draft length, 0 without MTP), so speculative verify can write the state after every
-position and commit by index. Rows are a budget: a request that finds none waits.
+the kernel needs (K = MTP draft length, 0 without MTP): a verify over `[last, d1..dK]` writes the SSM state
+after each of its K+1 tokens into slots 0..K and its conv inputs into the window; accepting j drafts then
+commits slot j and window offset j by recording j. Rows are a budget: a request that finds none waits.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StatePool:
         self.layer_index = {name: i for i, name in enumerate(layers)}
         self.num_rows = num_rows
         self.spec_tokens = spec_tokens
+        self.kernel = conv_kernel
         self.window = conv_kernel - 1 + spec_tokens
         slots = 1 + spec_tokens
         # [layers, rows, conv_dim, window]: the last `window` raw inputs of the conv, oldest first
@@ -36,6 +38,9 @@ class StatePool:
         self.ssm = torch.zeros(
             len(layers), num_rows, slots, value_heads, key_dim, value_dim, dtype=state_dtype, device=device
         )
+        # Per row: where the committed state sits. After a step that accepted j drafts it is j: the SSM state
+        # is in slot j and the conv window starts at offset j. Committing is writing this index, nothing else.
+        self.committed = torch.zeros(num_rows, dtype=torch.long, device=device)
         self._free = list(range(num_rows - 1, -1, -1))
         self.rows: dict[int, int] = {}
 
@@ -52,6 +57,7 @@ class StatePool:
         row = self._free.pop()
         self.conv[:, row].zero_()
         self.ssm[:, row].zero_()
+        self.committed[row] = 0
         self.rows[request] = row
         return row
 
@@ -60,14 +66,24 @@ class StatePool:
         if row is not None:
             self._free.append(row)
 
-    def read(self, layer: str, rows: torch.Tensor, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv window [B, C, kernel-1], SSM state [B, Hv, dk, dv]) of `rows`, from SSM slot `slot`."""
+    def read(self, layer: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed (conv window [B, C, kernel-1], SSM state [B, Hv, dk, dv]) of `rows` (copies)."""
         i = self.layer_index[layer]
-        kernel_window = self.window - self.spec_tokens
-        return self.conv[i, rows, :, self.window - kernel_window :], self.ssm[i, rows, slot]
+        start = self.committed[rows]
+        conv = self.conv[i, rows]  # [B, C, window]
+        index = (start[:, None] + torch.arange(self.kernel - 1, device=start.device))[:, None, :]
+        window = torch.gather(conv, 2, index.expand(-1, conv.shape[1], -1))
+        return window, self.ssm[i, rows, start]
 
-    def write(self, layer: str, rows: torch.Tensor, window: torch.Tensor, ssm: torch.Tensor, slot: int = 0) -> None:
+    def write(self, layer: str, rows: torch.Tensor, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
+        """Store a step's conv inputs (oldest first, at offset 0) and per-token SSM states (slots 0..S-1).
+
+        The commit that follows picks which of them the next step starts from."""
         i = self.layer_index[layer]
-        kernel_window = window.shape[-1]
-        self.conv[i, rows, :, self.window - kernel_window :] = window.to(self.conv.dtype)
-        self.ssm[i, rows, slot] = ssm.to(self.ssm.dtype)
+        n, s = conv_inputs.shape[-1], states.shape[1]
+        self.conv[i, rows, :, :n] = conv_inputs.to(self.conv.dtype)
+        self.ssm[i, rows, :s] = states.to(self.ssm.dtype)
+
+    def commit(self, rows: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The next step starts from the state after `accepted` [B] draft tokens (0 without speculation)."""
+        self.committed[rows] = accepted

@@ -16,12 +16,13 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.state import StatePool
-from qwen_mtp.engine.request import Request, Status
-from qwen_mtp.engine.runner import Runner
-from qwen_mtp.engine.scheduler import Scheduler
+from qwen_mtp.engine.request import Request, SpecStats, Status
+from qwen_mtp.engine.runner import Runner, StepKind
+from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, size_pools
-from qwen_mtp.errors import RequestError
+from qwen_mtp.engine.speculative import Speculator
+from qwen_mtp.errors import RecipeError, RequestError
 from qwen_mtp.recipe import Recipe, load_recipe
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,6 +33,7 @@ class Result:
     token_ids: list[int]  # new tokens only
     finish_reason: str  # "stop" (an EOS token, included in token_ids) | "length" | "cancelled"
     prompt_len: int
+    spec: SpecStats | None = None  # speculation figures (drafted, accepted, acceptance length, per position)
 
 
 @dataclass
@@ -44,6 +46,8 @@ class Update:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, recipe: Recipe, log: Callable[[str], None] | None = None):
+        if recipe.mtp.enabled and loaded.model.mtp is None:
+            raise RecipeError(f"mtp.enabled: checkpoint {loaded.checkpoint} has no mtp.* weights (no MTP head)")
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -57,6 +61,10 @@ class Engine:
             self.pages, self.states, recipe.cache.max_batch, recipe.cache.prefill_chunk, lookahead=self.spec_tokens
         )
         self.runner = Runner(self.model, self.pages, self.states, self.device)
+        self.speculator = None
+        if recipe.mtp.enabled:
+            mtp = recipe.mtp
+            self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=recipe.model.seed)
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         (log or _stderr)(sizes.describe(self.pages.bytes, self.states.bytes))
@@ -132,14 +140,32 @@ class Engine:
                 f"whole pool has {self.pages.num_pages}; raise cache.num_pages or cache.memory_fraction"
             )
 
-    def submit(self, prompt_ids: list[int], max_new_tokens: int | None = None, ignore_eos: bool | None = None) -> int:
-        """Queue a request; returns its id. It runs as soon as pages, a state row and a batch place are free."""
+    def submit(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+        speculate: bool | None = None,
+        oracle: list[int] | None = None,
+    ) -> int:
+        """Queue a request; returns its id. It runs as soon as pages, a state row and a batch place are free.
+
+        `speculate` (default: `mtp.enabled`) decodes it with MTP drafts; `oracle` is its plain-greedy
+        continuation, required for `mtp.draft: oracle` (`generate` and `stream` compute it themselves)."""
         prompt = list(prompt_ids)
         max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
         self.check_request(prompt, max_new)
+        speculate = self.speculator is not None if speculate is None else speculate
+        if speculate and self.speculator is None:
+            raise RequestError("speculate=True needs mtp.enabled: true in the recipe")
+        if speculate and self.recipe.mtp.draft == "oracle" and oracle is None:
+            raise RequestError("mtp.draft is oracle: pass the plain-greedy continuation as oracle=[...]")
         request = Request(
             self._next_id, prompt, max_new, self.recipe.run.ignore_eos if ignore_eos is None else ignore_eos
         )
+        request.oracle = oracle
+        if speculate:
+            self.speculator.start(request)
         self._next_id += 1
         self.requests[request.id] = request
         self.scheduler.add(request)
@@ -150,13 +176,18 @@ class Engine:
         request = self.requests[request_id]
         if request.done:
             return False
-        self.scheduler.remove(request)
+        self._release(request)
         request.status, request.finish_reason = Status.CANCELLED, "cancelled"
         return True
 
+    def _release(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
+
     def result(self, request_id: int) -> Result:
         request = self.requests[request_id]
-        return Result(list(request.output), request.finish_reason or "", len(request.prompt))
+        return Result(list(request.output), request.finish_reason or "", len(request.prompt), request.spec)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -168,16 +199,40 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty and self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
+        updates = [u for chunk in plan.prefills if (u := self._prefill(chunk)) is not None]
+        plain = [r for r in plan.decodes if r.spec is None]
+        speculative = [r for r in plan.decodes if r.spec is not None]
+        if plain:
+            updates += self._decode(plain)
+        if speculative:
+            gained, verified = self.speculator.verify(speculative)
+            updates += [self._accept(r, tokens) for r, tokens in zip(speculative, gained, strict=True)]
+            self.speculator.propose(verified, [r for r in speculative if not r.done])
+        return updates
+
+    def _prefill(self, chunk: PrefillChunk) -> Update | None:
+        request = chunk.request
+        tokens = request.prompt[chunk.start : chunk.start + chunk.length]
+        batch = self.runner.batch(StepKind.PREFILL, [request], [tokens], [chunk.start])
+        hidden = self.runner.target(batch)
+        request.num_computed += chunk.length
+        update = None
+        if not request.in_prefill:
+            update = self._accept(request, [int(self.runner.greedy(hidden[:, -1], batch)[0])])
+        if request.spec is not None and not request.done:
+            first = request.output[0] if update is not None else None
+            self.speculator.prefill_chunk(request, chunk.start, hidden, first)
+        return update
+
+    def _decode(self, requests: list[Request]) -> list[Update]:
+        """Plain greedy decode: one token per request."""
+        tokens = [[r.tokens[r.num_computed]] for r in requests]
+        batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
+        next_tokens = self.runner.greedy(self.runner.target(batch)[:, -1], batch).tolist()
         updates = []
-        for chunk in plan.prefills:
-            token = self.runner.prefill(chunk)
-            chunk.request.num_computed += chunk.length
-            if token is not None:
-                updates.append(self._accept(chunk.request, [token]))
-        if plan.decodes:
-            for request, token in zip(plan.decodes, self.runner.decode(plan.decodes), strict=True):
-                request.num_computed += 1
-                updates.append(self._accept(request, [token]))
+        for request, token in zip(requests, next_tokens, strict=True):
+            request.num_computed += 1
+            updates.append(self._accept(request, [token]))
         return updates
 
     def _accept(self, request: Request, tokens: list[int]) -> Update:
@@ -192,7 +247,7 @@ class Engine:
                 request.finish_reason = "length"
             if request.finish_reason:
                 request.status = Status.FINISHED
-                self.scheduler.remove(request)
+                self._release(request)
                 break
         return Update(request.id, new, request.done, request.finish_reason)
 
@@ -212,18 +267,27 @@ class Engine:
     ) -> list[Result]:
         """Greedy continuation of each prompt (token ids), generated as one continuous batch; prompt order."""
         ids = self._submit_all(prompts, max_new_tokens, ignore_eos)
+        self._run_until_done(ids)
+        return [self.result(i) for i in ids]
+
+    def _run_until_done(self, ids: list[int]) -> None:
         while any(not self.requests[i].done for i in ids):
             self.step()
-        return [self.result(i) for i in ids]
 
     def _submit_all(self, prompts, max_new_tokens, ignore_eos) -> list[int]:
         max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
         for prompt in prompts:  # validate all first: a bad prompt must not leave the others queued
             self.check_request(list(prompt), max_new)
-        return [self.submit(prompt, max_new, ignore_eos) for prompt in prompts]
+        oracles = [None] * len(prompts)
+        if self.speculator is not None and self.recipe.mtp.draft == "oracle":
+            # Oracle drafts replay each request's plain-greedy continuation: compute it first, without MTP.
+            plain = [self.submit(p, max_new, ignore_eos, speculate=False) for p in prompts]
+            self._run_until_done(plain)
+            oracles = [self.requests[i].output for i in plain]
+        return [self.submit(p, max_new, ignore_eos, oracle=o) for p, o in zip(prompts, oracles, strict=True)]
 
-    def stats(self) -> dict[str, int]:
-        return {
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {
             "total_pages": self.pages.num_pages,
             "free_pages": self.pages.free_pages,
             "total_state_rows": self.states.num_rows,
@@ -231,6 +295,16 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
+        if self.speculator is not None:
+            totals = self.speculator.totals
+            stats.update(
+                verify_steps=totals.verify_steps,
+                drafted=totals.drafted,
+                accepted=totals.accepted,
+                acceptance_length=totals.acceptance_length,
+                position_acceptance=totals.position_acceptance,
+            )
+        return stats
 
 
 def _stderr(message: str) -> None:

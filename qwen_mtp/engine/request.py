@@ -14,6 +14,38 @@ class Status(enum.Enum):
 
 
 @dataclass
+class SpecStats:
+    """Speculation figures of one request: drafts proposed and accepted, per verify step and per position."""
+
+    k: int
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    position_accepted: list[int] = field(default_factory=list)  # [k]: steps whose draft i was accepted
+    accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted drafts + 1 (bonus)
+
+    def __post_init__(self) -> None:
+        self.position_accepted = self.position_accepted or [0] * self.k
+
+    def record(self, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += self.k
+        self.accepted += accepted
+        for i in range(accepted):
+            self.position_accepted[i] += 1
+        self.accept_lengths.append(accepted + 1)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens gained per verify step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.position_accepted]
+
+
+@dataclass
 class Request:
     id: int
     prompt: list[int]
@@ -23,6 +55,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens of prompt + output whose KV and state are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    spec: SpecStats | None = None  # set when the request decodes speculatively
+    drafts: list[int] = field(default_factory=list)  # the next verify's draft tokens d1..dK
+    oracle: list[int] | None = None  # plain-greedy continuation, for oracle drafts
 
     @property
     def tokens(self) -> list[int]:

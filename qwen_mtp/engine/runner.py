@@ -1,9 +1,12 @@
-"""Tensors in, tokens out: builds a `StepBatch` for the scheduler's choice and runs the model on the paged
-caches. It decides nothing (that is the scheduler's job) and keeps no module-global context: the step's
-tensors travel in the `StepBatch` and reach the layers through a `PagedStepCache`."""
+"""Tensors in, tokens out: builds a `StepBatch` for the scheduler's choice and runs the target model or the
+MTP head on the paged caches. It decides nothing (that is the scheduler's and the speculator's job) and keeps
+no module-global context: a step's tensors travel in the `StepBatch` and reach the layers through a
+`PagedStepCache`."""
 
 from __future__ import annotations
 
+import contextlib
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -11,16 +14,21 @@ import torch
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine.request import Request
-from qwen_mtp.engine.scheduler import PrefillChunk
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.linear import batch_invariant_linears
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"  # one request's prompt chunk, chunked delta rule
+    DECODE = "decode"  # T tokens per request, token by token: plain decode (T=1) and verify (T=K+1)
 
 
 @dataclass
 class StepBatch:
     """One forward: each of B requests feeds T consecutive tokens."""
 
+    kind: StepKind
     request_ids: list[int]
     token_ids: torch.Tensor  # [B, T]
     positions: torch.Tensor  # [B, T]
@@ -34,26 +42,41 @@ class PagedStepCache:
 
     def __init__(self, batch: StepBatch, pages: PagePool, states: StatePool):
         self.batch, self.pages, self.states = batch, pages, states
+        self.state_dtype = states.ssm.dtype
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         return self.batch.positions
 
     def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        outs = []
-        for b, request in enumerate(self.batch.request_ids):
-            self.pages.write(layer, request, self.batch.positions[b], k[b].transpose(0, 1), v[b].transpose(0, 1))
-            keys, values = self.pages.read(layer, request, self.batch.context_lens[b])  # [S, KV, D]
-            # One request at a time: its attention never depends on the others' lengths.
-            outs.append(causal_attention(q[b : b + 1], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale))
-        return torch.cat(outs, dim=0)
+        batch, out = self.batch, torch.empty_like(q)
+        length = q.shape[2]
+        for b, request in enumerate(batch.request_ids):
+            self.pages.write(layer, request, batch.positions[b], k[b].transpose(0, 1), v[b].transpose(0, 1))
+            keys, values = self.pages.read(layer, request, batch.context_lens[b])  # [S, KV, D]
+            keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+            if batch.kind is StepKind.PREFILL:
+                out[b : b + 1] = causal_attention(q[b : b + 1], keys, values, scale)
+                continue
+            # Decode and verify: one query at a time over exactly its visible keys, so position p of a
+            # (K+1)-token verify is computed as a 1-token decode at p computes it (no mask, same kernel).
+            visible = batch.context_lens[b] - length
+            for t in range(length):
+                end = visible + t + 1
+                out[b : b + 1, :, t : t + 1] = causal_attention(
+                    q[b : b + 1, :, t : t + 1], keys[:, :, :end], values[:, :, :end], scale
+                )
+        return out
+
+    def gdn_recurrent(self, num_tokens: int) -> bool:
+        return self.batch.kind is StepKind.DECODE
 
     def gdn_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.batch.fresh:
             return None, None  # the layer's zero-initial path, exactly as a whole-sequence forward
         return self.states.read(layer, self.batch.state_rows)
 
-    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
-        self.states.write(layer, self.batch.state_rows, window, ssm)
+    def set_gdn_state(self, layer: str, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
+        self.states.write(layer, self.batch.state_rows, conv_inputs, states)
 
     def advance(self, num_tokens: int) -> None:
         """Progress is tracked on the requests by the engine."""
@@ -63,41 +86,42 @@ class Runner:
     def __init__(self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, device: torch.device):
         self.model, self.pages, self.states, self.device = model, pages, states, device
 
-    def _batch(self, requests: list[Request], tokens: list[list[int]], start: list[int], fresh: bool) -> StepBatch:
+    def batch(self, kind: StepKind, requests: list[Request], tokens: list[list[int]], starts: list[int]) -> StepBatch:
+        """A step over `requests`, request b feeding `tokens[b]` at positions starting at `starts[b]`."""
         length = len(tokens[0])
-        for request, first in zip(requests, start, strict=True):
+        for request, first in zip(requests, starts, strict=True):
             self.pages.grow(request.id, first + length)
         offsets = torch.arange(length, device=self.device)
         return StepBatch(
+            kind=kind,
             request_ids=[r.id for r in requests],
             token_ids=torch.tensor(tokens, device=self.device),
-            positions=torch.tensor(start, device=self.device)[:, None] + offsets,
+            positions=torch.tensor(starts, device=self.device)[:, None] + offsets,
             state_rows=torch.tensor([self.states.rows[r.id] for r in requests], device=self.device),
-            context_lens=[first + length for first in start],
-            fresh=fresh,
+            context_lens=[first + length for first in starts],
+            fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
         )
 
-    def _greedy(self, hidden: torch.Tensor) -> list[int]:
-        # Argmax of fp32 logits picks the first maximal index, as Hugging Face's greedy search does.
-        return self.model.logits(hidden).float().argmax(dim=-1).tolist()
+    def _invariant(self, batch: StepBatch):
+        """Decode-kind steps compute every row on its own (see ops/linear.py); a prefill runs alone anyway."""
+        return batch_invariant_linears() if batch.kind is StepKind.DECODE else contextlib.nullcontext()
 
-    def prefill(self, chunk: PrefillChunk) -> int | None:
-        """Run one prompt chunk; returns the first generated token when the chunk ends the prompt."""
-        request = chunk.request
-        tokens = request.prompt[chunk.start : chunk.start + chunk.length]
-        batch = self._batch([request], [tokens], [chunk.start], fresh=chunk.start == 0)
-        hidden = self.model.hidden_states(
-            batch.token_ids, batch.positions, PagedStepCache(batch, self.pages, self.states)
-        )
-        if chunk.start + chunk.length < len(request.prompt):
-            return None
-        return self._greedy(hidden[:, -1])[0]
-
-    def decode(self, requests: list[Request]) -> list[int]:
-        """One token for each request (its last token goes in, the next comes out)."""
-        tokens = [[r.tokens[r.num_computed]] for r in requests]
-        batch = self._batch(requests, tokens, [r.num_computed for r in requests], fresh=False)
-        with batch_invariant_linears():
+    def target(self, batch: StepBatch) -> torch.Tensor:
+        """Target model over the batch: post-norm hidden states [B, T, H]."""
+        with self._invariant(batch):
             cache = PagedStepCache(batch, self.pages, self.states)
-            hidden = self.model.hidden_states(batch.token_ids, batch.positions, cache)
-            return self._greedy(hidden[:, -1])
+            return self.model.hidden_states(batch.token_ids, batch.positions, cache)
+
+    def mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP head at the batch's positions (writing its own KV there). For an MTP batch `token_ids` hold the
+        *next* tokens (token i+1 at position i) and `hidden` [B, T, H] the matching target (or previous draft)
+        hidden states. Returns post-`mtp.norm` hidden [B, T, H]."""
+        with self._invariant(batch):
+            cache = PagedStepCache(batch, self.pages, self.states)
+            return self.model.mtp_hidden_states(batch.token_ids, hidden, batch.positions, cache)
+
+    def greedy(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Argmax token ids of `hidden` [..., H]. Argmax of fp32 logits picks the first maximal index, as
+        Hugging Face's greedy search does."""
+        with self._invariant(batch):
+            return self.model.logits(hidden).float().argmax(dim=-1)

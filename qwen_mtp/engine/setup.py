@@ -34,7 +34,6 @@ def resolve_device(name: str) -> torch.device:
 def check_supported(recipe: Recipe) -> None:
     """Refuse, by key, the recipe features whose code has not landed yet, rather than silently ignore them."""
     later = {
-        "mtp.enabled": recipe.mtp.enabled,
         "parallel.tp": recipe.parallel.tp != 1,
         "model.quant": recipe.model.quant != "none",
         "compile.enabled": recipe.compile.enabled,

@@ -35,7 +35,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: ForwardCache | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         window, ssm = cache.gdn_state(self.name) if cache is not None else (None, None)
-        mixed, window = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight.squeeze(1), window)
+        kernel = self.conv1d.weight.shape[-1]
+        mixed, conv_inputs = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight.squeeze(1), window)
         q, k, v = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(batch, length, -1, self.dk)
         k = k.reshape(batch, length, -1, self.dk)
@@ -43,10 +44,13 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(batch, length, -1, self.dv)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        # One token on top of a state: the recurrent form. A fresh sequence or a block: the chunked form.
-        delta_rule = recurrent_gated_delta_rule if ssm is not None and length == 1 else chunked_gated_delta_rule
-        out, ssm = delta_rule(q, k, v, g, beta, initial_state=ssm)
-        if cache is not None:
-            cache.set_gdn_state(self.name, window, ssm)
+        if cache is not None and cache.gdn_recurrent(length):
+            # Decode / verify: token by token, keeping the state after every token for speculative commit.
+            out, states = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, state_dtype=cache.state_dtype)
+            cache.set_gdn_state(self.name, conv_inputs[..., 1:], states)
+        else:
+            out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=ssm)
+            if cache is not None:
+                cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - (kernel - 1) :], final[:, None])
         out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(out.reshape(batch, length, self.value_dim))

@@ -15,12 +15,12 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, C, T], weight [C, K], window [B, C, K-1] or None (= zeros).
 
-    Returns (silu(conv) [B, C, T] in x's dtype, new window [B, C, K-1]: the last K-1 inputs).
-    Computed in the weight's dtype, as Hugging Face does.
+    Returns (silu(conv) [B, C, T] in x's dtype, the conv's whole input [B, C, K-1+T]: window then x, from
+    which a cache keeps what it needs). Computed in the weight's dtype, as Hugging Face does.
     """
     channels, kernel = weight.shape
     length = x.shape[-1]
-    x = x.to(weight.dtype)
+    out_dtype, x = x.dtype, x.to(weight.dtype)
     if window is None:
         # Zero left-padding inside conv1d, exactly as Hugging Face's prefill path computes it.
         out = F.conv1d(x, weight.unsqueeze(1), padding=kernel - 1, groups=channels)[..., :length]
@@ -28,4 +28,4 @@ def causal_conv1d(
     else:
         full = torch.cat([window.to(weight.dtype), x], dim=-1)
         out = F.conv1d(full, weight.unsqueeze(1), groups=channels)[..., -length:]
-    return F.silu(out).to(x.dtype), full[..., full.shape[-1] - (kernel - 1) :]
+    return F.silu(out).to(out_dtype), full

@@ -1,8 +1,8 @@
 """Gated delta rule (the recurrence inside a Gated DeltaNet layer), in plain PyTorch.
 
 Two equivalent forms, as in Hugging Face and flash-linear-attention:
-- `recurrent_gated_delta_rule`: one token at a time; used for decode (and later verify), where a row's
-  result must not depend on how many tokens share the call.
+- `recurrent_gated_delta_rule`: one token at a time; used for decode and speculative verify, where a
+  position's result must not depend on how many tokens share the call.
 - `chunked_gated_delta_rule`: the chunk-parallel (UT transform) form used for prefill; it equals the recurrent
   form up to fp32 rounding (~1e-7).
 
@@ -45,8 +45,16 @@ def recurrent_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token delta rule. Returns (output [B, T, Hv, dv] in q's dtype, final state fp32)."""
+    """Token-by-token delta rule. Returns (output [B, T, Hv, dv] in q's dtype, the state after *every* token
+    [B, T, Hv, dk, dv]).
+
+    The per-token states are what speculative verify commits from: the state after an accepted prefix is
+    selected by index, never recomputed. With `state_dtype` (a bf16 state pool) the state is rounded to it
+    after every token's output, exactly as token-at-a-time decoding through that pool rounds it between
+    calls, so a T-token call equals T one-token calls bit for bit.
+    """
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     q = q / (q.shape[-1] ** 0.5)
@@ -57,13 +65,17 @@ def recurrent_gated_delta_rule(
     else:
         state = initial_state.to(v.dtype)
     out = torch.zeros_like(v)
+    states = []
     for t in range(length):
         state = state * g[:, :, t].exp()[..., None, None]
         kv_mem = (state * k[:, :, t].unsqueeze(-1)).sum(dim=-2)  # [B, Hv, dv]
         delta = (v[:, :, t] - kv_mem) * beta[:, :, t].unsqueeze(-1)
         state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
         out[:, :, t] = (state * q[:, :, t].unsqueeze(-1)).sum(dim=-2)
-    return out.transpose(1, 2).contiguous().to(out_dtype), state
+        if state_dtype is not None and state_dtype != state.dtype:
+            state = state.to(state_dtype).to(v.dtype)  # what a store to and load from the pool does
+        states.append(state)
+    return out.transpose(1, 2).contiguous().to(out_dtype), torch.stack(states, dim=1)
 
 
 def chunked_gated_delta_rule(

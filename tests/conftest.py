@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the CPU interpreter here; this must be set before any kernel is created.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from qwen_mtp.testing import build_checkpoint
 

@@ -73,20 +73,20 @@ class PagePool:
         self._free.extend(reversed(self.tables.pop(request, [])))
         self._reserved.pop(request, None)
 
-    def _slots(self, request: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        table = torch.tensor(self.tables[request], device=positions.device)
-        return table[positions // self.page_size], positions % self.page_size
+    def layer_kv(self, layer: str) -> torch.Tensor:
+        """The layer's cache memory [2 (k, v), pages, page_size, KV, D] (a contiguous view)."""
+        return self.storage[self.layer_index[layer]]
 
-    def write(self, layer: str, request: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, KV, D] at `positions` [T] of `request`."""
-        pages, offsets = self._slots(request, positions)
-        store = self.storage[self.layer_index[layer]]
-        store[0, pages, offsets] = k.to(store.dtype)
-        store[1, pages, offsets] = v.to(store.dtype)
+    def block_table(self, requests: list[int]) -> torch.Tensor:
+        """Page tables of `requests` as one [B, max pages] int32 tensor (padded with page 0, never read)."""
+        width = max(len(self.tables[r]) for r in requests)
+        rows = [self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests]
+        return torch.tensor(rows, dtype=torch.int32, device=self.storage.device)
 
     def read(self, layer: str, request: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length): each [length, KV, D]."""
         positions = torch.arange(length, device=self.storage.device)
-        pages, offsets = self._slots(request, positions)
-        store = self.storage[self.layer_index[layer]]
+        table = torch.tensor(self.tables[request], device=self.storage.device)
+        pages, offsets = table[positions // self.page_size], positions % self.page_size
+        store = self.layer_kv(layer)
         return store[0, pages, offsets], store[1, pages, offsets]

@@ -1,13 +1,16 @@
 """Dense caches for a fixed batch of sequences that advance together (no paging).
 
-Used for plain single-batch generation and as the reference the paged engine must equal. KV grows by
-concatenation, which is fine at this scale; the paged pools replace it for serving.
+Used for plain single-batch generation and as the simple reference the paged engine is tested against. KV
+grows by concatenation; GDN state is one row per sequence with a single slot, driven by the same ops as the
+paged pools.
 """
 
 from __future__ import annotations
 
 import torch
 
+from qwen_mtp.ops import conv as conv_ops
+from qwen_mtp.ops import gdn as gdn_ops
 from qwen_mtp.ops.attention import causal_attention
 
 
@@ -18,7 +21,9 @@ class SequenceCache:
         self.state_dtype = state_dtype
         self.length = 0  # tokens the target model has consumed per sequence
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.gdn: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gdn: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (window [B,C,k-1], ssm [B,1,...])
+        self._rows = torch.arange(batch, device=self.device)
+        self._committed = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         row = torch.arange(self.length, self.length + num_tokens, device=self.device)
@@ -36,10 +41,20 @@ class SequenceCache:
         return num_tokens == 1 and self.length > 0
 
     def gdn_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.gdn.get(layer, (None, None))
+        if layer not in self.gdn:
+            return None, None
+        window, ssm = self.gdn[layer]
+        return window, ssm[:, 0]
 
-    def set_gdn_state(self, layer: str, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
-        self.gdn[layer] = (conv_inputs, states[:, -1].to(self.state_dtype))
+    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.gdn[layer] = (window.clone(), ssm[:, None].to(self.state_dtype))
+
+    def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return conv_ops.conv_update_reference(x, weight, self.gdn[layer][0], self._rows, self._committed)
+
+    def gdn_delta_rule(self, layer, q, k, v, a, b, A_log, dt_bias) -> torch.Tensor:  # noqa: N803
+        ssm = self.gdn[layer][1]
+        return gdn_ops.gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, ssm, self._rows, self._committed)
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

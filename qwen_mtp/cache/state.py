@@ -66,6 +66,14 @@ class StatePool:
         if row is not None:
             self._free.append(row)
 
+    def layer_conv(self, layer: str) -> torch.Tensor:
+        """The layer's conv windows [rows, C, window] (a contiguous view, updated in place by the ops)."""
+        return self.conv[self.layer_index[layer]]
+
+    def layer_ssm(self, layer: str) -> torch.Tensor:
+        """The layer's SSM slots [rows, 1+K, Hv, dk, dv] (a contiguous view, updated in place by the ops)."""
+        return self.ssm[self.layer_index[layer]]
+
     def read(self, layer: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed (conv window [B, C, kernel-1], SSM state [B, Hv, dk, dv]) of `rows` (copies)."""
         i = self.layer_index[layer]
@@ -75,14 +83,12 @@ class StatePool:
         window = torch.gather(conv, 2, index.expand(-1, conv.shape[1], -1))
         return window, self.ssm[i, rows, start]
 
-    def write(self, layer: str, rows: torch.Tensor, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
-        """Store a step's conv inputs (oldest first, at offset 0) and per-token SSM states (slots 0..S-1).
-
-        The commit that follows picks which of them the next step starts from."""
+    def write(self, layer: str, rows: torch.Tensor, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Store the state after a prefill chunk: conv window [B, C, kernel-1] at offset 0, SSM state in slot 0
+        (the commit that follows records 0)."""
         i = self.layer_index[layer]
-        n, s = conv_inputs.shape[-1], states.shape[1]
-        self.conv[i, rows, :, :n] = conv_inputs.to(self.conv.dtype)
-        self.ssm[i, rows, :s] = states.to(self.ssm.dtype)
+        self.conv[i, rows, :, : window.shape[-1]] = window.to(self.conv.dtype)
+        self.ssm[i, rows, 0] = ssm.to(self.ssm.dtype)
 
     def commit(self, rows: torch.Tensor, accepted: torch.Tensor) -> None:
         """The next step starts from the state after `accepted` [B] draft tokens (0 without speculation)."""

@@ -15,8 +15,10 @@ from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine.request import Request
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.ops import conv, gdn, paged_attention  # noqa: F401  (registers the torch.ops.qwen_mtp ops)
 from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.linear import batch_invariant_linears
+from qwen_mtp.ops.paged_attention import write_kv
 
 
 class StepKind(enum.Enum):
@@ -33,39 +35,35 @@ class StepBatch:
     token_ids: torch.Tensor  # [B, T]
     positions: torch.Tensor  # [B, T]
     state_rows: torch.Tensor  # [B] rows of the state pool
-    context_lens: list[int]  # per request: positions cached after this step (host side, no sync)
+    block_tables: torch.Tensor  # [B, max pages] int32: each request's KV pages
+    context_lens: torch.Tensor  # [B] int32: positions cached after this step
     fresh: bool  # the sequences start here: no conv window or SSM state yet
 
 
 class PagedStepCache:
-    """The `ForwardCache` the model sees during one engine step: reads and writes the shared pools."""
+    """The `ForwardCache` the model sees during one engine step: reads and writes the shared pools through
+    the custom ops (`qwen_mtp::paged_attention`, `conv_update`, `gdn_recurrent`; Triton on CUDA)."""
 
     def __init__(self, batch: StepBatch, pages: PagePool, states: StatePool):
         self.batch, self.pages, self.states = batch, pages, states
-        self.state_dtype = states.ssm.dtype
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         return self.batch.positions
 
     def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, out = self.batch, torch.empty_like(q)
-        length = q.shape[2]
-        for b, request in enumerate(batch.request_ids):
-            self.pages.write(layer, request, batch.positions[b], k[b].transpose(0, 1), v[b].transpose(0, 1))
-            keys, values = self.pages.read(layer, request, batch.context_lens[b])  # [S, KV, D]
-            keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-            if batch.kind is StepKind.PREFILL:
-                out[b : b + 1] = causal_attention(q[b : b + 1], keys, values, scale)
-                continue
-            # Decode and verify: one query at a time over exactly its visible keys, so position p of a
-            # (K+1)-token verify is computed as a 1-token decode at p computes it (no mask, same kernel).
-            visible = batch.context_lens[b] - length
-            for t in range(length):
-                end = visible + t + 1
-                out[b : b + 1, :, t : t + 1] = causal_attention(
-                    q[b : b + 1, :, t : t + 1], keys[:, :, :end], values[:, :, :end], scale
-                )
-        return out
+        batch, kv = self.batch, self.pages.layer_kv(layer)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, heads, D]
+        if batch.kind is StepKind.DECODE:
+            # One query at a time over exactly its visible keys, so position p of a (K+1)-token verify is
+            # computed as a 1-token decode at p computes it.
+            out = torch.ops.qwen_mtp.paged_attention(
+                q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale
+            )
+            return out.transpose(1, 2)
+        # A prefill chunk (one request): causal attention over the pages written so far.
+        write_kv(k, v, kv, batch.block_tables, batch.positions)
+        keys, values = self.pages.read(layer, batch.request_ids[0], int(batch.positions[0, -1]) + 1)
+        return causal_attention(q.transpose(1, 2), keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale)
 
     def gdn_recurrent(self, num_tokens: int) -> bool:
         return self.batch.kind is StepKind.DECODE
@@ -75,8 +73,16 @@ class PagedStepCache:
             return None, None  # the layer's zero-initial path, exactly as a whole-sequence forward
         return self.states.read(layer, self.batch.state_rows)
 
-    def set_gdn_state(self, layer: str, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
-        self.states.write(layer, self.batch.state_rows, conv_inputs, states)
+    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.states.write(layer, self.batch.state_rows, window, ssm)
+
+    def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        pool = self.states.layer_conv(layer)
+        return torch.ops.qwen_mtp.conv_update(x, weight, pool, self.batch.state_rows, self.states.committed)
+
+    def gdn_delta_rule(self, layer, q, k, v, a, b, A_log, dt_bias) -> torch.Tensor:  # noqa: N803
+        pool, rows, committed = self.states.layer_ssm(layer), self.batch.state_rows, self.states.committed
+        return torch.ops.qwen_mtp.gdn_recurrent(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
 
     def advance(self, num_tokens: int) -> None:
         """Progress is tracked on the requests by the engine."""
@@ -92,13 +98,15 @@ class Runner:
         for request, first in zip(requests, starts, strict=True):
             self.pages.grow(request.id, first + length)
         offsets = torch.arange(length, device=self.device)
+        ids = [r.id for r in requests]
         return StepBatch(
             kind=kind,
-            request_ids=[r.id for r in requests],
+            request_ids=ids,
             token_ids=torch.tensor(tokens, device=self.device),
             positions=torch.tensor(starts, device=self.device)[:, None] + offsets,
-            state_rows=torch.tensor([self.states.rows[r.id] for r in requests], device=self.device),
-            context_lens=[first + length for first in starts],
+            state_rows=torch.tensor([self.states.rows[i] for i in ids], device=self.device),
+            block_tables=self.pages.block_table(ids),
+            context_lens=torch.tensor([first + length for first in starts], dtype=torch.int32, device=self.device),
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
         )
 

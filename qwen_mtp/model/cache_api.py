@@ -1,5 +1,7 @@
 """What a model forward asks of a cache. The model never owns cache memory; the engine passes an object with
-these methods (`qwen_mtp.cache.SequenceCache` for plain generation, the paged pools for the engine)."""
+these methods (`qwen_mtp.cache.SequenceCache` for plain generation, the paged pools for the engine). Stateful
+steps (attention over cached keys, the GDN conv and recurrence) run through the cache, which owns the memory
+and calls the matching op (`qwen_mtp.ops`) on it."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ import torch
 
 
 class ForwardCache(Protocol):
-    state_dtype: torch.dtype  # precision the SSM state is stored in
-
     def positions(self, num_tokens: int) -> torch.Tensor:
         """Positions [B, num_tokens] of the tokens about to be fed to the target model."""
 
@@ -19,18 +19,32 @@ class ForwardCache(Protocol):
         attention of q [B, H, T, D] over the whole context: [B, H, T, D]."""
 
     def gdn_recurrent(self, num_tokens: int) -> bool:
-        """Whether GDN layers run the token-by-token delta rule (decode, verify) rather than the chunked one."""
+        """Whether GDN layers take the token-by-token path (decode, verify) rather than the chunked one."""
 
+    # -- chunked path (prefill): the layer computes, the cache stores ----------------------------------------
     def gdn_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv window [B, C, kernel-1], SSM state [B, Hv, dk, dv]) of GDN layer `layer`; None before prefill."""
 
-    def set_gdn_state(self, layer: str, conv_inputs: torch.Tensor, states: torch.Tensor) -> None:
-        """Record the layer's state after the tokens just processed.
+    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Record the state after a chunk: its last kernel-1 conv inputs and its final SSM state."""
 
-        conv_inputs [B, C, n]: the most recent raw conv inputs, oldest first, ending at the last token (the
-        recurrent path passes every input after the first of the window, so any accepted prefix's window can be
-        selected later). states [B, S, Hv, dk, dv]: the SSM state after each of the last S tokens (S = T on the
-        recurrent path, 1 on the chunked path)."""
+    # -- token-by-token path (decode, verify): the cache runs the stateful ops on its memory -----------------
+    def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu(causal conv) of the new raw inputs x [B, T, C] continuing the committed window: [B, T, C]."""
+
+    def gdn_delta_rule(
+        self,
+        layer: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,  # noqa: N803
+        dt_bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gates + l2norm + recurrence from the committed state; keeps the state after every token (so a
+        speculative verify can commit any accepted prefix). Returns [B, T, Hv, dv]."""
 
     def advance(self, num_tokens: int) -> None:
         """The target model consumed `num_tokens` more tokens per sequence."""

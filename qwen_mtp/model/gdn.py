@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.layers import GatedRMSNorm
 from qwen_mtp.ops.conv import causal_conv1d
-from qwen_mtp.ops.gdn import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
 
 
 class GatedDeltaNet(nn.Module):
@@ -34,23 +33,31 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: ForwardCache | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
-        window, ssm = cache.gdn_state(self.name) if cache is not None else (None, None)
-        kernel = self.conv1d.weight.shape[-1]
-        mixed, conv_inputs = causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight.squeeze(1), window)
-        q, k, v = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(batch, length, -1, self.dk)
-        k = k.reshape(batch, length, -1, self.dk)
-        v = v.reshape(batch, length, -1, self.dv)
+        raw = self.in_proj_qkv(x)  # [B, T, C] pre-conv [q | k | v]
         z = self.in_proj_z(x).reshape(batch, length, -1, self.dv)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        weight = self.conv1d.weight.squeeze(1)
         if cache is not None and cache.gdn_recurrent(length):
-            # Decode / verify: token by token, keeping the state after every token for speculative commit.
-            out, states = recurrent_gated_delta_rule(q, k, v, g, beta, ssm, state_dtype=cache.state_dtype)
-            cache.set_gdn_state(self.name, conv_inputs[..., 1:], states)
+            # Decode / verify: the cache runs the conv and the recurrence on its state memory.
+            q, k, v = self._split(cache.gdn_conv_update(self.name, raw, weight))
+            out = cache.gdn_delta_rule(self.name, q, k, v, a, b, self.A_log, self.dt_bias)
         else:
+            window, ssm = cache.gdn_state(self.name) if cache is not None else (None, None)
+            mixed, conv_inputs = causal_conv1d(raw.transpose(1, 2), weight, window)
+            q, k, v = self._split(mixed.transpose(1, 2))
+            g, beta = gate_values(a, b, self.A_log, self.dt_bias)
             out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=ssm)
             if cache is not None:
-                cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - (kernel - 1) :], final[:, None])
+                cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
         out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(out.reshape(batch, length, self.value_dim))
+
+    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, C] conv output -> q, k [B, T, Hk, dk], v [B, T, Hv, dv]."""
+        batch, length, _ = mixed.shape
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (
+            q.reshape(batch, length, -1, self.dk),
+            k.reshape(batch, length, -1, self.dk),
+            v.reshape(batch, length, -1, self.dv),
+        )

@@ -29,3 +29,118 @@ def causal_conv1d(
         full = torch.cat([window.to(weight.dtype), x], dim=-1)
         out = F.conv1d(full, weight.unsqueeze(1), groups=channels)[..., -length:]
     return F.silu(out).to(out_dtype), full
+
+
+# ---- decode / verify: the conv over T = 1..K+1 new tokens, reading and writing a request's pooled window ----
+
+
+def conv_update_reference(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
+) -> torch.Tensor:
+    """x [B, T, C] new raw inputs; weight [C, K]; pool [rows, C, W] conv windows (W >= K-2+T); rows [B];
+    committed [rows]: where each row's window starts.
+
+    Reads the window `pool[row, :, c : c+K-1]` (c = committed[row]), returns silu(conv) [B, T, C], and writes
+    the step's inputs after the window's first, `cat(window, x)[1:]`, to `pool[row, :, :K-2+T]`, so that after
+    accepting j drafts the next window starts at offset j.
+    """
+    kernel = weight.shape[1]
+    start = committed[rows]
+    index = (start[:, None] + torch.arange(kernel - 1, device=x.device))[:, None, :]
+    windows = torch.gather(pool[rows], 2, index.expand(-1, pool.shape[1], -1))
+    out, full = causal_conv1d(x.transpose(1, 2), weight, windows)
+    pool[rows, :, : full.shape[-1] - 1] = full[..., 1:].to(pool.dtype)
+    return out.transpose(1, 2)
+
+
+def _conv_update_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
+        T, C, W,
+        stride_xb, stride_xt, stride_pr, stride_pc,
+        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one request, BLOCK_C channels, all T tokens. The whole conv input (window + new
+        # tokens) is loaded as one [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so
+        # the window read at offset `committed` survives its overwrite at offset 0.
+        b = tl.program_id(0)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cs < C
+        cols = tl.arange(0, FULL)
+        row = tl.load(rows_ptr + b)
+        start = tl.load(committed_ptr + row)
+        pool_row = pool_ptr + row * stride_pr + cs[:, None] * stride_pc
+        in_window = cols[None, :] < KERNEL - 1
+        t_new = cols[None, :] - (KERNEL - 1)
+        from_pool = tl.load(pool_row + start + cols[None, :], mask=cmask[:, None] & in_window, other=0.0)
+        x_ptrs = x_ptr + b * stride_xb + t_new * stride_xt + cs[:, None]
+        new_mask = cmask[:, None] & (t_new >= 0) & (t_new < T)
+        from_x = tl.load(x_ptrs, mask=new_mask, other=0.0)
+        full = tl.where(in_window, from_pool.to(tl.float32), from_x.to(tl.float32))  # [BLOCK_C, FULL]
+        tl.debug_barrier()
+        for t in tl.static_range(MAX_T):
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(KERNEL):
+                w = tl.load(w_ptr + cs * KERNEL + j, mask=cmask, other=0.0).to(tl.float32)
+                tap = tl.sum(tl.where(cols[None, :] == t + j, full, 0.0), axis=1)
+                acc += w * tap
+            conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the conv's own rounding, as F.conv1d
+            tl.store(
+                out_ptr + b * stride_xb + t * stride_xt + cs,
+                (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty),
+                mask=cmask & (cs * 0 + t < T),
+            )
+        keep = cmask[:, None] & (cols[None, :] >= 1) & (cols[None, :] < KERNEL - 1 + T) & (cols[None, :] - 1 < W)
+        tl.store(pool_row + cols[None, :] - 1, full.to(pool_ptr.dtype.element_ty), mask=keep)
+
+    return kernel
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def conv_update_triton(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
+) -> torch.Tensor:
+    """Triton version of `conv_update_reference` (same arguments, same in-place pool update)."""
+    import triton
+
+    if "conv_update" not in _KERNELS:
+        _KERNELS["conv_update"] = _conv_update_kernel()
+    kernel = _KERNELS["conv_update"]
+    batch, length, channels = x.shape
+    x = x.contiguous()
+    weight = weight.contiguous()
+    assert pool.stride(2) == 1 and x.stride(2) == 1
+    out = torch.empty_like(x)
+    block = 128
+    kernel[(batch, triton.cdiv(channels, block))](
+        x, weight, pool, rows, committed, out,
+        length, channels, pool.shape[2],
+        x.stride(0), x.stride(1), pool.stride(0), pool.stride(1),
+        KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=triton.next_power_of_2(length),
+        FULL=triton.next_power_of_2(weight.shape[1] - 1 + length),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qwen_mtp::conv_update", mutates_args=("pool",))
+def conv_update(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
+) -> torch.Tensor:
+    """Custom op: `conv_update_reference` on CPU, the Triton kernel on CUDA."""
+    return conv_update_reference(x, weight, pool, rows, committed)
+
+
+@conv_update.register_kernel("cuda")
+def _(x, weight, pool, rows, committed):
+    return conv_update_triton(x, weight, pool, rows, committed)
+
+
+@conv_update.register_fake
+def _(x, weight, pool, rows, committed):
+    return torch.empty_like(x)

@@ -1,0 +1,156 @@
+"""Attention of decode / verify queries over a paged KV cache.
+
+Each request's T new positions (T = 1 for decode, K+1 for verify) are written into its pages, then query t
+attends to keys 0..(context_len - T + t): causal inside the verify block. Every (request, query) is computed
+on its own with a fixed key-block order, so a position's result is the same in a 1-token decode and in a
+(K+1)-token verify, whatever the batch: the batch invariance MTP-on == MTP-off needs.
+Cache layout per layer: kv [2, pages, page_size, KV, D]; block_tables [B, max_pages] (int32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qwen_mtp.ops.attention import causal_attention
+from qwen_mtp.ops.triton_utils import INTERPRET
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """k, v [B, T, KV, D] go to `positions` [B, T] of each request's pages (tensor indexing: graph-safe)."""
+    page_size = kv.shape[2]
+    pages = torch.gather(block_tables, 1, (positions // page_size).to(block_tables.dtype)).long()
+    offsets = positions % page_size
+    kv[0, pages, offsets] = k.to(kv.dtype)
+    kv[1, pages, offsets] = v.to(kv.dtype)
+
+
+def paged_attention_reference(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, T, H, D] -> [B, T, H, D]; one query at a time through `scaled_dot_product_attention`."""
+    batch, length = q.shape[:2]
+    page_size = kv.shape[2]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        context = int(context_lens[b])
+        positions = torch.arange(context, device=q.device)
+        pages = block_tables[b, positions // page_size].long()
+        keys = kv[0, pages, positions % page_size].transpose(0, 1)[None]  # [1, KV, S, D]
+        values = kv[1, pages, positions % page_size].transpose(0, 1)[None]
+        for t in range(length):
+            end = context - length + t + 1
+            query = q[b, t][None, :, None]  # [1, H, 1, D]
+            out[b, t] = causal_attention(query, keys[:, :, :end], values[:, :, :end], scale)[0, :, 0]
+    return out
+
+
+def _paged_attention_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
+        T, GROUP, scale,
+        sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
+        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one (request, query position, KV head) with its GROUP query heads; keys in page order.
+        pid = tl.program_id(0)
+        bi = pid // T
+        t = pid % T
+        kvh = tl.program_id(1)
+        gs = tl.arange(0, BLOCK_G)
+        ds = tl.arange(0, D)
+        ss = tl.arange(0, PAGE)
+        gmask = gs < GROUP
+        heads = kvh * GROUP + gs
+        q = tl.load(q_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :], mask=gmask[:, None], other=0.0)
+        visible = tl.load(lens_ptr + bi) - T + t + 1
+        m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+        for first in range(0, visible, PAGE):
+            page = tl.load(tables_ptr + bi * s_table + first // PAGE)
+            slot = page * s_page + ss[:, None] * s_slot + kvh * s_head + ds[None, :]
+            smask = (first + ss) < visible
+            k = tl.load(kv_ptr + slot, mask=smask[:, None], other=0.0)
+            v = tl.load(kv_ptr + s_half + slot, mask=smask[:, None], other=0.0)
+            if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(smask[None, :], scores * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(
+            out_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=gmask[:, None],
+        )
+
+    return kernel
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def paged_attention_triton(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Triton version of `paged_attention_reference`."""
+    import triton
+
+    if "paged_attention" not in _KERNELS:
+        _KERNELS["paged_attention"] = _paged_attention_kernel()
+    batch, length, heads, dim = q.shape
+    kv_heads, page_size = kv.shape[3], kv.shape[2]
+    q = q.contiguous()
+    assert kv.is_contiguous() and block_tables.is_contiguous()
+    out = torch.empty_like(q)
+    group = heads // kv_heads
+    _KERNELS["paged_attention"][(batch * length, kv_heads)](
+        q, kv, block_tables, context_lens, out,
+        length, group, scale,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        block_tables.stride(0),
+        D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), UPCAST=INTERPRET,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qwen_mtp::paged_attention", mutates_args=("kv",))
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Custom op: write the step's k, v [B, T, KV, D] at `positions`, then attend (reference on CPU)."""
+    write_kv(k, v, kv, block_tables, positions)
+    return paged_attention_reference(q, kv, block_tables, context_lens, scale)
+
+
+@paged_attention.register_kernel("cuda")
+def _(q, k, v, kv, block_tables, context_lens, positions, scale):
+    write_kv(k, v, kv, block_tables, positions)
+    return paged_attention_triton(q, kv, block_tables, context_lens, scale)
+
+
+@paged_attention.register_fake
+def _(q, k, v, kv, block_tables, context_lens, positions, scale):
+    return torch.empty_like(q)

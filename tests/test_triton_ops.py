@@ -1,0 +1,126 @@
+"""Each Triton kernel equals its plain-PyTorch reference (on CPU under TRITON_INTERPRET=1, tiny shapes, fp32 /
+fp16 inputs; on CUDA when there is one), updates the pools the same way, and is batch-invariant."""
+
+import pytest
+import torch
+
+from qwen_mtp.ops.conv import conv_update_reference, conv_update_triton
+from qwen_mtp.ops.gdn import gdn_recurrent_reference, gdn_recurrent_triton
+from qwen_mtp.ops.linear import invariant_matmul_triton
+from qwen_mtp.ops.paged_attention import paged_attention_reference, paged_attention_triton, write_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16]
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def close(a, b, dtype):
+    tol = 2e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("length", [1, 2, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_update_matches_reference(length, dtype):
+    channels, kernel, spec = 40, 4, 4
+    pool = rand(5, channels, kernel - 1 + spec, dtype=dtype, seed=1)
+    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    committed = torch.tensor([1, 0, 3, 0, 2], device=DEVICE)
+    x, weight = rand(3, length, channels, dtype=dtype, seed=2), rand(channels, kernel, dtype=dtype, seed=3)
+    ref_pool, tri_pool = pool.clone(), pool.clone()
+    close(
+        conv_update_triton(x, weight, tri_pool, rows, committed),
+        conv_update_reference(x, weight, ref_pool, rows, committed),
+        dtype,
+    )
+    assert torch.equal(tri_pool, ref_pool)
+
+
+@pytest.mark.parametrize("length", [1, 3, 5])
+@pytest.mark.parametrize(
+    "dtype,state_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)],
+)
+def test_gdn_recurrent_matches_reference(length, dtype, state_dtype):
+    batch, hk, hv, dk, dv = 3, 2, 4, 16, 32
+    q, k = rand(batch, length, hk, dk, dtype=dtype, seed=1), rand(batch, length, hk, dk, dtype=dtype, seed=2)
+    v, a, b = (
+        rand(batch, length, hv, dv, dtype=dtype, seed=3),
+        rand(batch, length, hv, dtype=dtype, seed=4),
+        rand(batch, length, hv, dtype=dtype, seed=5),
+    )
+    a_log, dt_bias = rand(hv, dtype=dtype, seed=6).abs(), rand(hv, dtype=dtype, seed=7).abs()
+    pool = rand(6, 6, hv, dk, dv, dtype=state_dtype, seed=8, scale=0.1)
+    rows, committed = torch.tensor([5, 1, 3], device=DEVICE), torch.tensor([0, 2, 0, 4, 0, 1], device=DEVICE)
+    ref_pool, tri_pool = pool.clone(), pool.clone()
+    ref = gdn_recurrent_reference(q, k, v, a, b, a_log, dt_bias, ref_pool, rows, committed)
+    tri = gdn_recurrent_triton(q, k, v, a, b, a_log, dt_bias, tri_pool, rows, committed)
+    tol = 2e-3 if state_dtype == torch.bfloat16 or dtype != torch.float32 else 2e-6
+    torch.testing.assert_close(tri.float(), ref.float(), rtol=tol, atol=tol)
+    # states: equal up to fp32 summation order (one bf16 ulp where the pool rounds)
+    bf16 = state_dtype == torch.bfloat16
+    torch.testing.assert_close(
+        tri_pool.float(), ref_pool.float(), rtol=1e-2 if bf16 else 1e-5, atol=4e-3 if bf16 else 1e-5
+    )
+    untouched = [r for r in range(6) if r not in (5, 1, 3)]
+    assert torch.equal(tri_pool[untouched], pool[untouched])
+
+
+def _paged_setup(length, dtype):
+    kv = rand(2, 12, 8, 2, 32, dtype=dtype, seed=1)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [9, 10, 11, 4]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 9, 29], dtype=torch.int32, device=DEVICE)
+    q = rand(3, length, 4, 32, dtype=dtype, seed=2)
+    k, v = rand(3, length, 2, 32, dtype=dtype, seed=3), rand(3, length, 2, 32, dtype=dtype, seed=4)
+    write_kv(k, v, kv, tables, lens[:, None].long() - length + torch.arange(length, device=DEVICE))
+    return q, kv, tables, lens
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_matches_reference(length, dtype):
+    q, kv, tables, lens = _paged_setup(length, dtype)
+    close(
+        paged_attention_triton(q, kv, tables, lens, 32**-0.5),
+        paged_attention_reference(q, kv, tables, lens, 32**-0.5),
+        dtype,
+    )
+
+
+def test_paged_attention_verify_block_equals_decode_per_position():
+    """Query t of a 3-token verify equals a 1-token decode at the same position, bit for bit."""
+    q, kv, tables, lens = _paged_setup(3, torch.float32)
+    verify = paged_attention_triton(q, kv, tables, lens, 32**-0.5)
+    for t in range(3):
+        decode = paged_attention_triton(q[:, t : t + 1].contiguous(), kv, tables, lens - 2 + t, 32**-0.5)
+        assert torch.equal(decode[:, 0], verify[:, t])
+    alone = paged_attention_triton(q[1:2], kv, tables[1:2], lens[1:2], 32**-0.5)
+    assert torch.equal(alone, verify[1:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_matmul_matches_and_is_batch_invariant(dtype):
+    weight, x = rand(40, 200, dtype=dtype, seed=1), rand(19, 200, dtype=dtype, seed=2)
+    full = invariant_matmul_triton(x, weight)
+    torch.testing.assert_close(
+        full.float(), x.float() @ weight.float().T, rtol=2e-3, atol=2e-2 if dtype == torch.float16 else 1e-4
+    )
+    for i in range(0, 19, 3):
+        assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight), full[i : i + 1])
+
+
+def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():
+    import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
+
+    q, kv, tables, lens = _paged_setup(1, torch.float32)
+    k, v = rand(3, 1, 2, 32, seed=3), rand(3, 1, 2, 32, seed=4)
+    positions = lens[:, None].long() - 1
+    for op in ("paged_attention", "conv_update", "gdn_recurrent"):
+        assert hasattr(torch.ops.qwen_mtp, op)
+    torch.library.opcheck(
+        torch.ops.qwen_mtp.paged_attention.default, (q, k, v, kv.clone(), tables, lens, positions, 0.1)
+    )

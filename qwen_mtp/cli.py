@@ -76,5 +76,26 @@ def _acceptance(spec: SpecStats) -> str:
     )
 
 
+@app.command()
+def bench(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe with a bench section (see recipes/bench-*.yaml)")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set bench.batch_sizes=[1,8]")
+    ] = None,
+) -> None:
+    """Plain decode vs MTP K=1..4 (oracle and real-head drafts) in one run: a table, JSON and a PNG plot."""
+    from qwen_mtp.bench import format_table, run_bench, write_outputs
+    from qwen_mtp.recipe import load_recipe
+
+    try:
+        loaded_recipe = load_recipe(recipe, tuple(set_ or ()))
+        report = run_bench(loaded_recipe, progress=sys.stderr.isatty(), log=typer.echo)
+    except QwenMTPError as err:
+        _fail(err)
+    typer.echo(format_table(report))
+    for path in write_outputs(report, loaded_recipe.bench.out_dir):
+        typer.echo(f"wrote {path}")
+
+
 if __name__ == "__main__":
     app()

@@ -21,7 +21,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelSection:
     path: str | None = None  # a Hugging Face checkpoint directory
     fixture: str | None = None  # or a tiny built-in preset ("tiny", ...), built on first use
-    seed: int = 0  # fixture weights' seed
+    synthetic: str | None = None  # or random weights at real shapes on the device ("qwen3.5-27b", ...)
+    seed: int = 0  # fixture / synthetic weights' seed
     dtype: str = "bfloat16"
     quant: str = "none"  # none | fp8-block
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -70,6 +71,17 @@ class RunSection:
 
 
 @dataclass
+class BenchSection:
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    accept_rates: list[float] = field(default_factory=lambda: [1.0, 0.8, 0.6])
+    head: bool = True  # also run the real MTP head's drafts
+    prompt_len: int = 128
+    output_len: int = 128
+    out_dir: str = "bench-results"
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -78,6 +90,7 @@ class Recipe:
     cache: CacheSection = field(default_factory=CacheSection)
     compile: CompileSection = field(default_factory=CompileSection)
     run: RunSection = field(default_factory=RunSection)
+    bench: BenchSection = field(default_factory=BenchSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -186,11 +199,16 @@ def _require(ok: bool, message: str) -> None:
 
 def _validate(r: Recipe) -> None:
     m = r.model
-    _require((m.path is None) != (m.fixture is None), "model: set exactly one of model.path or model.fixture")
+    sources = [key for key in ("path", "fixture", "synthetic") if getattr(m, key) is not None]
+    _require(len(sources) == 1, "model: set exactly one of model.path, model.fixture or model.synthetic")
     if m.fixture is not None:
         from qwen_mtp.testing import PRESETS
 
         _require(m.fixture in PRESETS, f"model.fixture must be one of {sorted(PRESETS)}, got {m.fixture!r}")
+    if m.synthetic is not None:
+        from qwen_mtp.testing.synthetic import SYNTHETIC
+
+        _require(m.synthetic in SYNTHETIC, f"model.synthetic must be one of {sorted(SYNTHETIC)}, got {m.synthetic!r}")
     _require(m.dtype in DTYPES, f"model.dtype must be one of {list(DTYPES)}, got {m.dtype!r}")
     _require(m.quant in ("none", "fp8-block"), f"model.quant must be none or fp8-block, got {m.quant!r}")
     _require(
@@ -212,6 +230,11 @@ def _validate(r: Recipe) -> None:
     _require(
         all(b >= 1 for b in r.compile.batch_sizes), f"compile.batch_sizes must be positive, got {r.compile.batch_sizes}"
     )
+    b = r.bench
+    _require(all(n >= 1 for n in b.batch_sizes) and b.batch_sizes, "bench.batch_sizes must be positive integers")
+    _require(all(1 <= k <= 4 for k in b.ks), f"bench.ks must be in 1..4, got {b.ks}")
+    _require(all(0.0 <= a <= 1.0 for a in b.accept_rates), f"bench.accept_rates must be in 0..1, got {b.accept_rates}")
+    _require(b.prompt_len >= 1 and b.output_len >= 2, "bench.prompt_len must be >= 1 and bench.output_len >= 2")
     _require(r.run.max_new_tokens >= 1, f"run.max_new_tokens must be >= 1, got {r.run.max_new_tokens}")
     for i, prompt in enumerate(r.run.prompts):
         _require(

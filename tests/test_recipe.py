@@ -39,8 +39,11 @@ def test_float_field_accepts_int():
         ({"model": {"fixture": "tiny"}, "cache": {"max_batch": 2.5}}, r"cache\.max_batch must be an integer"),
         ({"model": {"fixture": "tiny", "dtype": "int8"}}, r"model\.dtype must be one of"),
         ({"model": {"fixture": "huge"}}, r"model\.fixture must be one of"),
-        ({"model": {}}, r"exactly one of model\.path or model\.fixture"),
-        ({"model": {"fixture": "tiny", "path": "/x"}}, r"exactly one of model\.path or model\.fixture"),
+        ({"model": {}}, r"exactly one of model\.path, model\.fixture or model\.synthetic"),
+        (
+            {"model": {"fixture": "tiny", "path": "/x"}},
+            r"exactly one of model\.path, model\.fixture or model\.synthetic",
+        ),
         ({"model": {"fixture": "tiny"}, "state": {"dtype": "fp8"}}, r"state\.dtype must be float32 or bfloat16"),
         ({"model": {"fixture": "tiny"}, "run": {"max_new_tokens": 0}}, r"run\.max_new_tokens must be >= 1"),
         ({"model": {"fixture": "tiny"}, "run": {"prompts": [[1, -2]]}}, r"run\.prompts\[0\]"),

@@ -22,6 +22,7 @@ from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, size_pools
 from qwen_mtp.engine.speculative import Speculator
+from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.errors import RecipeError, RequestError
 from qwen_mtp.recipe import Recipe, load_recipe
 
@@ -67,6 +68,7 @@ class Engine:
             self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=recipe.model.seed)
         self.requests: dict[int, Request] = {}
         self._next_id = 0
+        self.timer = PhaseTimer(device=self.device)  # enable to split step time by phase (benchmarks)
         (log or _stderr)(sizes.describe(self.pages.bytes, self.states.bytes))
 
     def _build_pools(self, sizes: PoolSizes) -> tuple[PagePool, StatePool]:
@@ -199,15 +201,19 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty and self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
-        updates = [u for chunk in plan.prefills if (u := self._prefill(chunk)) is not None]
+        with self.timer("prefill"):
+            updates = [u for chunk in plan.prefills if (u := self._prefill(chunk)) is not None]
         plain = [r for r in plan.decodes if r.spec is None]
         speculative = [r for r in plan.decodes if r.spec is not None]
         if plain:
-            updates += self._decode(plain)
+            with self.timer("decode"):
+                updates += self._decode(plain)
         if speculative:
-            gained, verified = self.speculator.verify(speculative)
-            updates += [self._accept(r, tokens) for r, tokens in zip(speculative, gained, strict=True)]
-            self.speculator.propose(verified, [r for r in speculative if not r.done])
+            with self.timer("verify"):
+                gained, verified = self.speculator.verify(speculative)
+                updates += [self._accept(r, tokens) for r, tokens in zip(speculative, gained, strict=True)]
+            with self.timer("draft"):
+                self.speculator.propose(verified, [r for r in speculative if not r.done])
         return updates
 
     def _prefill(self, chunk: PrefillChunk) -> Update | None:

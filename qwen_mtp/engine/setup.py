@@ -55,6 +55,11 @@ def load_tokenizer(path: Path) -> Any | None:
 def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
     check_supported(recipe)
     device = resolve_device(recipe.model.device)
+    if recipe.model.synthetic is not None:
+        from qwen_mtp.testing.synthetic import synthetic_model
+
+        model = synthetic_model(recipe.model.synthetic, getattr(torch, recipe.model.dtype), device, recipe.model.seed)
+        return LoadedModel(model, None, Path(f"synthetic:{recipe.model.synthetic}"), device)
     if recipe.model.fixture is not None:
         from qwen_mtp.testing import fixture_path
 

@@ -1,0 +1,261 @@
+"""`qwen-mtp bench`: plain greedy decode vs MTP K=1..4 (oracle drafts at several accept rates, and the real
+head), in one process on one loaded model, with every MTP row checked token-for-token against plain decode.
+
+Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acceptance length, step time split
+(verify / draft / host), peak device memory, and % of the HBM roofline: (weight bytes one step must read /
+copy bandwidth measured at start) / measured step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwen_mtp.cache.kv import pages_for
+from qwen_mtp.engine.engine import Engine
+from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
+from qwen_mtp.recipe import Recipe
+
+
+@dataclass
+class Row:
+    batch: int
+    mode: str  # "plain" | "mtp"
+    k: int
+    draft: str  # "-" | "head" | "oracle"
+    accept_rate: float | None
+    ttft_ms: float
+    tpot_ms: float
+    tokens_per_s: float
+    speedup: float
+    acceptance_length: float
+    step_ms: float
+    verify_ms: float  # target forward per step (plain: the decode forward)
+    draft_ms: float
+    host_ms: float
+    peak_mem_gib: float
+    roofline_pct: float
+    exact: bool
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), the practical HBM ceiling."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    _sync(device)
+    start, reps = time.perf_counter(), 5
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * n * 2 * reps / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
+    """Bytes a step reads: the target (all but the embedding table, of which a step reads a few rows) and one
+    MTP draft step (the MTP block + the shared lm_head)."""
+    model = loaded.model
+
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    lm_head = model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    embed = size(model.model.embed_tokens)
+    target = size(model.model) - embed + lm_head
+    mtp = size(model.mtp) + lm_head if model.mtp is not None else 0
+    return {"target": target, "mtp_step": mtp}
+
+
+def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", accept: float = 1.0) -> Recipe:
+    bench = recipe.bench
+    spec = k or 0
+    cache = dataclasses.replace(
+        recipe.cache,
+        max_batch=batch,
+        num_state_rows=batch,
+        num_pages=batch * pages_for(bench.prompt_len + bench.output_len + spec + 1, recipe.cache.page_size),
+        prefill_chunk=max(recipe.cache.prefill_chunk, bench.prompt_len),
+    )
+    mtp = dataclasses.replace(recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept)
+    return dataclasses.replace(recipe, cache=cache, mtp=mtp)
+
+
+def _run(engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None) -> dict[str, Any]:
+    """Generate for all prompts as one batch; wall-clock figures and the tokens."""
+    device = engine.device
+    ids = [
+        engine.submit(p, output_len, ignore_eos=True, oracle=None if oracles is None else oracles[i])
+        for i, p in enumerate(prompts)
+    ]
+    first: dict[int, float] = {}
+    _sync(device)
+    start = time.perf_counter()
+    steps = 0
+    engine.timer.reset()
+    while engine.has_unfinished():
+        for update in engine.step():
+            first.setdefault(update.request_id, time.perf_counter())
+        steps += 1
+    _sync(device)
+    end = time.perf_counter()
+    decode_start = max(first.values())
+    decode_steps = steps - 1  # the first step prefills every request (prefill_chunk >= prompt_len)
+    specs = [engine.requests[i].spec for i in ids if engine.requests[i].spec is not None]
+    verify_steps = sum(s.verify_steps for s in specs)
+    return {
+        "tokens": [engine.result(i).token_ids for i in ids],
+        "acceptance_length": (sum(s.accepted for s in specs) + verify_steps) / verify_steps if specs else 1.0,
+        "ttft": sum(first[i] - start for i in ids) / len(ids),
+        "tpot": sum((end - first[i]) / (output_len - 1) for i in ids) / len(ids),
+        "decode_seconds": end - decode_start,
+        "decode_steps": decode_steps,
+        "phases": dict(engine.timer.seconds),
+    }
+
+
+def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    bench = recipe.bench
+    plain_recipe = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, enabled=False))
+    started = time.perf_counter()
+    loaded = load_from_recipe(plain_recipe, progress=progress)
+    device = loaded.device
+    log(f"model loaded in {time.perf_counter() - started:.1f} s on {device}")
+    bandwidth = copy_bandwidth(device, gib=2.0 if device.type == "cuda" else 0.25)
+    sizes = weight_bytes(loaded)
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per step: target {sizes['target'] / 1e9:.2f} GB, "
+        f"MTP draft step {sizes['mtp_step'] / 1e9:.2f} GB")  # fmt: skip
+    configs: list[tuple[int | None, str, float]] = [(None, "-", 0.0)]
+    for k in bench.ks:
+        configs += [(k, "oracle", rate) for rate in bench.accept_rates]
+        if bench.head:
+            configs.append((k, "head", 0.0))
+    rows: list[Row] = []
+    gen = torch.Generator().manual_seed(recipe.model.seed)
+    vocab = loaded.model.config.vocab_size
+    bar = tqdm(total=len(bench.batch_sizes) * len(configs), desc="bench", disable=not progress)
+    for batch in bench.batch_sizes:
+        prompts = torch.randint(0, vocab, (batch, bench.prompt_len), generator=gen).tolist()
+        plain_tokens, plain_tps = None, None
+        for k, draft, rate in configs:
+            engine = Engine(loaded, _variant(recipe, batch, k, draft, rate), log=lambda _: None)
+            oracles = plain_tokens if draft == "oracle" else None
+            _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]])  # warm-up
+            engine.timer.enabled = True
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            result = _run(engine, prompts, bench.output_len, oracles)
+            peak = torch.cuda.max_memory_allocated(device) / (1 << 30) if device.type == "cuda" else 0.0
+            tps = batch * (bench.output_len - 1) / result["decode_seconds"]
+            if k is None:
+                plain_tokens, plain_tps = result["tokens"], tps
+            phases = result["phases"]
+            steps = max(result["decode_steps"], 1)
+            forward = phases.get("verify", phases.get("decode", 0.0))
+            step = result["decode_seconds"] / steps
+            moved = sizes["target"] + (k or 0) * sizes["mtp_step"]
+            rows.append(
+                Row(
+                    batch=batch,
+                    mode="plain" if k is None else "mtp",
+                    k=k or 0,
+                    draft=draft,
+                    accept_rate=None if draft != "oracle" else rate,
+                    ttft_ms=1e3 * result["ttft"],
+                    tpot_ms=1e3 * result["tpot"],
+                    tokens_per_s=tps,
+                    speedup=tps / plain_tps,
+                    acceptance_length=result["acceptance_length"],
+                    step_ms=1e3 * step,
+                    verify_ms=1e3 * forward / steps,
+                    draft_ms=1e3 * phases.get("draft", 0.0) / steps,
+                    host_ms=1e3 * (step - (forward + phases.get("draft", 0.0)) / steps),
+                    peak_mem_gib=peak,
+                    roofline_pct=100.0 * (moved / bandwidth) / step,
+                    exact=result["tokens"] == plain_tokens,
+                )
+            )
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            bar.update(1)
+    bar.close()
+    return {
+        "recipe": recipe.to_dict(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "copy_bandwidth_tb_s": bandwidth / 1e12,
+        "weight_bytes": sizes,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+COLUMNS = [
+    ("B", "batch", "{}"), ("mode", "mode", "{}"), ("K", "k", "{}"), ("draft", "draft", "{}"),
+    ("acc", "accept_rate", "{}"), ("TTFT ms", "ttft_ms", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"), ("x plain", "speedup", "{:.2f}"), ("AL", "acceptance_length", "{:.2f}"),
+    ("step ms", "step_ms", "{:.2f}"), ("verify", "verify_ms", "{:.2f}"), ("draft", "draft_ms", "{:.2f}"),
+    ("host", "host_ms", "{:.2f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"), ("% roof", "roofline_pct", "{:.0f}"),
+    ("exact", "exact", "{}"),
+]  # fmt: skip
+
+
+def format_table(report: dict[str, Any]) -> str:
+    cells = [[title for title, _, _ in COLUMNS]]
+    for row in report["rows"]:
+        cells.append(["-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "bench.json"]
+    written[0].write_text(json.dumps(report, indent=2))
+    (out / "bench.txt").write_text(format_table(report) + "\n")
+    written.append(out / "bench.txt")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written  # the plot is optional: matplotlib is not a dependency
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = report["rows"]
+    for batch in sorted({r["batch"] for r in rows}):
+        plain = next(r for r in rows if r["batch"] == batch and r["mode"] == "plain")
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["batch"] == batch and r["mode"] == "mtp":
+                label = f"B={batch} " + (f"oracle {r['accept_rate']}" if r["draft"] == "oracle" else "head")
+                series.setdefault(label, []).append((r["k"], r["tokens_per_s"]))
+        for label, points in series.items():
+            ax.plot([0] + [p[0] for p in points], [plain["tokens_per_s"]] + [p[1] for p in points], marker="o",
+                    label=label)  # fmt: skip
+    ax.set_xlabel("K (0 = plain decode)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"qwen-mtp bench: {report['recipe']['model'].get('synthetic') or 'model'} on {report['device']}")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=120)
+    written.append(out / "bench.png")
+    return written

@@ -1,0 +1,69 @@
+"""Random-weight models at the real Qwen3.5 shapes, created directly on the target device (no checkpoint):
+decode speed does not depend on weight values, so benchmarks use these."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qwen_mtp.config import ModelConfig
+
+_COMMON = {
+    "model_type": "qwen3_5_text",
+    "head_dim": 256,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 248320,
+    "mtp_num_hidden_layers": 1,
+    "eos_token_id": 248044,
+}
+
+# Dimensions from the published configs (shared/reference/qwen-arch.md, section 1.3).
+SYNTHETIC: dict[str, dict] = {
+    "qwen3.5-27b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "intermediate_size": 17408,
+                    "tie_word_embeddings": False},
+    "qwen3.5-9b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "intermediate_size": 12288,
+                   "tie_word_embeddings": False},
+    "qwen3.5-0.8b": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 16, "intermediate_size": 3584,
+                     "tie_word_embeddings": True},
+}  # fmt: skip
+
+
+def synthetic_config(name: str) -> ModelConfig:
+    if name not in SYNTHETIC:
+        raise ValueError(f"unknown synthetic model {name!r}; choose from {sorted(SYNTHETIC)}")
+    return ModelConfig.from_dict({**_COMMON, **SYNTHETIC[name]})
+
+
+@torch.no_grad()
+def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
+    """A `QwenHybridForCausalLM` with random weights of the right scale, allocated on `device` directly."""
+    from qwen_mtp.model import QwenHybridForCausalLM
+
+    config = synthetic_config(name)
+    with torch.device("meta"):
+        model = QwenHybridForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)  # never materialize an fp32 copy (27B: 108 GB)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for pname, param in model.named_parameters():
+        if pname.endswith("A_log"):
+            param.uniform_(0.0, math.log(16.0), generator=gen)
+        elif pname.endswith("dt_bias") or pname.endswith("linear_attn.norm.weight"):
+            param.fill_(1.0)
+        elif pname.endswith("norm.weight") or "norm_" in pname:
+            param.zero_()
+        elif pname.endswith("embed_tokens.weight"):
+            param.normal_(0.0, 0.5, generator=gen)
+        else:
+            param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=gen)
+    model.init_non_persistent_buffers(device)
+    return model.eval()

@@ -1,0 +1,67 @@
+"""On CUDA (Triton kernels on the decode/verify/draft path): logits vs Hugging Face, MTP-on == MTP-off for
+K = 1..4 at batch 1, 8 and 32 in bf16, and a stress run with a changing batch mix."""
+
+import random
+
+import pytest
+import torch
+from helpers import load_hf, random_prompt
+
+from qwen_mtp import Engine, load_model
+
+
+def engine_for(model_source, k=None, draft="head", accept=1.0, max_batch=32, **cache):
+    recipe = {"model": {**model_source, "dtype": "bfloat16", "device": "cuda"},
+              "cache": {"max_batch": max_batch, "num_state_rows": max_batch, **cache}}  # fmt: skip
+    if k is not None:
+        recipe["mtp"] = {"enabled": True, "k": k, "draft": draft, "oracle_accept": accept}
+    return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+@pytest.mark.parametrize("preset,layout", [("tiny", "text"), ("tiny-tied", "vlm"), ("tiny-8l", "text")])
+def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
+    path = checkpoint(preset, layout, dtype="bfloat16")
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.inference_mode():
+        ours = load_model(path, dtype=torch.bfloat16, device="cuda")(ids).float()
+        ref = load_hf(path, torch.bfloat16).cuda()(ids).logits.float()
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp(min=2**-10)
+    assert ((ours - ref).abs() <= 2 * ulp).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_mtp_equals_plain_bf16_batch_1_8_32(k):
+    source = {"synthetic": "qwen3.5-0.8b"}
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
+    plain = engine_for(source)
+    spec = engine_for(source, k=k, draft="oracle", accept=0.7)
+    for batch in (1, 8, 32):
+        expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        assert got == expected, f"K={k} batch={batch}"
+    head = engine_for(source, k=k)
+    assert [r.token_ids for r in head.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_stress_changing_batch_mix(k):
+    """200 prompts (lengths 1..2048), 256 new tokens, arriving while others run: each request's tokens equal
+    its plain-decode tokens."""
+    rng = random.Random(k)
+    prompts = [random_prompt(rng.randint(1, 2048), seed=i, vocab=200000) for i in range(200)]
+    source = {"synthetic": "qwen3.5-0.8b"}
+    plain = engine_for(source, max_batch=64, prefill_chunk=512)
+    expected = [r.token_ids for r in plain.generate(prompts, max_new_tokens=256, ignore_eos=True)]
+    del plain
+    torch.cuda.empty_cache()
+    spec = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=64, prefill_chunk=512)
+    ids = []
+    for i, prompt in enumerate(prompts):  # staggered arrivals: the batch mix changes every few steps
+        ids.append(spec.submit(prompt, 256, ignore_eos=True, oracle=expected[i]))
+        if i % 3 == 0:
+            spec.step()
+    while spec.has_unfinished():
+        spec.step()
+    assert [spec.result(i).token_ids for i in ids] == expected
+    stats = spec.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["acceptance_length"] > 1.5

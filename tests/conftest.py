@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 # tests/gpu needs a CUDA device: it is run on the GPU box (benchmarks/gpu_suite.sh), not collected elsewhere.
 collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
 
-from qwen_mtp.testing import build_checkpoint
+from qwen_mtp.testing import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -48,3 +48,20 @@ def test_fp32_weights_loaded_into_bf16_match_hf(checkpoint):
         ours = load_model(path, dtype="bfloat16")(ids)
         ref = load_hf(path, torch.bfloat16)(ids).logits
     assert torch.equal(ours, ref)
+
+
+def test_gradients_match_hf_for_fine_tuning(checkpoint):
+    """The loaded module trains: a language-model loss backpropagates to the same gradients as HF's."""
+    path = checkpoint("tiny")
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
+    ours, ref = load_model(path, dtype=torch.float32), load_hf(path, torch.float32)
+    loss = torch.nn.functional.cross_entropy(ours(ids)[:, :-1].reshape(-1, 512), ids[:, 1:].reshape(-1))
+    ref_loss = ref(ids, labels=ids).loss
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.3.self_attn.q_norm.weight",
+                 "model.layers.1.linear_attn.norm.weight", "model.norm.weight", "lm_head.weight"):  # fmt: skip
+        grad = dict(ours.named_parameters())[name].grad
+        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -124,3 +124,17 @@ def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():
     torch.library.opcheck(
         torch.ops.qwen_mtp.paged_attention.default, (q, k, v, kv.clone(), tables, lens, positions, 0.1)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_kernels_match_reference_and_are_batch_invariant(dtype, gated):
+    from qwen_mtp.ops.norm import gated_rms_norm_reference, norm_triton, rms_norm_reference
+
+    x, weight = rand(7, 3, 1500, dtype=dtype, seed=1), rand(1500, dtype=dtype, seed=2, scale=0.1)
+    gate = rand(7, 3, 1500, dtype=dtype, seed=3) if gated else None
+    ours = norm_triton(x, weight, 1e-6, gate)
+    ref = gated_rms_norm_reference(x, gate, weight, 1e-6) if gated else rms_norm_reference(x, weight, 1e-6)
+    close(ours, ref, dtype)
+    one = norm_triton(x[2:3], weight, 1e-6, None if gate is None else gate[2:3])
+    assert torch.equal(one, ours[2:3])

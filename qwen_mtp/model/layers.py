@@ -1,7 +1,8 @@
 """Small building blocks: (1+w) RMSNorm, gated RMSNorm, SwiGLU MLP, partial rotary embedding.
 
 Dtype handling mirrors Hugging Face exactly (norms in fp32 and cast once; cos/sin cast to the activation dtype),
-because exactness against it is what the tests check.
+because exactness against it is what the tests check. The norms run as ops (`qwen_mtp.ops.norm`): the HF
+computation on CPU, a batch-invariant Triton kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwen_mtp.ops import norm as norm_ops
 
 
 class RMSNorm(nn.Module):
@@ -20,9 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        return norm_ops.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,11 +38,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        return norm_ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class MLP(nn.Module):

@@ -37,7 +37,8 @@ def _matmul_kernel():
     def kernel(
         x_ptr, w_ptr, out_ptr, M, N, K,
         sx_m, sw_n, so_m,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -56,7 +57,7 @@ def _matmul_kernel():
             if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
             else:
-                acc += tl.dot(x, tl.trans(w))
+                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         tl.store(
             out_ptr + ms[:, None] * so_m + ns[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -83,7 +84,8 @@ def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     block_m, block_n, block_k = 16, 32 if n >= 4096 else 16, 128  # (N, K)-dependent only, never M
     _KERNELS["matmul"][(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
 

@@ -55,16 +55,18 @@ def _paged_attention_kernel():
         q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
         T, GROUP, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
-        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, UPCAST: tl.constexpr,
+        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One program: one (request, query position, KV head) with its GROUP query heads; keys in page order.
+        # One program: one (request, query position, KV head) with its GROUP query heads; keys in blocks of
+        # BLOCK_N positions in position order (each position looks up its own page, so any page size works).
         pid = tl.program_id(0)
         bi = pid // T
         t = pid % T
         kvh = tl.program_id(1)
         gs = tl.arange(0, BLOCK_G)
         ds = tl.arange(0, D)
-        ss = tl.arange(0, PAGE)
+        ns = tl.arange(0, BLOCK_N)
         gmask = gs < GROUP
         heads = kvh * GROUP + gs
         q = tl.load(q_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :], mask=gmask[:, None], other=0.0)
@@ -72,16 +74,17 @@ def _paged_attention_kernel():
         m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-        for first in range(0, visible, PAGE):
-            page = tl.load(tables_ptr + bi * s_table + first // PAGE)
-            slot = page * s_page + ss[:, None] * s_slot + kvh * s_head + ds[None, :]
-            smask = (first + ss) < visible
+        for first in range(0, visible, BLOCK_N):
+            pos = first + ns
+            smask = pos < visible
+            page = tl.load(tables_ptr + bi * s_table + pos // PAGE, mask=smask, other=0)
+            slot = page[:, None] * s_page + (pos % PAGE)[:, None] * s_slot + kvh * s_head + ds[None, :]
             k = tl.load(kv_ptr + slot, mask=smask[:, None], other=0.0)
             v = tl.load(kv_ptr + s_half + slot, mask=smask[:, None], other=0.0)
             if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
                 scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
             else:
-                scores = tl.dot(q, tl.trans(k))
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             scores = tl.where(smask[None, :], scores * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
@@ -90,7 +93,7 @@ def _paged_attention_kernel():
             if UPCAST:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / denom[:, None]
         tl.store(
@@ -124,7 +127,8 @@ def paged_attention_triton(
         length, group, scale,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         block_tables.stride(0),
-        D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), UPCAST=INTERPRET,
+        D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
+        UPCAST=INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
 

@@ -1,0 +1,134 @@
+"""RMSNorms as ops: the zero-centred `x_hat * (1 + w)` norm and the GDN's gated norm.
+
+Why ops and not plain torch: PyTorch's CUDA reductions choose how to split a row's sum by the *number of
+rows*, so a decode step over 8 rows and a verify step over 16 rows round `mean(x^2)` differently, and greedy
+tokens drift apart (seen on the H200: MTP-on != MTP-off at batch 8 before this op). The Triton kernels give
+each row one program that sums in a fixed order. The references are the exact Hugging Face computations and
+run on CPU; backward goes through the reference, so fine-tuning works unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm, computed in fp32 and cast once (HF `Qwen3_5RMSNorm`)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: plain weight applied in the activation dtype, then the silu(gate) product in fp32."""
+    dtype = x.dtype
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * y.to(dtype)
+    return (y * F.silu(gate.float())).to(dtype)
+
+
+def _norm_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        x_ptr, g_ptr, w_ptr, out_ptr, N, eps,
+        GATED: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row; the sum of squares runs over BLOCK-wide chunks in order, then one tree sum.
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            x = tl.load(x_ptr + row * N + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+            acc += x * x
+        inv = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
+            if GATED:
+                y = (w.to(tl.float32) * (x * inv).to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
+                g = tl.load(g_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                y = y * (g * tl.sigmoid(g))
+            else:
+                y = x * inv * (1.0 + w.to(tl.float32))
+            tl.store(out_ptr + row * N + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return kernel
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `rms_norm_reference` (gate None) or `gated_rms_norm_reference`."""
+    import triton
+
+    if "norm" not in _KERNELS:
+        _KERNELS["norm"] = _norm_kernel()
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous()
+    gates = rows if gate is None else gate.reshape(-1, n).contiguous()
+    out = torch.empty_like(rows)
+    block = min(1024, triton.next_power_of_2(n))
+    _KERNELS["norm"][(rows.shape[0],)](rows, gates, weight, out, n, eps, GATED=gate is not None, BLOCK=block)
+    return out.reshape(x.shape)
+
+
+@torch.library.custom_op("qwen_mtp::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Custom op: `rms_norm_reference` on CPU, the batch-invariant Triton kernel on CUDA."""
+    return rms_norm_reference(x, weight, eps)
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    return norm_triton(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("qwen_mtp::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Custom op: `gated_rms_norm_reference` on CPU, the batch-invariant Triton kernel on CUDA."""
+    return gated_rms_norm_reference(x, gate, weight, eps)
+
+
+@gated_rms_norm.register_kernel("cuda")
+def _(x, gate, weight, eps):
+    return norm_triton(x, weight, eps, gate)
+
+
+@gated_rms_norm.register_fake
+def _(x, gate, weight, eps):
+    return torch.empty_like(x)
+
+
+def _reference_backward(reference, num_tensors: int):
+    """Autograd for a norm op: the gradient of its plain-torch reference (the same function on every device)."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:num_tensors])
+        ctx.eps = inputs[-1]
+
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+            out = reference(*tensors, ctx.eps)
+            wanted = [t for t in tensors if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
+        return (*[next(grads) if t.requires_grad else None for t in tensors], None)
+
+    return backward, setup_context
+
+
+for _op, _ref, _n in ((rms_norm, rms_norm_reference, 2), (gated_rms_norm, gated_rms_norm_reference, 3)):
+    _backward, _setup = _reference_backward(_ref, _n)
+    _op.register_autograd(_backward, setup_context=_setup)

@@ -138,3 +138,74 @@ def test_norm_kernels_match_reference_and_are_batch_invariant(dtype, gated):
     close(ours, ref, dtype)
     one = norm_triton(x[2:3], weight, 1e-6, None if gate is None else gate[2:3])
     assert torch.equal(one, ours[2:3])
+
+
+# ---- verify == decode, bit for bit: the property MTP-on == MTP-off rests on --------------------------------
+# Shapes are Qwen3.5-0.8B's on CUDA (bf16), tiny under the CPU interpreter.
+REAL = torch.cuda.is_available()
+VERIFY_DTYPE = torch.bfloat16 if REAL else torch.float32
+
+
+@pytest.mark.parametrize("spec", [1, 3])
+def test_conv_update_verify_equals_decode_steps(spec):
+    channels, kernel = (6144, 4) if REAL else (40, 4)
+    x = rand(8, spec + 1, channels, dtype=VERIFY_DTYPE, seed=1)
+    weight = rand(channels, kernel, dtype=VERIFY_DTYPE, seed=2)
+    pool = rand(8, channels, kernel - 1 + spec, dtype=VERIFY_DTYPE, seed=3)
+    rows, committed = torch.arange(8, device=DEVICE), torch.zeros(8, dtype=torch.long, device=DEVICE)
+    verify_pool, decode_pool = pool.clone(), pool.clone()
+    verify = conv_update_triton(x, weight, verify_pool, rows, committed)
+    for t in range(spec + 1):
+        decode = conv_update_triton(x[:, t : t + 1], weight, decode_pool, rows, committed)
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+    assert torch.equal(verify_pool[:, :, spec : spec + kernel - 1], decode_pool[:, :, : kernel - 1])
+
+
+@pytest.mark.parametrize("spec", [1, 3])
+def test_gdn_recurrent_verify_equals_decode_steps(spec):
+    batch, hk, hv, dk, dv = (8, 16, 16, 128, 128) if REAL else (3, 2, 4, 16, 32)
+    length = spec + 1
+    q, k = (
+        rand(batch, length, hk, dk, dtype=VERIFY_DTYPE, seed=1),
+        rand(batch, length, hk, dk, dtype=VERIFY_DTYPE, seed=2),
+    )
+    v = rand(batch, length, hv, dv, dtype=VERIFY_DTYPE, seed=3)
+    a, b = rand(batch, length, hv, dtype=VERIFY_DTYPE, seed=4), rand(batch, length, hv, dtype=VERIFY_DTYPE, seed=5)
+    a_log, dt_bias = rand(hv, dtype=VERIFY_DTYPE, seed=6).abs(), rand(hv, dtype=VERIFY_DTYPE, seed=7).abs()
+    pool = rand(batch, spec + 1, hv, dk, dv, seed=8, scale=0.1)
+    rows, committed = torch.arange(batch, device=DEVICE), torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    verify_pool, decode_pool = pool.clone(), pool.clone()
+    verify = gdn_recurrent_triton(q, k, v, a, b, a_log, dt_bias, verify_pool, rows, committed)
+    for t in range(length):
+        step = slice(t, t + 1)
+        decode = gdn_recurrent_triton(
+            q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], a_log, dt_bias, decode_pool, rows, committed
+        )
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+        assert torch.equal(decode_pool[:, 0], verify_pool[:, t]), t
+
+
+def test_paged_attention_verify_equals_decode_real_shapes():
+    heads, kv_heads, dim, page = (8, 2, 256, 64) if REAL else (4, 2, 32, 8)
+    tables = torch.arange(24, dtype=torch.int32, device=DEVICE).reshape(8, 3)
+    kv = rand(2, 24, page, kv_heads, dim, dtype=VERIFY_DTYPE, seed=1)
+    lens = torch.tensor([5, 9, 3 * page, 17, 2 * page + 1, 3 * page - 1, 3, 2 * page], dtype=torch.int32, device=DEVICE)
+    q = rand(8, 3, heads, dim, dtype=VERIFY_DTYPE, seed=2)
+    verify = paged_attention_triton(q, kv, tables, lens, dim**-0.5)
+    for t in range(3):
+        decode = paged_attention_triton(q[:, t : t + 1].contiguous(), kv, tables, lens - 2 + t, dim**-0.5)
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+
+
+def test_gemm_and_norm_rows_invariant_real_shapes():
+    from qwen_mtp.ops.norm import norm_triton
+
+    n, k = (3584, 1024) if REAL else (48, 64)
+    weight, x = rand(n, k, dtype=VERIFY_DTYPE, seed=1), rand(40, k, dtype=VERIFY_DTYPE, seed=2)
+    full = invariant_matmul_triton(x, weight)
+    for rows in (slice(0, 1), slice(3, 11), slice(5, 21)):
+        assert torch.equal(invariant_matmul_triton(x[rows], weight), full[rows])
+    norm_w = rand(k, dtype=VERIFY_DTYPE, seed=3, scale=0.1)
+    normed = norm_triton(x, norm_w, 1e-6)
+    for rows in (slice(0, 1), slice(3, 11), slice(5, 21)):
+        assert torch.equal(norm_triton(x[rows], norm_w, 1e-6), normed[rows])

@@ -57,7 +57,9 @@ def _conv_update_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One binary for every T and every pool width (MAX_T is a constant, T and W runtime values): plain decode,
+    # MTP verify and engines with different K must all run the very same code.
+    @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_pr"])
     def kernel(
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, C, W,
@@ -118,12 +120,13 @@ def conv_update_triton(
     assert pool.stride(2) == 1 and x.stride(2) == 1
     out = torch.empty_like(x)
     block = 128
+    max_t = 8  # the most tokens one call takes (K + 1 <= 5), fixed so the binary never depends on K or T
+    assert length <= max_t
     kernel[(batch, triton.cdiv(channels, block))](
         x, weight, pool, rows, committed, out,
         length, channels, pool.shape[2],
         x.stride(0), x.stride(1), pool.stride(0), pool.stride(1),
-        KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=triton.next_power_of_2(length),
-        FULL=triton.next_power_of_2(weight.shape[1] - 1 + length),
+        KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=max_t, FULL=triton.next_power_of_2(weight.shape[1] - 1 + max_t),
     )  # fmt: skip
     return out
 

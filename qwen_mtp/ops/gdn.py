@@ -170,7 +170,10 @@ def _gdn_recurrent_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One binary for every T and pool size: Triton would otherwise compile T == 1 separately, and two binaries
+    # may contract `state * exp(g) + k * delta` into FMAs differently (seen on the H200: decode and verify
+    # states differed).
+    @triton.jit(do_not_specialize=["T", "sq_b", "sv_b", "sa_b", "so_b", "sp_r"])
     def kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, HV, GROUP, scale,

@@ -50,7 +50,7 @@ def _paged_attention_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "sq_b"])  # one binary for decode (T=1) and verify (T=K+1)
     def kernel(
         q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
         T, GROUP, scale,

@@ -39,3 +39,25 @@ def test_run_with_mtp_prints_acceptance():
     assert "acceptance length" in proc.stdout and "per-position acceptance [" in proc.stdout
     token_lines = [line for line in proc.stdout.splitlines() if "token ids:" in line]
     assert token_lines == [line for line in plain.stdout.splitlines() if "token ids:" in line]  # lossless
+
+
+def test_bench_reports_every_row_exact(tmp_path):
+    """`qwen-mtp bench` on the tiny fixture (CPU): plain + MTP rows, token-exact, table/JSON written.
+    (Speed is never asserted; this checks the report.)"""
+    import json
+
+    proc = _run(
+        "bench", "recipes/bench-tiny.yaml", "--set", "bench.batch_sizes=[2]", "--set", "bench.ks=[2]",
+        "--set", "bench.accept_rates=[1.0]", "--set", "bench.output_len=6", "--set", f"bench.out_dir={tmp_path}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = report["rows"]
+    assert [(r["mode"], r["k"], r["draft"]) for r in rows] == [
+        ("plain", 0, "-"),
+        ("mtp", 2, "oracle"),
+        ("mtp", 2, "head"),
+    ]
+    assert all(r["exact"] for r in rows)
+    assert rows[1]["acceptance_length"] > 2.0  # oracle 1.0, output cut at 6 tokens
+    assert "x plain" in proc.stdout and (tmp_path / "bench.txt").exists()

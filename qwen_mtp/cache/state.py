@@ -28,12 +28,10 @@ class StatePool:
     ):
         self.layer_index = {name: i for i, name in enumerate(layers)}
         self.num_rows = num_rows
-        self.spec_tokens = spec_tokens
         self.kernel = conv_kernel
-        self.window = conv_kernel - 1 + spec_tokens
-        slots = 1 + spec_tokens
-        # [layers, rows, conv_dim, window]: the last `window` raw inputs of the conv, oldest first
-        self.conv = torch.zeros(len(layers), num_rows, conv_dim, self.window, dtype=conv_dtype, device=device)
+        window, slots = conv_kernel - 1 + spec_tokens, 1 + spec_tokens
+        # [layers, rows, conv_dim, window]: raw conv inputs, oldest first; the committed window starts at offset j
+        self.conv = torch.zeros(len(layers), num_rows, conv_dim, window, dtype=conv_dtype, device=device)
         # [layers, rows, slots, Hv, dk, dv]
         self.ssm = torch.zeros(
             len(layers), num_rows, slots, value_heads, key_dim, value_dim, dtype=state_dtype, device=device

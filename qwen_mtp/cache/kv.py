@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from qwen_mtp.ops.paged_attention import gather_kv
+
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
@@ -85,8 +87,4 @@ class PagePool:
 
     def read(self, layer: str, request: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length): each [length, KV, D]."""
-        positions = torch.arange(length, device=self.storage.device)
-        table = torch.tensor(self.tables[request], device=self.storage.device)
-        pages, offsets = table[positions // self.page_size], positions % self.page_size
-        store = self.layer_kv(layer)
-        return store[0, pages, offsets], store[1, pages, offsets]
+        return gather_kv(self.layer_kv(layer), self.block_table([request])[0], length)

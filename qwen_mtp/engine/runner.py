@@ -18,7 +18,7 @@ from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.ops import conv, gdn, paged_attention  # noqa: F401  (registers the torch.ops.qwen_mtp ops)
 from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.linear import batch_invariant_linears
-from qwen_mtp.ops.paged_attention import write_kv
+from qwen_mtp.ops.paged_attention import gather_kv, write_kv
 
 
 class StepKind(enum.Enum):
@@ -62,7 +62,7 @@ class PagedStepCache:
             return out.transpose(1, 2)
         # A prefill chunk (one request): causal attention over the pages written so far.
         write_kv(k, v, kv, batch.block_tables, batch.positions)
-        keys, values = self.pages.read(layer, batch.request_ids[0], int(batch.positions[0, -1]) + 1)
+        keys, values = gather_kv(kv, batch.block_tables[0], int(batch.context_lens[0]))
         return causal_attention(q.transpose(1, 2), keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale)
 
     def gdn_recurrent(self, num_tokens: int) -> bool:

@@ -6,6 +6,8 @@ what one pass over the whole sequence computes: zeros stand before position 0.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,7 @@ def conv_update_reference(
     return out.transpose(1, 2)
 
 
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _conv_update_kernel():
     import triton
     import triton.language as tl
@@ -102,18 +105,13 @@ def _conv_update_kernel():
     return kernel
 
 
-_KERNELS: dict[str, object] = {}
-
-
 def conv_update_triton(
     x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
 ) -> torch.Tensor:
     """Triton version of `conv_update_reference` (same arguments, same in-place pool update)."""
     import triton
 
-    if "conv_update" not in _KERNELS:
-        _KERNELS["conv_update"] = _conv_update_kernel()
-    kernel = _KERNELS["conv_update"]
+    kernel = _conv_update_kernel()
     batch, length, channels = x.shape
     x = x.contiguous()
     weight = weight.contiguous()

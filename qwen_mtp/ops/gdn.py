@@ -16,6 +16,8 @@ The operation order follows Hugging Face's torch path so CPU results match it bi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -166,6 +168,7 @@ def gdn_recurrent_reference(
     return out
 
 
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _gdn_recurrent_kernel():
     import triton
     import triton.language as tl
@@ -222,22 +225,17 @@ def _gdn_recurrent_kernel():
     return kernel
 
 
-_KERNELS: dict[str, object] = {}
-
-
 def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803
     """Triton version of `gdn_recurrent_reference` (same arguments, same in-place pool update)."""
     import triton
 
-    if "gdn_recurrent" not in _KERNELS:
-        _KERNELS["gdn_recurrent"] = _gdn_recurrent_kernel()
     batch, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
     assert pool.is_contiguous()
     out = torch.empty_like(v)
     block_v = min(32, triton.next_power_of_2(dv))
-    _KERNELS["gdn_recurrent"][(batch * hv, triton.cdiv(dv, block_v))](
+    _gdn_recurrent_kernel()[(batch * hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, pool, rows, committed, out,
         length, hv, hv // hk, dk**-0.5,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1),

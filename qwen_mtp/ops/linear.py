@@ -13,6 +13,8 @@ The engine enters `batch_invariant_linears()` around those steps; the model keep
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -29,6 +31,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _matmul_kernel():
     import triton
     import triton.language as tl
@@ -67,22 +70,17 @@ def _matmul_kernel():
     return kernel
 
 
-_KERNELS: dict[str, object] = {}
-
-
 def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation)."""
     import triton
 
-    if "matmul" not in _KERNELS:
-        _KERNELS["matmul"] = _matmul_kernel()
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     assert weight.stride(1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = 16, 32 if n >= 4096 else 16, 128  # (N, K)-dependent only, never M
-    _KERNELS["matmul"][(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    _matmul_kernel()[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

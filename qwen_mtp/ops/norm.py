@@ -9,6 +9,8 @@ run on CPU; backward goes through the reference, so fine-tuning works unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,7 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     return (y * F.silu(gate.float())).to(dtype)
 
 
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _norm_kernel():
     import triton
     import triton.language as tl
@@ -61,21 +64,16 @@ def _norm_kernel():
     return kernel
 
 
-_KERNELS: dict[str, object] = {}
-
-
 def norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `rms_norm_reference` (gate None) or `gated_rms_norm_reference`."""
     import triton
 
-    if "norm" not in _KERNELS:
-        _KERNELS["norm"] = _norm_kernel()
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
     gates = rows if gate is None else gate.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
     block = min(1024, triton.next_power_of_2(n))
-    _KERNELS["norm"][(rows.shape[0],)](rows, gates, weight, out, n, eps, GATED=gate is not None, BLOCK=block)
+    _norm_kernel()[(rows.shape[0],)](rows, gates, weight, out, n, eps, GATED=gate is not None, BLOCK=block)
     return out.reshape(x.shape)
 
 

@@ -9,6 +9,8 @@ Cache layout per layer: kv [2, pages, page_size, KV, D]; block_tables [B, max_pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qwen_mtp.ops.attention import causal_attention
@@ -26,19 +28,22 @@ def write_kv(
     kv[1, pages, offsets] = v.to(kv.dtype)
 
 
+def gather_kv(kv: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, length) of one request (page table row `table`): each [length, KV, D]."""
+    positions = torch.arange(length, device=kv.device)
+    pages, offsets = table[positions // kv.shape[2]].long(), positions % kv.shape[2]
+    return kv[0, pages, offsets], kv[1, pages, offsets]
+
+
 def paged_attention_reference(
     q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [B, T, H, D] -> [B, T, H, D]; one query at a time through `scaled_dot_product_attention`."""
     batch, length = q.shape[:2]
-    page_size = kv.shape[2]
     out = torch.empty_like(q)
     for b in range(batch):
         context = int(context_lens[b])
-        positions = torch.arange(context, device=q.device)
-        pages = block_tables[b, positions // page_size].long()
-        keys = kv[0, pages, positions % page_size].transpose(0, 1)[None]  # [1, KV, S, D]
-        values = kv[1, pages, positions % page_size].transpose(0, 1)[None]
+        keys, values = (t.transpose(0, 1)[None] for t in gather_kv(kv, block_tables[b], context))  # [1, KV, S, D]
         for t in range(length):
             end = context - length + t + 1
             query = q[b, t][None, :, None]  # [1, H, 1, D]
@@ -46,6 +51,7 @@ def paged_attention_reference(
     return out
 
 
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _paged_attention_kernel():
     import triton
     import triton.language as tl
@@ -105,24 +111,19 @@ def _paged_attention_kernel():
     return kernel
 
 
-_KERNELS: dict[str, object] = {}
-
-
 def paged_attention_triton(
     q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Triton version of `paged_attention_reference`."""
     import triton
 
-    if "paged_attention" not in _KERNELS:
-        _KERNELS["paged_attention"] = _paged_attention_kernel()
     batch, length, heads, dim = q.shape
     kv_heads, page_size = kv.shape[3], kv.shape[2]
     q = q.contiguous()
     assert kv.is_contiguous() and block_tables.is_contiguous()
     out = torch.empty_like(q)
     group = heads // kv_heads
-    _KERNELS["paged_attention"][(batch * length, kv_heads)](
+    _paged_attention_kernel()[(batch * length, kv_heads)](
         q, kv, block_tables, context_lens, out,
         length, group, scale,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),

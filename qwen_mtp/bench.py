@@ -9,6 +9,7 @@ copy bandwidth measured at start) / measured step time.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
 def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", accept: float = 1.0) -> Recipe:
     bench = recipe.bench
     spec = k or 0
+    compile_ = dataclasses.replace(recipe.compile, batch_sizes=[batch])  # one bucket: the batch itself
     cache = dataclasses.replace(
         recipe.cache,
         max_batch=batch,
@@ -90,7 +92,7 @@ def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", acc
         prefill_chunk=max(recipe.cache.prefill_chunk, bench.prompt_len),
     )
     mtp = dataclasses.replace(recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept)
-    return dataclasses.replace(recipe, cache=cache, mtp=mtp)
+    return dataclasses.replace(recipe, cache=cache, mtp=mtp, compile=compile_)
 
 
 def _run(engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None) -> dict[str, Any]:
@@ -139,6 +141,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     sizes = weight_bytes(loaded)
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per step: target {sizes['target'] / 1e9:.2f} GB, "
         f"MTP draft step {sizes['mtp_step'] / 1e9:.2f} GB")  # fmt: skip
+    graphs = recipe.compile
+    log(f"decode path: torch.compile {'on (' + graphs.backend + ')' if graphs.enabled else 'off'}, "
+        f"CUDA graphs {'on' if graphs.cuda_graphs else 'off'}")  # fmt: skip
     configs: list[tuple[int | None, str, float]] = [(None, "-", 0.0)]
     for k in bench.ks:
         configs += [(k, "oracle", rate) for rate in bench.accept_rates]
@@ -153,6 +158,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
         plain_tokens, plain_tps = None, None
         for k, draft, rate in configs:
             engine = Engine(loaded, _variant(recipe, batch, k, draft, rate), log=lambda _: None)
+            engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
             _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]])  # warm-up
             engine.timer.enabled = True
@@ -190,6 +196,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 )
             )
             del engine
+            gc.collect()  # the engine's CUDA graphs hold their memory pool until collected
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             bar.update(1)

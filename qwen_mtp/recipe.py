@@ -15,6 +15,7 @@ import yaml
 from qwen_mtp.errors import RecipeError
 
 DTYPES = ("float32", "bfloat16", "float16")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -58,9 +59,10 @@ class CacheSection:
 
 @dataclass
 class CompileSection:
-    enabled: bool = False
-    cuda_graphs: bool = False
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    enabled: bool = False  # torch.compile(fullgraph=True) the decode, verify and draft steps
+    cuda_graphs: bool = False  # capture them in CUDA graphs, one per batch bucket (CUDA only)
+    batch_sizes: list[int] = field(default_factory=list)  # buckets; empty: 1, 2, 4, ... up to cache.max_batch
+    backend: str = "inductor"  # torch.compile backend (aot_eager / eager: for debugging)
 
 
 @dataclass
@@ -229,6 +231,10 @@ def _validate(r: Recipe) -> None:
     _require(0.0 < c.memory_fraction <= 1.0, f"cache.memory_fraction must be in (0, 1], got {c.memory_fraction}")
     _require(
         all(b >= 1 for b in r.compile.batch_sizes), f"compile.batch_sizes must be positive, got {r.compile.batch_sizes}"
+    )
+    _require(
+        r.compile.backend in COMPILE_BACKENDS,
+        f"compile.backend must be one of {list(COMPILE_BACKENDS)}, got {r.compile.backend!r}",
     )
     b = r.bench
     _require(all(n >= 1 for n in b.batch_sizes) and b.batch_sizes, "bench.batch_sizes must be positive integers")

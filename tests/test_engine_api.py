@@ -1,4 +1,5 @@
-"""`Engine` API: recipes, tokenizer round trip, request validation, features not yet available."""
+"""`Engine` API: recipes, tokenizer round trip, request validation, features not yet available, compile settings
+that cannot work."""
 
 import pytest
 
@@ -32,8 +33,21 @@ def test_bad_requests_raise(engine, prompt, max_new, message):
         engine.generate([[1, 2, 3], prompt], max_new_tokens=max_new)
 
 
-@pytest.mark.parametrize("override", ["parallel.tp=2", "model.quant=fp8-block", "compile.enabled=true"])
+@pytest.mark.parametrize("override", ["parallel.tp=2", "model.quant=fp8-block"])
 def test_features_not_yet_available_are_refused_by_key(override):
     key = override.split("=")[0]
     with pytest.raises(RecipeError, match=key):
         Engine.from_recipe({"model": {"fixture": "tiny", "device": "cpu"}}, (override,))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("compile.cuda_graphs=true",), "compile.cuda_graphs needs a CUDA device"),
+        (("compile.enabled=true", "compile.batch_sizes=[1, 2]", "cache.max_batch=4"), "must cover cache.max_batch"),
+        (("compile.backend=tvm",), "compile.backend must be one of"),
+    ],
+)
+def test_impossible_compile_settings_are_refused(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        Engine.from_recipe({"model": {"fixture": "tiny", "device": "cpu"}}, overrides)

@@ -4,6 +4,7 @@ fp16 inputs; on CUDA when there is one), updates the pools the same way, and is 
 import pytest
 import torch
 
+from qwen_mtp.ops import linear
 from qwen_mtp.ops.conv import conv_update_reference, conv_update_triton
 from qwen_mtp.ops.gdn import gdn_recurrent_reference, gdn_recurrent_triton
 from qwen_mtp.ops.linear import invariant_matmul_triton
@@ -103,14 +104,18 @@ def test_paged_attention_verify_block_equals_decode_per_position():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_invariant_matmul_matches_and_is_batch_invariant(dtype):
-    weight, x = rand(40, 200, dtype=dtype, seed=1), rand(19, 200, dtype=dtype, seed=2)
+@pytest.mark.parametrize("k,programs", [(200, 512), (300, 512), (300, 1)])  # split K in 2, 3, none
+def test_invariant_matmul_matches_and_is_batch_invariant(dtype, k, programs, monkeypatch):
+    monkeypatch.setattr(linear, "TARGET_PROGRAMS", programs)
+    weight, x = rand(40, k, dtype=dtype, seed=1), rand(19, k, dtype=dtype, seed=2)
     full = invariant_matmul_triton(x, weight)
     torch.testing.assert_close(
         full.float(), x.float() @ weight.float().T, rtol=2e-3, atol=2e-2 if dtype == torch.float16 else 1e-4
     )
     for i in range(0, 19, 3):
         assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight), full[i : i + 1])
+    if programs == 1:
+        assert linear.gemm_plan(40, k)[1] == 3  # one split: the whole K loop in one program
 
 
 def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():

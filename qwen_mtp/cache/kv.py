@@ -31,8 +31,13 @@ class PagePool:
         self.layer_index = {name: i for i, name in enumerate(layers)}
         self.num_pages = num_pages
         self.page_size = page_size
-        # [layers, 2 (k, v), pages, page_size, kv_heads, head_dim]: one allocation at a fixed address
-        self.storage = torch.zeros(len(layers), 2, num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+        # [layers, 2 (k, v), pages, page_size, kv_heads, head_dim]: one allocation at a fixed address. One page
+        # more than the budget: `scratch_page`, which no request owns, takes the writes of a CUDA graph's
+        # padding rows.
+        self.scratch_page = num_pages
+        self.storage = torch.zeros(
+            len(layers), 2, num_pages + 1, page_size, kv_heads, head_dim, dtype=dtype, device=device
+        )
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low page ids first
         self.tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # request -> pages it may still take
@@ -79,11 +84,12 @@ class PagePool:
         """The layer's cache memory [2 (k, v), pages, page_size, KV, D] (a contiguous view)."""
         return self.storage[self.layer_index[layer]]
 
-    def block_table(self, requests: list[int]) -> torch.Tensor:
-        """Page tables of `requests` as one [B, max pages] int32 tensor (padded with page 0, never read)."""
+    def block_table(self, requests: list[int], device: torch.device | None = None) -> torch.Tensor:
+        """Page tables of `requests` as one [B, max pages] int32 tensor (padded with the scratch page, never
+        read), on `device` (default: the pool's)."""
         width = max(len(self.tables[r]) for r in requests)
-        rows = [self.tables[r] + [0] * (width - len(self.tables[r])) for r in requests]
-        return torch.tensor(rows, dtype=torch.int32, device=self.storage.device)
+        rows = [self.tables[r] + [self.scratch_page] * (width - len(self.tables[r])) for r in requests]
+        return torch.tensor(rows, dtype=torch.int32, device=device or self.storage.device)
 
     def read(self, layer: str, request: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length): each [length, KV, D]."""

@@ -30,15 +30,19 @@ class StatePool:
         self.num_rows = num_rows
         self.kernel = conv_kernel
         window, slots = conv_kernel - 1 + spec_tokens, 1 + spec_tokens
+        # One row more than the budget: `scratch_row`, which no request owns, takes the writes of a CUDA
+        # graph's padding rows.
+        self.scratch_row = num_rows
+        rows = num_rows + 1
         # [layers, rows, conv_dim, window]: raw conv inputs, oldest first; the committed window starts at offset j
-        self.conv = torch.zeros(len(layers), num_rows, conv_dim, window, dtype=conv_dtype, device=device)
+        self.conv = torch.zeros(len(layers), rows, conv_dim, window, dtype=conv_dtype, device=device)
         # [layers, rows, slots, Hv, dk, dv]
         self.ssm = torch.zeros(
-            len(layers), num_rows, slots, value_heads, key_dim, value_dim, dtype=state_dtype, device=device
+            len(layers), rows, slots, value_heads, key_dim, value_dim, dtype=state_dtype, device=device
         )
         # Per row: where the committed state sits. After a step that accepted j drafts it is j: the SSM state
         # is in slot j and the conv window starts at offset j. Committing is writing this index, nothing else.
-        self.committed = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.committed = torch.zeros(rows, dtype=torch.long, device=device)
         self._free = list(range(num_rows - 1, -1, -1))
         self.rows: dict[int, int] = {}
 

@@ -16,6 +16,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.request import Request, SpecStats, Status
 from qwen_mtp.engine.runner import Runner, StepKind
 from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
@@ -61,7 +62,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.pages, self.states, recipe.cache.max_batch, recipe.cache.prefill_chunk, lookahead=self.spec_tokens
         )
-        self.runner = Runner(self.model, self.pages, self.states, self.device)
+        self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
+        if recipe.compile.enabled or recipe.compile.cuda_graphs:
+            self.runner.graphs = self._build_graphs(log or _stderr)
         self.speculator = None
         if recipe.mtp.enabled:
             mtp = recipe.mtp
@@ -94,6 +97,35 @@ class Engine:
             device=self.device,
         )
         return pages, states
+
+    def _build_graphs(self, log: Callable[[str], None]) -> StepGraphs:
+        settings = self.recipe.compile
+        if settings.cuda_graphs and self.device.type != "cuda":
+            raise RecipeError(f"compile.cuda_graphs needs a CUDA device, the model is on {self.device}")
+        sizes = bucket_sizes(settings.batch_sizes, self.recipe.cache.max_batch)
+        if sizes[-1] < self.recipe.cache.max_batch:
+            raise RecipeError(
+                f"compile.batch_sizes {sizes} must cover cache.max_batch ({self.recipe.cache.max_batch}): a request "
+                "must never switch between graphed and eager steps"
+            )
+        pool_tokens = self.pages.num_pages * self.pages.page_size
+        longest = min(self.config.max_position_embeddings + self.spec_tokens, pool_tokens)  # one request, at most
+        return StepGraphs(
+            self.runner.steps,
+            sizes,
+            pages_for(longest, self.pages.page_size),
+            compile=settings.enabled,
+            capture=settings.cuda_graphs,
+            backend=settings.backend,
+            log=log,
+        )
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile and capture every decode-path step now (otherwise each is built the first time it runs)."""
+        if self.runner.graphs is not None:
+            spec = self.spec_tokens + 1 if self.speculator is not None else None
+            self.runner.graphs.warmup([1] + ([spec] if spec else []), spec)
 
     @classmethod
     def from_recipe(
@@ -234,7 +266,7 @@ class Engine:
         """Plain greedy decode: one token per request."""
         tokens = [[r.tokens[r.num_computed]] for r in requests]
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
-        next_tokens = self.runner.greedy(self.runner.target(batch)[:, -1], batch).tolist()
+        next_tokens = self.runner.decode(batch)[1][:, -1].tolist()
         updates = []
         for request, token in zip(requests, next_tokens, strict=True):
             request.num_computed += 1

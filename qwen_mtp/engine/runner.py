@@ -1,96 +1,36 @@
 """Tensors in, tokens out: builds a `StepBatch` for the scheduler's choice and runs the target model or the
-MTP head on the paged caches. It decides nothing (that is the scheduler's and the speculator's job) and keeps
-no module-global context: a step's tensors travel in the `StepBatch` and reach the layers through a
-`PagedStepCache`."""
+MTP head on the paged caches. It decides nothing (that is the scheduler's and the speculator's job).
+
+Prefill chunks run eagerly, one request at a time. Decode-path steps (plain decode, verify, MTP draft) run the
+pure-tensor functions of `steps.py`, through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the
+recipe turns that on.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import enum
-from dataclasses import dataclass
 
 import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine.graphs import StepGraphs
+from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.engine.request import Request
+from qwen_mtp.engine.steps import DecodeSteps
 from qwen_mtp.model import QwenHybridForCausalLM
-from qwen_mtp.ops import conv, gdn, paged_attention  # noqa: F401  (registers the torch.ops.qwen_mtp ops)
-from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.linear import batch_invariant_linears
-from qwen_mtp.ops.paged_attention import gather_kv, write_kv
 
-
-class StepKind(enum.Enum):
-    PREFILL = "prefill"  # one request's prompt chunk, chunked delta rule
-    DECODE = "decode"  # T tokens per request, token by token: plain decode (T=1) and verify (T=K+1)
-
-
-@dataclass
-class StepBatch:
-    """One forward: each of B requests feeds T consecutive tokens."""
-
-    kind: StepKind
-    request_ids: list[int]
-    token_ids: torch.Tensor  # [B, T]
-    positions: torch.Tensor  # [B, T]
-    state_rows: torch.Tensor  # [B] rows of the state pool
-    block_tables: torch.Tensor  # [B, max pages] int32: each request's KV pages
-    context_lens: torch.Tensor  # [B] int32: positions cached after this step
-    fresh: bool  # the sequences start here: no conv window or SSM state yet
-
-
-class PagedStepCache:
-    """The `ForwardCache` the model sees during one engine step: reads and writes the shared pools through
-    the custom ops (`qwen_mtp::paged_attention`, `conv_update`, `gdn_recurrent`; Triton on CUDA)."""
-
-    def __init__(self, batch: StepBatch, pages: PagePool, states: StatePool):
-        self.batch, self.pages, self.states = batch, pages, states
-
-    def positions(self, num_tokens: int) -> torch.Tensor:
-        return self.batch.positions
-
-    def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, kv = self.batch, self.pages.layer_kv(layer)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, heads, D]
-        if batch.kind is StepKind.DECODE:
-            # One query at a time over exactly its visible keys, so position p of a (K+1)-token verify is
-            # computed as a 1-token decode at p computes it.
-            out = torch.ops.qwen_mtp.paged_attention(
-                q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale
-            )
-            return out.transpose(1, 2)
-        # A prefill chunk (one request): causal attention over the pages written so far.
-        write_kv(k, v, kv, batch.block_tables, batch.positions)
-        keys, values = gather_kv(kv, batch.block_tables[0], int(batch.context_lens[0]))
-        return causal_attention(q.transpose(1, 2), keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale)
-
-    def gdn_recurrent(self, num_tokens: int) -> bool:
-        return self.batch.kind is StepKind.DECODE
-
-    def gdn_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.batch.fresh:
-            return None, None  # the layer's zero-initial path, exactly as a whole-sequence forward
-        return self.states.read(layer, self.batch.state_rows)
-
-    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
-        self.states.write(layer, self.batch.state_rows, window, ssm)
-
-    def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        pool = self.states.layer_conv(layer)
-        return torch.ops.qwen_mtp.conv_update(x, weight, pool, self.batch.state_rows, self.states.committed)
-
-    def gdn_delta_rule(self, layer, q, k, v, a, b, A_log, dt_bias) -> torch.Tensor:  # noqa: N803
-        pool, rows, committed = self.states.layer_ssm(layer), self.batch.state_rows, self.states.committed
-        return torch.ops.qwen_mtp.gdn_recurrent(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
-
-    def advance(self, num_tokens: int) -> None:
-        """Progress is tracked on the requests by the engine."""
+__all__ = ["Runner", "StepBatch", "StepKind"]
 
 
 class Runner:
-    def __init__(self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, device: torch.device):
+    def __init__(
+        self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, device: torch.device, k: int = 0
+    ):
         self.model, self.pages, self.states, self.device = model, pages, states, device
+        self.steps = DecodeSteps(model, pages, states, k)
+        self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
 
     def batch(self, kind: StepKind, requests: list[Request], tokens: list[list[int]], starts: list[int]) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` at positions starting at `starts[b]`."""
@@ -98,14 +38,12 @@ class Runner:
         for request, first in zip(requests, starts, strict=True):
             self.pages.grow(request.id, first + length)
         offsets = torch.arange(length, device=self.device)
-        ids = [r.id for r in requests]
         return StepBatch(
             kind=kind,
-            request_ids=ids,
             token_ids=torch.tensor(tokens, device=self.device),
             positions=torch.tensor(starts, device=self.device)[:, None] + offsets,
-            state_rows=torch.tensor([self.states.rows[i] for i in ids], device=self.device),
-            block_tables=self.pages.block_table(ids),
+            state_rows=torch.tensor([self.states.rows[r.id] for r in requests], device=self.device),
+            block_tables=self.pages.block_table([r.id for r in requests]),
             context_lens=torch.tensor([first + length for first in starts], dtype=torch.int32, device=self.device),
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
         )
@@ -114,6 +52,7 @@ class Runner:
         """Decode-kind steps compute every row on its own (see ops/linear.py); a prefill runs alone anyway."""
         return batch_invariant_linears() if batch.kind is StepKind.DECODE else contextlib.nullcontext()
 
+    # ---- prefill (eager) -------------------------------------------------------------------------------------
     def target(self, batch: StepBatch) -> torch.Tensor:
         """Target model over the batch: post-norm hidden states [B, T, H]."""
         with self._invariant(batch):
@@ -122,8 +61,8 @@ class Runner:
 
     def mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         """MTP head at the batch's positions (writing its own KV there). For an MTP batch `token_ids` hold the
-        *next* tokens (token i+1 at position i) and `hidden` [B, T, H] the matching target (or previous draft)
-        hidden states. Returns post-`mtp.norm` hidden [B, T, H]."""
+        *next* tokens (token i+1 at position i) and `hidden` [B, T, H] the matching target hidden states.
+        Returns post-`mtp.norm` hidden [B, T, H]."""
         with self._invariant(batch):
             cache = PagedStepCache(batch, self.pages, self.states)
             return self.model.mtp_hidden_states(batch.token_ids, hidden, batch.positions, cache)
@@ -133,3 +72,21 @@ class Runner:
         Hugging Face's greedy search does."""
         with self._invariant(batch):
             return self.model.logits(hidden).float().argmax(dim=-1)
+
+    def chain(self, batch: StepBatch, hidden: torch.Tensor, first: torch.Tensor, override, use_override):
+        """The MTP draft chain (eager) after a prefill: see `DecodeSteps.chain`."""
+        return self.steps.chain(hidden, first, batch.state_rows, batch.block_tables, override, use_override)
+
+    # ---- decode path (graphs when enabled) -------------------------------------------------------------------
+    def decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target over a decode or verify batch: hidden [B, T, H] and greedy tokens [B, T]."""
+        run = self.graphs.target if self.graphs is not None else self.steps.target
+        return run(batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
+
+    def draft(self, batch: StepBatch, hidden, accepted, override, use_override) -> torch.Tensor:
+        """MTP catch-up over a verified batch plus the draft chain: drafts [B, K] (see `DecodeSteps.draft`)."""
+        run = self.graphs.draft if self.graphs is not None else self.steps.draft
+        return run(
+            batch.token_ids, hidden, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens,
+            accepted, override, use_override,
+        )  # fmt: skip

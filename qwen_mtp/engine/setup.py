@@ -36,8 +36,6 @@ def check_supported(recipe: Recipe) -> None:
     later = {
         "parallel.tp": recipe.parallel.tp != 1,
         "model.quant": recipe.model.quant != "none",
-        "compile.enabled": recipe.compile.enabled,
-        "compile.cuda_graphs": recipe.compile.cuda_graphs,
     }
     for key, requested in later.items():
         if requested:

@@ -53,7 +53,10 @@ class Speculator:
         batch = self.runner.batch(StepKind.PREFILL, [request], [following], [start])
         mtp_hidden = self.runner.mtp(batch, hidden)
         if first_token is not None:
-            self._draft([request], mtp_hidden[:, -1], batch)
+            chain = self._chain_batch([request], StepKind.PREFILL)
+            first = torch.tensor([request.num_computed], device=hidden.device)
+            drafts = self.runner.chain(chain, mtp_hidden[:, -1], first, *self._overrides([request], hidden.device))
+            request.drafts = drafts.tolist()[0]
 
     # ---- decode --------------------------------------------------------------------------------------------
     def verify(self, requests: list[Request]) -> tuple[list[list[int]], _Verified]:
@@ -63,8 +66,8 @@ class Speculator:
         starts = [r.num_computed for r in requests]
         tokens = [[r.tokens[r.num_computed]] + r.drafts for r in requests]
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, starts)
-        hidden = self.runner.target(batch)  # [B, K+1, H]
-        argmax = self.runner.greedy(hidden, batch).tolist()  # the step's one host sync
+        hidden, argmax = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
+        argmax = argmax.tolist()  # the verify's one host sync
         gained, accepted = [], []
         for request, row in zip(requests, argmax, strict=True):
             j = 0
@@ -83,42 +86,41 @@ class Speculator:
         if not live:
             return
         keep = [i for i, r in enumerate(verified.requests) if r in live]
+        self._chain_batch(live, StepKind.DECODE)  # grows the pages the chain writes
         batch = self.runner.batch(
             StepKind.DECODE,
             live,
             [verified.argmax[i] for i in keep],
             [verified.starts[i] for i in keep],
         )
-        mtp_hidden = self.runner.mtp(batch, verified.hidden[keep])  # [B, K+1, H]
-        rows = torch.arange(len(keep), device=mtp_hidden.device)
-        accepted = torch.tensor([verified.accepted[i] for i in keep], device=mtp_hidden.device)
-        self._draft(live, mtp_hidden[rows, accepted], batch)
-
-    def _draft(self, requests: list[Request], hidden: torch.Tensor, batch: StepBatch) -> None:
-        """Draft d1..dK from the MTP output at each request's last consumed position ([B, H])."""
-        drafts = [[] for _ in requests]
-        for step in range(self.k):
-            proposed = self.runner.greedy(hidden, batch).tolist()
-            for i, request in enumerate(requests):
-                drafts[i].append(self._oracle(request, step, proposed[i]))
-            if step == self.k - 1:
-                break
-            # The next draft sits one position further: MTP input (d_step, own output) at position n + step.
-            starts = [r.num_computed + step for r in requests]
-            batch = self.runner.batch(StepKind.DECODE, requests, [[d[-1]] for d in drafts], starts)
-            hidden = self.runner.mtp(batch, hidden[:, None])[:, 0]
-        for request, proposal in zip(requests, drafts, strict=True):
+        device = verified.hidden.device
+        accepted = torch.tensor([verified.accepted[i] for i in keep], device=device)
+        hidden = verified.hidden[torch.tensor(keep, device=device)]
+        drafts = self.runner.draft(batch, hidden, accepted, *self._overrides(live, device)).tolist()
+        for request, proposal in zip(live, drafts, strict=True):
             request.drafts = proposal
 
-    def _oracle(self, request: Request, step: int, proposed: int) -> int:
-        """In oracle mode, replace the head's proposal with the plain-greedy token with probability
-        `oracle_accept` (seeded per request). The head still ran, so the step costs the same."""
-        if self.draft_mode != "oracle" or request.oracle is None:
-            return proposed
-        index = request.num_computed + 1 + step - len(request.prompt)  # output index of this draft
-        if index >= len(request.oracle) or self._rngs[request.id].random() >= self.oracle_accept:
-            return proposed
-        return request.oracle[index]
+    def _chain_batch(self, requests: list[Request], kind: StepKind) -> StepBatch:
+        """The pages (and a batch for) the draft chain: steps 2..K sit at positions n'..n'+K-2, where n' =
+        `num_computed` after the step."""
+        last = max(self.k - 1, 1)
+        return self.runner.batch(kind, requests, [[0] * last for _ in requests], [r.num_computed for r in requests])
+
+    def _overrides(self, requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Oracle mode: the plain-greedy tokens that replace the head's proposals ([B, K]) and where ([B, K]
+        bool), each draft replaced with probability `oracle_accept` (seeded per request). The head still runs,
+        so a step costs the same."""
+        override = [[0] * self.k for _ in requests]
+        use = [[False] * self.k for _ in requests]
+        if self.draft_mode == "oracle":
+            for i, request in enumerate(requests):
+                for step in range(self.k):
+                    index = request.num_computed + 1 + step - len(request.prompt)  # output index of this draft
+                    if request.oracle is None or index >= len(request.oracle):
+                        continue
+                    if self._rngs[request.id].random() < self.oracle_accept:
+                        override[i][step], use[i][step] = request.oracle[index], True
+        return torch.tensor(override, device=device), torch.tensor(use, device=device)
 
 
 @dataclass

@@ -6,9 +6,12 @@ kernels (and split-K) by M. Greedy decoding must give a request the same tokens 
 batch, so on that path every row's reduction order must not depend on the row count:
 - CPU: every row is its own 1-row product, `bmm` over [rows, 1, K] x [rows, K, N] (weight broadcast, not
   copied);
-- CUDA: our Triton GEMM, whose tile sizes are a function of (N, K) only and whose K loop runs in one fixed
-  order with no split-K, so a row's result is the same for M = 1 and M = 160.
+- CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only, and the split
+  partial sums are added in one fixed order by a second kernel (never atomics), so a row's result is the same
+  for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few output tiles (tall K like `down_proj`,
+  tiny N like `in_proj_a`), where one program per tile would leave most SMs idle.
 The engine enters `batch_invariant_linears()` around those steps; the model keeps plain `nn.Linear` modules.
+`qwen_mtp::invariant_linear` is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from torch.overrides import TorchFunctionMode
 
 from qwen_mtp.ops.triton_utils import INTERPRET
 
+BLOCK_M, BLOCK_K = 16, 128
+TARGET_PROGRAMS = 512  # enough programs in flight to saturate HBM on a 132-SM H200
+
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` with each row of x reduced on its own: the result of a row never depends on the others."""
@@ -31,26 +37,37 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-@functools.cache  # build (and let Triton cache) the kernel once, on first use
-def _matmul_kernel():
+def gemm_plan(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, K blocks per split) for an [N, K] weight: a function of the weight's shape only, never of M."""
+    block_n = 32 if n >= 4096 else 16
+    tiles, k_blocks = -(-n // block_n), -(-k // BLOCK_K)
+    splits = max(1, min(k_blocks, TARGET_PROGRAMS // tiles))
+    return block_n, -(-k_blocks // splits)
+
+
+@functools.cache  # build (and let Triton cache) the kernels once, on first use
+def _kernels():
     import triton
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
-    def kernel(
+    def matmul(
         x_ptr, w_ptr, out_ptr, M, N, K,
-        sx_m, sw_n, so_m,
+        sx_m, sw_n, so_s, so_m, k_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
+        # every row tile from L2.
+        pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + ks) < K
+        k_start = split * k_per_split * BLOCK_K
+        k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kmask = (k0 + ks) < k_end
             x = tl.load(
                 x_ptr + ms[:, None] * sx_m + (k0 + ks)[None, :], mask=(ms[:, None] < M) & kmask[None, :], other=0.0
             )
@@ -62,42 +79,73 @@ def _matmul_kernel():
             else:
                 acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         tl.store(
-            out_ptr + ms[:, None] * so_m + ns[None, :],
+            out_ptr + split * so_s + ms[:, None] * so_m + ns[None, :],
             acc.to(out_ptr.dtype.element_ty),
             mask=(ms[:, None] < M) & (ns[None, :] < N),
         )
 
-    return kernel
+    @triton.jit(do_not_specialize=["numel"])
+    def sum_splits(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        # Partial sums added in split order 0, 1, ..., SPLITS-1: the same order for every row count.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+        for s in range(1, SPLITS):
+            acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return matmul, sum_splits
 
 
 def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation)."""
     import triton
 
+    matmul, sum_splits = _kernels()
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     assert weight.stride(1) == 1
+    block_n, k_per_split = gemm_plan(n, k)
+    splits = triton.cdiv(triton.cdiv(k, BLOCK_K), k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = 16, 32 if n >= 4096 else 16, 128  # (N, K)-dependent only, never M
-    _matmul_kernel()[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    matmul[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), splits)](
+        x, weight, part, m, n, k, x.stride(0), weight.stride(0), m * n, n, k_per_split,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        sum_splits[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block)
     return out
 
 
+@torch.library.custom_op("qwen_mtp::invariant_linear", mutates_args=())
+def invariant_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Custom op: `rowwise_linear` on CPU, the batch-invariant Triton GEMM on CUDA (x [..., K], weight [N, K])."""
+    return rowwise_linear(x, weight)
+
+
+@invariant_linear_op.register_kernel("cuda")
+def _(x, weight):
+    return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@invariant_linear_op.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The batch-invariant `F.linear` of this device: Triton GEMM on CUDA, row-wise `bmm` elsewhere."""
-    if not x.is_cuda:
-        return rowwise_linear(x, weight, bias)
-    out = invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    """The batch-invariant `F.linear` of this device."""
+    out = invariant_linear_op(x, weight)
     return out if bias is None else out + bias
 
 
 class batch_invariant_linears(TorchFunctionMode):  # noqa: N801 - used as a context manager, like no_grad
-    """Inside this context every `F.linear` (so every `nn.Linear`) is computed by `invariant_linear`."""
+    """Inside this context every `F.linear` (so every `nn.Linear`) is computed by `invariant_linear`.
+    `torch.compile` traces through the mode when it is entered inside the compiled function."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

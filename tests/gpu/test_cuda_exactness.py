@@ -1,5 +1,6 @@
 """On CUDA (Triton kernels on the decode/verify/draft path): logits vs Hugging Face, MTP-on == MTP-off for
-K = 1..4 at batch 1, 8 and 32 in bf16, and a stress run with a changing batch mix."""
+K = 1..4 at batch 1, 8 and 32 in bf16 (eager, CUDA graphs, and torch.compile + graphs), and a stress run with
+a changing batch mix under CUDA graphs."""
 
 import random
 
@@ -9,11 +10,18 @@ from helpers import load_hf, random_prompt
 
 from qwen_mtp import Engine, load_model
 
+MODES = {  # the decode path: eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs
+    "eager": {},
+    "graphs": {"cuda_graphs": True},
+    "compiled": {"cuda_graphs": True, "enabled": True},
+}
 
-def engine_for(model_source, k=None, draft="head", accept=1.0, max_batch=32, **cache):
+
+def engine_for(model_source, k=None, draft="head", accept=1.0, max_batch=32, mode="eager", **cache):
     # explicit page counts: several engines live at once here, each must not claim most of the GPU
     cache = {"max_batch": max_batch, "num_state_rows": max_batch, "num_pages": 40 * max_batch, **cache}
     recipe = {"model": {**model_source, "dtype": "bfloat16", "device": "cuda"}, "cache": cache}
+    recipe["compile"] = MODES[mode]
     if k is not None:
         recipe["mtp"] = {"enabled": True, "k": k, "draft": draft, "oracle_accept": accept}
     return Engine.from_recipe(recipe, log=lambda _: None)
@@ -30,13 +38,16 @@ def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
     assert ((ours - ref).abs() <= 2 * ulp).float().mean() > 0.999
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_equals_plain_bf16_batch_1_8_32(k):
+@pytest.mark.parametrize(
+    "k,mode,batches",
+    [(k, mode, (1, 8, 32)) for mode in ("eager", "graphs") for k in (1, 2, 3, 4)] + [(2, "compiled", (1, 8))],
+)
+def test_mtp_equals_plain_bf16_batch_1_8_32(k, mode, batches):
     source = {"synthetic": "qwen3.5-0.8b"}
     prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
-    plain = engine_for(source)
-    spec = engine_for(source, k=k, draft="oracle", accept=0.7)
-    for batch in (1, 8, 32):
+    plain = engine_for(source, mode=mode)
+    spec = engine_for(source, k=k, draft="oracle", accept=0.7, mode=mode)
+    for batch in batches:
         expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
         got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
         diverged = [
@@ -45,22 +56,25 @@ def test_mtp_equals_plain_bf16_batch_1_8_32(k):
             if g != e
         ]
         assert not diverged, f"K={k} batch={batch}: (request, first differing token) {diverged}"
-    head = engine_for(source, k=k)
+    head = engine_for(source, k=k, mode=mode)
     assert [r.token_ids for r in head.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]
+    if mode == "graphs":  # graphs change how a step is launched, never its numbers
+        eager = engine_for(source)
+        assert [r.token_ids for r in eager.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_stress_changing_batch_mix(k):
+@pytest.mark.parametrize("k,mode", [(2, "graphs"), (4, "graphs")])
+def test_stress_changing_batch_mix(k, mode):
     """200 prompts (lengths 1..2048), 256 new tokens, arriving while others run: each request's tokens equal
     its plain-decode tokens."""
     rng = random.Random(k)
     prompts = [random_prompt(rng.randint(1, 2048), seed=i, vocab=200000) for i in range(200)]
     source = {"synthetic": "qwen3.5-0.8b"}
-    plain = engine_for(source, max_batch=64, prefill_chunk=512)
+    plain = engine_for(source, max_batch=64, prefill_chunk=512, mode=mode)
     expected = [r.token_ids for r in plain.generate(prompts, max_new_tokens=256, ignore_eos=True)]
     del plain
     torch.cuda.empty_cache()
-    spec = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=64, prefill_chunk=512)
+    spec = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=64, prefill_chunk=512, mode=mode)
     ids = []
     for i, prompt in enumerate(prompts):  # staggered arrivals: the batch mix changes every few steps
         ids.append(spec.submit(prompt, 256, ignore_eos=True, oracle=expected[i]))

@@ -1,0 +1,168 @@
+"""Static-shape execution of the decode-path steps: batch buckets, static input buffers, `torch.compile`, and
+one CUDA graph per (step, bucket, tokens per request).
+
+A step over b requests runs in the smallest bucket B >= b (`compile.batch_sizes`). Its inputs are copied into
+buffers at fixed addresses; rows b..B-1 are padding that points at the pools' scratch state row and scratch
+page, so they never touch a request's state, and since every kernel on this path computes a row on its own
+(batch-invariant), they never change a real row's numbers either. A graph is captured the first time its
+shape is needed (or ahead of time by `Engine.warmup`): two eager warm-up runs on padding only (Triton JIT,
+`torch.compile`), then the capture. Replaying it costs a few microseconds of CPU instead of thousands of
+kernel launches from Python.
+
+Every request that decodes under graphs must always decode under the same ones: a request that ran some steps
+eagerly and some compiled could round differently than in a run that did not. So the engine refuses a
+`cache.max_batch` larger than the largest bucket instead of falling back to eager for big batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from qwen_mtp.engine.steps import DecodeSteps
+from qwen_mtp.errors import RecipeError
+
+
+def bucket_sizes(requested: list[int], max_batch: int) -> list[int]:
+    """`compile.batch_sizes`, or by default powers of two up to `cache.max_batch` (and max_batch itself)."""
+    if requested:
+        return sorted(set(requested))
+    sizes = [1]
+    while sizes[-1] < max_batch:
+        sizes.append(min(2 * sizes[-1], max_batch))
+    return sizes
+
+
+class StaticStep:
+    """One step function at one bucket shape: its static inputs (padding by default), and its captured graph
+    and outputs (or, without capture, a direct call on the static inputs)."""
+
+    def __init__(self, fn: Callable, padding: dict[str, torch.Tensor], capture: bool, pool=None):
+        self.fn, self.padding = fn, padding
+        self.inputs = {name: value.clone() for name, value in padding.items()}
+        self.graph = None
+        if capture:
+            # Warm-up on padding rows only (they write nothing but scratch): Triton JIT and torch.compile run
+            # here, outside the capture. Two runs, as torch.compile may specialise on the second call.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn(**self.inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn(**self.inputs)
+
+    def __call__(self, count: int, **values: torch.Tensor):
+        """Run on the first `count` rows = `values`; the other rows are reset to padding. The outputs are the
+        full bucket's and are overwritten by the next call."""
+        for name, value in values.items():
+            buffer = self.inputs[name]
+            if value.dim() > 1:
+                buffer[:count, : value.shape[1]].copy_(value)  # page tables may be narrower than the buffer
+            else:
+                buffer[:count].copy_(value)
+            if count < buffer.shape[0]:
+                buffer[count:].copy_(self.padding[name][count:])
+        if self.graph is None:
+            return self.fn(**self.inputs)
+        self.graph.replay()
+        return self.outputs
+
+
+class StepGraphs:
+    """The `DecodeSteps` functions behind batch buckets, optionally compiled and captured."""
+
+    def __init__(
+        self,
+        steps: DecodeSteps,
+        batch_sizes: list[int],
+        table_width: int,
+        compile: bool,
+        capture: bool,
+        backend: str = "inductor",
+        log: Callable[[str], None] | None = None,
+    ):
+        self.steps, self.buckets, self.width = steps, sorted(set(batch_sizes)), table_width
+        self.capture, self.log = capture, log or (lambda _: None)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        if compile:
+            _raise_recompile_limit()
+            self.target_fn = torch.compile(steps.target, fullgraph=True, dynamic=False, backend=backend)
+            self.draft_fn = torch.compile(steps.draft, fullgraph=True, dynamic=False, backend=backend)
+        else:
+            self.target_fn, self.draft_fn = steps.target, steps.draft
+        self._steps: dict[tuple[str, int, int], StaticStep] = {}
+
+    def bucket(self, count: int) -> int:
+        for size in self.buckets:
+            if size >= count:
+                return size
+        raise RecipeError(f"a decode batch of {count} exceeds the largest compile.batch_sizes ({self.buckets[-1]})")
+
+    def _padding(self, size: int, length: int) -> dict[str, torch.Tensor]:
+        pages, states = self.steps.pages, self.steps.states
+        device = pages.storage.device
+        return {
+            "tokens": torch.zeros(size, length, dtype=torch.long, device=device),
+            "positions": torch.zeros(size, length, dtype=torch.long, device=device),
+            "rows": torch.full((size,), states.scratch_row, dtype=torch.long, device=device),
+            "tables": torch.full((size, self.width), pages.scratch_page, dtype=torch.int32, device=device),
+            "lens": torch.full((size,), length, dtype=torch.int32, device=device),
+        }
+
+    def _get(self, kind: str, size: int, length: int) -> StaticStep:
+        key = (kind, size, length)
+        if key not in self._steps:
+            started = time.perf_counter()
+            padding = self._padding(size, length)
+            if kind == "target":
+                step = StaticStep(self.target_fn, padding, self.capture, self.pool)
+            else:
+                k, hidden = self.steps.k, self.steps.model.config.hidden_size
+                device, dtype = padding["tokens"].device, self.steps.model.lm_head_weight.dtype
+                padding |= {
+                    "hidden": torch.zeros(size, length, hidden, dtype=dtype, device=device),
+                    "accepted": torch.zeros(size, dtype=torch.long, device=device),
+                    "override": torch.zeros(size, k, dtype=torch.long, device=device),
+                    "use_override": torch.zeros(size, k, dtype=torch.bool, device=device),
+                }
+                step = StaticStep(self.draft_fn, padding, self.capture, self.pool)
+            what = "captured" if self.capture else "prepared"
+            self.log(f"{what} {kind} step: batch {size} x {length} tokens ({time.perf_counter() - started:.1f} s)")
+            self._steps[key] = step
+        return self._steps[key]
+
+    def warmup(self, lengths: list[int], draft_length: int | None) -> None:
+        """Build every bucket's steps now (largest first, so smaller graphs reuse its memory pool)."""
+        for size in reversed(self.buckets):
+            for length in lengths:
+                self._get("target", size, length)
+            if draft_length is not None:
+                self._get("draft", size, draft_length)
+
+    def target(self, tokens, positions, rows, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
+        count, length = tokens.shape
+        step = self._get("target", self.bucket(count), length)
+        hidden, argmax = step(count, tokens=tokens, positions=positions, rows=rows, tables=tables, lens=lens)
+        return hidden[:count], argmax[:count]
+
+    def draft(self, tokens, hidden, positions, rows, tables, lens, accepted, override, use_override) -> torch.Tensor:
+        count, length = tokens.shape
+        step = self._get("draft", self.bucket(count), length)
+        drafts = step(
+            count, tokens=tokens, hidden=hidden, positions=positions, rows=rows, tables=tables, lens=lens,
+            accepted=accepted, override=override, use_override=use_override,
+        )  # fmt: skip
+        return drafts[:count]
+
+
+def _raise_recompile_limit() -> None:
+    """One compiled shape per (bucket, tokens per request): more than dynamo's default of 8."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 256))

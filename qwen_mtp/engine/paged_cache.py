@@ -1,0 +1,82 @@
+"""What one engine step hands the model: `StepBatch` (the step's tensors) and `PagedStepCache`, the
+`ForwardCache` through which the layers read and write the shared KV page pool and state pool. No
+module-global context: a step's tensors travel in the `StepBatch`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from qwen_mtp.cache.kv import PagePool
+from qwen_mtp.cache.state import StatePool
+from qwen_mtp.ops import conv, gdn, paged_attention  # noqa: F401  (registers the torch.ops.qwen_mtp ops)
+from qwen_mtp.ops.attention import causal_attention
+from qwen_mtp.ops.paged_attention import gather_kv, write_kv
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"  # one request's prompt chunk, chunked delta rule
+    DECODE = "decode"  # T tokens per request, token by token: plain decode (T=1) and verify (T=K+1)
+
+
+@dataclass
+class StepBatch:
+    """One forward: each of B requests feeds T consecutive tokens."""
+
+    kind: StepKind
+    token_ids: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T]
+    state_rows: torch.Tensor  # [B] rows of the state pool
+    block_tables: torch.Tensor  # [B, max pages] int32: each request's KV pages
+    context_lens: torch.Tensor  # [B] int32: positions cached after this step
+    fresh: bool  # the sequences start here: no conv window or SSM state yet
+
+
+class PagedStepCache:
+    """The `ForwardCache` the model sees during one engine step: reads and writes the shared pools through
+    the custom ops (`qwen_mtp::paged_attention`, `conv_update`, `gdn_recurrent`; Triton on CUDA)."""
+
+    def __init__(self, batch: StepBatch, pages: PagePool, states: StatePool):
+        self.batch, self.pages, self.states = batch, pages, states
+
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        return self.batch.positions
+
+    def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        batch, kv = self.batch, self.pages.layer_kv(layer)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, heads, D]
+        if batch.kind is StepKind.DECODE:
+            # One query at a time over exactly its visible keys, so position p of a (K+1)-token verify is
+            # computed as a 1-token decode at p computes it.
+            out = torch.ops.qwen_mtp.paged_attention(
+                q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale
+            )
+            return out.transpose(1, 2)
+        # A prefill chunk (one request): causal attention over the pages written so far.
+        write_kv(k, v, kv, batch.block_tables, batch.positions)
+        keys, values = gather_kv(kv, batch.block_tables[0], int(batch.context_lens[0]))
+        return causal_attention(q.transpose(1, 2), keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale)
+
+    def gdn_recurrent(self, num_tokens: int) -> bool:
+        return self.batch.kind is StepKind.DECODE
+
+    def gdn_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.batch.fresh:
+            return None, None  # the layer's zero-initial path, exactly as a whole-sequence forward
+        return self.states.read(layer, self.batch.state_rows)
+
+    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.states.write(layer, self.batch.state_rows, window, ssm)
+
+    def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        pool = self.states.layer_conv(layer)
+        return torch.ops.qwen_mtp.conv_update(x, weight, pool, self.batch.state_rows, self.states.committed)
+
+    def gdn_delta_rule(self, layer, q, k, v, a, b, A_log, dt_bias) -> torch.Tensor:  # noqa: N803
+        pool, rows, committed = self.states.layer_ssm(layer), self.batch.state_rows, self.states.committed
+        return torch.ops.qwen_mtp.gdn_recurrent(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
+
+    def advance(self, num_tokens: int) -> None:
+        """Progress is tracked on the requests by the engine."""

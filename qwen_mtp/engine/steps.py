@@ -1,0 +1,88 @@
+"""The decode-path forwards as functions of tensors only: no Python values read from the GPU, no request
+objects, no shapes that change inside. That is what lets `graphs.py` run them on static buffers, compile
+them with `torch.compile(fullgraph=True)` and capture them in CUDA graphs; eagerly they are the same code.
+
+- `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and its argmax.
+- `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
+            accepted position (see speculative.py for the algorithm).
+- `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
+
+Every linear runs under `batch_invariant_linears`, so a row's numbers never depend on the other rows
+(padding rows included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qwen_mtp.cache.kv import PagePool
+from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
+from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.ops.linear import batch_invariant_linears
+
+
+class DecodeSteps:
+    def __init__(self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, k: int):
+        self.model, self.pages, self.states, self.k = model, pages, states, k
+
+    def _cache(self, tokens, positions, rows, tables, lens) -> PagedStepCache:
+        batch = StepBatch(StepKind.DECODE, tokens, positions, rows, tables, lens, fresh=False)
+        return PagedStepCache(batch, self.pages, self.states)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Argmax of fp32 logits picks the first maximal index, as Hugging Face's greedy search does.
+        return self.model.logits(hidden).float().argmax(dim=-1)
+
+    def target(
+        self,
+        tokens: torch.Tensor,  # [B, T] long
+        positions: torch.Tensor,  # [B, T] long
+        rows: torch.Tensor,  # [B] long: state pool rows
+        tables: torch.Tensor,  # [B, W] int32: page tables
+        lens: torch.Tensor,  # [B] int32: positions cached after the step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-norm hidden states [B, T, H] and their greedy tokens [B, T]."""
+        with batch_invariant_linears():
+            cache = self._cache(tokens, positions, rows, tables, lens)
+            hidden = self.model.hidden_states(tokens, positions, cache)
+            return hidden, self._argmax(hidden)
+
+    def draft(
+        self,
+        tokens: torch.Tensor,  # [B, K+1] the verify's argmax a_0..a_K (token i+1 of position i)
+        hidden: torch.Tensor,  # [B, K+1, H] the verify's target hidden states
+        positions: torch.Tensor,  # [B, K+1] the verified positions n..n+K
+        rows: torch.Tensor,
+        tables: torch.Tensor,  # pages must cover n + j + K positions
+        lens: torch.Tensor,  # [B] n + K + 1
+        accepted: torch.Tensor,  # [B] long: drafts accepted by the verify (j)
+        override: torch.Tensor,  # [B, K] long: oracle tokens
+        use_override: torch.Tensor,  # [B, K] bool: where the oracle replaces the head's proposal
+    ) -> torch.Tensor:
+        """MTP catch-up over the verified positions, then the chain from index j. Returns drafts [B, K]."""
+        with batch_invariant_linears():
+            cache = self._cache(tokens, positions, rows, tables, lens)
+            mtp_hidden = self.model.mtp_hidden_states(tokens, hidden, positions, cache)
+            index = accepted[:, None, None].expand(-1, 1, mtp_hidden.shape[-1])
+            start = torch.gather(mtp_hidden, 1, index)[:, 0]
+            return self._chain(start, positions[:, 0] + accepted + 1, rows, tables, override, use_override)
+
+    def chain(self, hidden, first, rows, tables, override, use_override) -> torch.Tensor:
+        """Drafts [B, K] from the MTP output `hidden` [B, H] at each request's last consumed position;
+        `first` [B] = that position + 1, where the chain's second step sits."""
+        with batch_invariant_linears():
+            return self._chain(hidden, first, rows, tables, override, use_override)
+
+    def _chain(self, hidden, first, rows, tables, override, use_override) -> torch.Tensor:
+        drafts = []
+        for step in range(self.k):
+            proposed = self._argmax(hidden)
+            drafts.append(torch.where(use_override[:, step], override[:, step], proposed))
+            if step == self.k - 1:
+                break
+            # The next draft sits one position further: MTP input (this draft, own output) at first + step.
+            positions = (first + step)[:, None]
+            cache = self._cache(drafts[-1][:, None], positions, rows, tables, (positions[:, 0] + 1).int())
+            hidden = self.model.mtp_hidden_states(drafts[-1][:, None], hidden[:, None], positions, cache)[:, 0]
+        return torch.stack(drafts, dim=1)

@@ -65,3 +65,19 @@ def test_gradients_match_hf_for_fine_tuning(checkpoint):
                  "model.layers.1.linear_attn.norm.weight", "model.norm.weight", "lm_head.weight"):  # fmt: skip
         grad = dict(ours.named_parameters())[name].grad
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_gate_up_keeps_parameters_and_outputs(checkpoint):
+    """`fuse_gate_up_projections` (CUDA engines) changes how the MLP launches, not what the model holds."""
+    model = load_model(checkpoint("tiny"), dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        expected = model(ids)
+    model.fuse_gate_up_projections()
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.data_ptr()  # views of the fused tensor

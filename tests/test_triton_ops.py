@@ -116,6 +116,8 @@ def test_invariant_matmul_matches_and_is_batch_invariant(dtype, k, programs, mon
         assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight), full[i : i + 1])
     if programs == 1:
         assert linear.gemm_plan(40, k)[1] == 3  # one split: the whole K loop in one program
+    else:  # the last split of each tile re-armed its counter for the next launch
+        assert not linear._COUNTERS[x.device].any()
 
 
 def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():

@@ -11,7 +11,7 @@ from torch import nn
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.decoder import DecoderLayer
-from qwen_mtp.model.layers import RMSNorm, RotaryEmbedding
+from qwen_mtp.model.layers import MLP, RMSNorm, RotaryEmbedding
 from qwen_mtp.model.mtp import MTPHead
 from qwen_mtp.model.plan import plan_model
 
@@ -105,6 +105,12 @@ class QwenHybridForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, V] for token i+2 at each position i (see `mtp_hidden_states`)."""
         return self.logits(self.mtp_hidden_states(next_ids, hidden, positions, cache))
+
+    def fuse_gate_up_projections(self) -> None:
+        """One GEMM for each MLP's gate and up projections (inference; see `MLP.fuse_gate_up`)."""
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.fuse_gate_up()
 
     def init_non_persistent_buffers(self, device: torch.device | str) -> None:
         """Buffers that no checkpoint holds (rotary inverse frequencies): computed after a meta-device load."""

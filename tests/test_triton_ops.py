@@ -115,7 +115,7 @@ def test_invariant_matmul_matches_and_is_batch_invariant(dtype, k, programs, mon
     for i in range(0, 19, 3):
         assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight), full[i : i + 1])
     if programs == 1:
-        assert linear.gemm_plan(40, k)[1] == 3  # one split: the whole K loop in one program
+        assert linear.gemm_plan(40, k).splits(k) == 1  # one split: the whole K loop in one program
     else:  # the last split of each tile re-armed its counter for the next launch
         assert not linear._COUNTERS[x.device].any()
 
@@ -216,3 +216,28 @@ def test_gemm_and_norm_rows_invariant_real_shapes():
     normed = norm_triton(x, norm_w, 1e-6)
     for rows in (slice(0, 1), slice(3, 11), slice(5, 21)):
         assert torch.equal(norm_triton(x[rows], norm_w, 1e-6), normed[rows])
+
+
+def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
+    """Each op's fake (meta) kernel agrees with its real one (shapes, strides, mutation), with inputs as
+    non-contiguous as the model hands them over (transposed q/k/v, chunked q): what torch.compile relies on."""
+    import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.qwen_mtp
+    x = rand(2, 3, 8, dtype=torch.float32)
+    strided = rand(2, 3, 16, dtype=torch.float32)[..., :8]  # like one half of q_proj's [q | gate] chunk
+    w = rand(8, dtype=torch.float32, scale=0.1)
+    checks = [
+        (ops.rms_norm, (strided, w, 1e-6)),
+        (ops.gated_rms_norm, (strided, x, w, 1e-6)),
+        (ops.invariant_linear, (strided, rand(5, 8, dtype=torch.float32))),
+    ]
+    q, kv, tables, lens = _paged_setup(2, torch.float32)
+    kvh, dim = kv.shape[3], kv.shape[4]
+    k_new = rand(q.shape[0], kvh, 2, dim, dtype=torch.float32).transpose(1, 2)  # [B, T, KV, D], transposed
+    positions = (lens - 2)[:, None].long() + torch.arange(2)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, T, H, D] as a transposed view
+    checks.append((ops.paged_attention, (q_t, k_new, k_new.clone(), kv, tables, lens, positions, dim**-0.5)))
+    for op, args in checks:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        assert op(*args).is_contiguous()  # the fakes promise contiguous outputs on every device

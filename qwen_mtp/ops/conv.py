@@ -134,7 +134,7 @@ def conv_update(
     x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
 ) -> torch.Tensor:
     """Custom op: `conv_update_reference` on CPU, the Triton kernel on CUDA."""
-    return conv_update_reference(x, weight, pool, rows, committed)
+    return conv_update_reference(x, weight, pool, rows, committed).contiguous()
 
 
 @conv_update.register_kernel("cuda")
@@ -144,4 +144,4 @@ def _(x, weight, pool, rows, committed):
 
 @conv_update.register_fake
 def _(x, weight, pool, rows, committed):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as both implementations return

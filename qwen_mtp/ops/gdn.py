@@ -259,7 +259,7 @@ def gdn_recurrent(
     committed: torch.Tensor,
 ) -> torch.Tensor:
     """Custom op: `gdn_recurrent_reference` on CPU, the Triton kernel on CUDA."""
-    return gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
+    return gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, pool, rows, committed).contiguous()
 
 
 @gdn_recurrent.register_kernel("cuda")
@@ -269,4 +269,4 @@ def _(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803
 
 @gdn_recurrent.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)  # contiguous, as both implementations return

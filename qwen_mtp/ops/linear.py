@@ -17,6 +17,7 @@ The engine enters `batch_invariant_linears()` around those steps; the model keep
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,23 @@ from torch.overrides import TorchFunctionMode
 
 from qwen_mtp.ops.triton_utils import INTERPRET
 
-BLOCK_M, BLOCK_K = 16, 128
+BLOCK_M = 16  # rows per program: tl.dot's minimum; never depends on M
 TARGET_PROGRAMS = 512  # enough programs in flight to saturate HBM on a 132-SM H200
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one [N, K] weight is tiled: a function of the weight's shape only, never of M (batch invariance)."""
+
+    block_n: int
+    block_k: int
+    k_per_split: int  # K blocks per split: the K loop is cut into ceil(K blocks / k_per_split) splits
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def splits(self, k: int) -> int:
+        k_blocks = -(-k // self.block_k)
+        return -(-k_blocks // self.k_per_split)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,12 +53,19 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-def gemm_plan(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, K blocks per split) for an [N, K] weight: a function of the weight's shape only, never of M."""
-    block_n = 32 if n >= 4096 else 16
-    tiles, k_blocks = -(-n // block_n), -(-k // BLOCK_K)
+# Measured on the H200 (benchmarks/gemm_sweep.py): the fastest plan per Qwen3.5 decode shape at M = 1..8.
+TUNED: dict[tuple[int, int], GemmPlan] = {}
+
+
+def gemm_plan(n: int, k: int) -> GemmPlan:
+    """The tuned plan for this shape, else: BLOCK_N 32 for wide weights, and K split so that about
+    TARGET_PROGRAMS programs run (few output tiles would leave most SMs idle)."""
+    if (n, k) in TUNED:
+        return TUNED[n, k]
+    block_n, block_k = (32 if n >= 4096 else 16), 128
+    tiles, k_blocks = -(-n // block_n), -(-k // block_k)
     splits = max(1, min(k_blocks, TARGET_PROGRAMS // tiles))
-    return block_n, -(-k_blocks // splits)
+    return GemmPlan(block_n, block_k, -(-k_blocks // splits))
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
@@ -110,7 +133,7 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
-def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation)."""
     import triton
 
@@ -118,16 +141,17 @@ def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     n = weight.shape[0]
     x = x.contiguous()
     assert weight.stride(1) == 1
-    block_n, k_per_split = gemm_plan(n, k)
-    splits = triton.cdiv(triton.cdiv(k, BLOCK_K), k_per_split)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), splits)
+    plan = plan or gemm_plan(n, k)
+    splits = plan.splits(k)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, plan.block_n), splits)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     counters = _tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else out
     _matmul_kernel()[grid](
-        x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.k_per_split,
+        SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 

@@ -80,7 +80,7 @@ def norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.T
 @torch.library.custom_op("qwen_mtp::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Custom op: `rms_norm_reference` on CPU, the batch-invariant Triton kernel on CUDA."""
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps).contiguous()
 
 
 @rms_norm.register_kernel("cuda")
@@ -90,13 +90,13 @@ def _(x, weight, eps):
 
 @rms_norm.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as both implementations return
 
 
 @torch.library.custom_op("qwen_mtp::gated_rms_norm", mutates_args=())
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Custom op: `gated_rms_norm_reference` on CPU, the batch-invariant Triton kernel on CUDA."""
-    return gated_rms_norm_reference(x, gate, weight, eps)
+    return gated_rms_norm_reference(x, gate, weight, eps).contiguous()
 
 
 @gated_rms_norm.register_kernel("cuda")
@@ -106,7 +106,7 @@ def _(x, gate, weight, eps):
 
 @gated_rms_norm.register_fake
 def _(x, gate, weight, eps):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _reference_backward(reference, num_tensors: int):

@@ -147,7 +147,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Custom op: write the step's k, v [B, T, KV, D] at `positions`, then attend (reference on CPU)."""
     write_kv(k, v, kv, block_tables, positions)
-    return paged_attention_reference(q, kv, block_tables, context_lens, scale)
+    return paged_attention_reference(q, kv, block_tables, context_lens, scale).contiguous()
 
 
 @paged_attention.register_kernel("cuda")
@@ -158,4 +158,4 @@ def _(q, k, v, kv, block_tables, context_lens, positions, scale):
 
 @paged_attention.register_fake
 def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as both implementations return

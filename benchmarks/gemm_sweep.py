@@ -1,0 +1,100 @@
+"""Tune the batch-invariant GEMM (ops/linear.py) per decode weight shape on the GPU: tries every plan
+(BLOCK_N, BLOCK_K, K splits, pipeline stages), checks each is still batch-invariant (M = 1 rows equal the
+M = 16 rows bitwise), and prints the fastest per shape for M = 1 and M = 8, against the current plan and
+cuBLAS, plus a `TUNED` table to paste into ops/linear.py. Writes gemm_sweep.json to $OUT or cwd.
+Usage (GPU box): python3 benchmarks/gemm_sweep.py [qwen3.5-27b]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from qwen_mtp.ops.linear import GemmPlan, gemm_plan, invariant_matmul_triton
+from qwen_mtp.testing.synthetic import synthetic_config
+
+
+def decode_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of every decode-path linear of a synthetic preset's config (lm_head excluded: it is wide
+    enough for any plan)."""
+    c = synthetic_config(preset)
+    h, inter = c.hidden_size, c.intermediate_size
+    return {
+        "gdn in_proj_qkv": (c.gdn_conv_dim, h), "gdn in_proj_z": (c.gdn_value_dim, h),
+        "gdn in_proj_a/b": (c.linear_num_value_heads, h), "gdn out_proj": (h, c.gdn_value_dim),
+        "attn q_proj": (2 * c.num_attention_heads * c.head_dim, h),
+        "attn k/v_proj": (c.num_key_value_heads * c.head_dim, h),
+        "attn o_proj": (h, c.num_attention_heads * c.head_dim),
+        "mlp gate_up (fused)": (2 * inter, h), "mlp down": (h, inter), "mtp fc": (h, 2 * h),
+    }  # fmt: skip
+
+
+def timed(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """Microseconds per call, weights rotated so that L2 never holds the next one."""
+    rotation = itertools.cycle(weights)
+    return triton.testing.do_bench(lambda: fn(x, next(rotation)), warmup=5, rep=25) * 1e3
+
+
+def plans(n: int, k: int):
+    for block_n, block_k, stages in itertools.product((16, 32, 64), (128, 256), (3, 4)):
+        k_blocks = -(-k // block_k)
+        seen = set()
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 40):
+            per = -(-k_blocks // min(splits, k_blocks))
+            if per not in seen:
+                seen.add(per)
+                yield GemmPlan(block_n, block_k, per, 4, stages)
+
+
+def main() -> None:
+    preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-27b"
+    torch.manual_seed(0)
+    report, tuned = [], {}
+    for name, (n, k) in decode_shapes(preset).items():
+        if (n, k) in tuned:
+            continue
+        copies = max(1, (256 << 20) // (n * k * 2))  # rotate weights beyond L2
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 8, 16)}
+
+        results = []
+        for plan in plans(n, k):
+            try:
+                full = invariant_matmul_triton(xs[16], ws[0], plan)
+                if not torch.equal(invariant_matmul_triton(xs[16][:1], ws[0], plan), full[:1]):
+                    continue
+                t1 = timed(lambda x, w, p=plan: invariant_matmul_triton(x, w, p), xs[1], ws)
+                t8 = timed(lambda x, w, p=plan: invariant_matmul_triton(x, w, p), xs[8], ws)
+            except Exception as err:  # a plan the compiler cannot build (shared memory): skip it
+                print(f"  skip {plan}: {type(err).__name__}", file=sys.stderr)
+                continue
+            results.append((t1 + t8, t1, t8, plan))
+        results.sort(key=lambda r: r[0])
+        _, b1, b8, best = results[0]
+        current = gemm_plan(n, k)
+        c1 = timed(lambda x, w, p=current: invariant_matmul_triton(x, w, p), xs[1], ws)
+        cublas = timed(F.linear, xs[1], ws)
+        gbs = n * k * 2 / b1 / 1e3
+        print(f"{name:20s} {n:6d}x{k:<6d} best M=1 {b1:6.1f} us ({gbs:5.0f} GB/s) M=8 {b8:6.1f} us  "
+              f"current M=1 {c1:6.1f} us  cuBLAS M=1 {cublas:6.1f} us  {best}")  # fmt: skip
+        tuned[(n, k)] = best
+        report.append(dict(name=name, n=n, k=k, best_m1_us=b1, best_m8_us=b8, current_m1_us=c1, cublas_m1_us=cublas,
+                           plan=best.__dict__))  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    print("TUNED = {")
+    for (n, k), p in tuned.items():
+        print(f"    ({n}, {k}): GemmPlan({p.block_n}, {p.block_k}, {p.k_per_split}, {p.num_warps}, {p.num_stages}),")
+    print("}")
+    with open(os.path.join(os.environ.get("OUT", "."), "gemm_sweep.json"), "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

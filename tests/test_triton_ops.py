@@ -7,7 +7,7 @@ import torch
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.conv import conv_update_reference, conv_update_triton
 from qwen_mtp.ops.gdn import gdn_recurrent_reference, gdn_recurrent_triton
-from qwen_mtp.ops.linear import invariant_matmul_triton
+from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
 from qwen_mtp.ops.paged_attention import paged_attention_reference, paged_attention_triton, write_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,19 +104,27 @@ def test_paged_attention_verify_block_equals_decode_per_position():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,programs", [(200, 512), (300, 512), (300, 1)])  # split K in 2, 3, none
-def test_invariant_matmul_matches_and_is_batch_invariant(dtype, k, programs, monkeypatch):
-    monkeypatch.setattr(linear, "TARGET_PROGRAMS", programs)
+@pytest.mark.parametrize(
+    "k,plan,splits",
+    [
+        (200, GemmPlan(16, 128, 1), 2),
+        (300, GemmPlan(16, 128, 1), 3),  # the last split is shorter
+        (300, GemmPlan(32, 64, 2, num_stages=4), 3),
+        (300, GemmPlan(16, 128, 3), 1),
+        (300, None, None),  # the default plan for this shape
+    ],
+)
+def test_invariant_matmul_matches_and_is_batch_invariant(dtype, k, plan, splits):
     weight, x = rand(40, k, dtype=dtype, seed=1), rand(19, k, dtype=dtype, seed=2)
-    full = invariant_matmul_triton(x, weight)
+    if plan is not None:
+        assert plan.splits(k) == splits
+    full = invariant_matmul_triton(x, weight, plan)
     torch.testing.assert_close(
         full.float(), x.float() @ weight.float().T, rtol=2e-3, atol=2e-2 if dtype == torch.float16 else 1e-4
     )
     for i in range(0, 19, 3):
-        assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight), full[i : i + 1])
-    if programs == 1:
-        assert linear.gemm_plan(40, k).splits(k) == 1  # one split: the whole K loop in one program
-    else:  # the last split of each tile re-armed its counter for the next launch
+        assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight, plan), full[i : i + 1])
+    if splits and splits > 1:  # the last split of each tile re-armed its counter for the next launch
         assert not linear._COUNTERS[x.device].any()
 
 

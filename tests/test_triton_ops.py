@@ -237,6 +237,8 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     w = rand(8, dtype=torch.float32, scale=0.1)
     checks = [
         (ops.rms_norm, (strided, w, 1e-6)),
+        (ops.add_rms_norm, (strided, x, w, 1e-6)),
+        (ops.swiglu, (rand(2, 3, 16, dtype=torch.float32),)),
         (ops.gated_rms_norm, (strided, x, w, 1e-6)),
         (ops.invariant_linear, (strided, rand(5, 8, dtype=torch.float32))),
     ]
@@ -248,4 +250,50 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     checks.append((ops.paged_attention, (q_t, k_new, k_new.clone(), kv, tables, lens, positions, dim**-0.5)))
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-        assert op(*args).is_contiguous()  # the fakes promise contiguous outputs on every device
+        outputs = op(*args)
+        for out in outputs if isinstance(outputs, tuple) else (outputs,):
+            assert out.is_contiguous()  # the fakes promise contiguous outputs on every device
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_equals_add_then_norm_bitwise(dtype):
+    """The fused residual add + norm is the separate add and norm, bit for bit, and batch-invariant."""
+    from qwen_mtp.ops.norm import add_rms_norm_reference, norm_triton
+
+    x, delta = rand(5, 48, dtype=dtype, seed=1), rand(5, 48, dtype=dtype, seed=2)
+    weight = rand(48, dtype=dtype, seed=3, scale=0.1)
+    normed, summed = norm_triton(x, weight, 1e-6, delta=delta)
+    assert torch.equal(summed, x + delta)
+    assert torch.equal(normed, norm_triton(x + delta, weight, 1e-6))
+    ref_normed, ref_summed = add_rms_norm_reference(x, delta, weight, 1e-6)
+    close(normed, ref_normed, dtype)
+    one, _ = norm_triton(x[3:4], weight, 1e-6, delta=delta[3:4])
+    assert torch.equal(one, normed[3:4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_reference(dtype):
+    from qwen_mtp.ops.swiglu import swiglu_reference, swiglu_triton
+
+    gate_up = rand(2, 3, 2 * 40, dtype=dtype, seed=1)
+    ours = swiglu_triton(gate_up)
+    assert ours.shape == (2, 3, 40)
+    close(ours, swiglu_reference(gate_up), dtype)
+
+
+def test_gdn_recurrent_takes_strided_slices_of_one_conv_output():
+    """The model hands q, k, v over as views of one [B, T, C] conv output: same result as contiguous copies."""
+    batch, length, hk, hv, dk, dv = 2, 3, 2, 4, 16, 32
+    mixed = rand(batch, length, 2 * hk * dk + hv * dv, seed=1)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(batch, length, hk, dk), k.reshape(batch, length, hk, dk), v.reshape(batch, length, hv, dv)
+    a, b = rand(batch, length, hv, seed=4), rand(batch, length, hv, seed=5)
+    a_log, dt_bias = rand(hv, seed=6).abs(), rand(hv, seed=7).abs()
+    pool = rand(3, 4, hv, dk, dv, seed=8, scale=0.1)
+    rows, committed = torch.tensor([2, 0], device=DEVICE), torch.tensor([1, 0, 3], device=DEVICE)
+    strided_pool, copied_pool = pool.clone(), pool.clone()
+    strided = gdn_recurrent_triton(q, k, v, a, b, a_log, dt_bias, strided_pool, rows, committed)
+    copied = gdn_recurrent_triton(
+        q.contiguous(), k.contiguous(), v.contiguous(), a, b, a_log, dt_bias, copied_pool, rows, committed
+    )
+    assert not q.is_contiguous() and torch.equal(strided, copied) and torch.equal(strided_pool, copied_pool)

@@ -1,4 +1,8 @@
-"""One pre-norm decoder layer: `h = x + mixer(norm(x)); out = h + mlp(norm(h))`, mixer = GDN or attention."""
+"""One pre-norm decoder layer: `h = x + mixer(norm(x)); out = h + mlp(norm(h))`, mixer = GDN or attention.
+
+The residual adds are fused into the following norm (`add_and_norm`): a layer returns `(h, mlp_out)` and
+leaves `h + mlp_out` to the next layer's input norm (or the stack's final norm), which adds it in the same
+launch. `run_layers` walks a stack that way."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.attention import GatedAttention
 from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.gdn import GatedDeltaNet
-from qwen_mtp.model.layers import MLP, RMSNorm
+from qwen_mtp.model.layers import MLP, RMSNorm, add_and_norm
 from qwen_mtp.model.plan import LayerSpec
 
 
@@ -27,11 +31,35 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: ForwardCache | None = None
-    ) -> torch.Tensor:
-        normed = self.input_layernorm(x)
-        if self.mixer == "gdn":
-            x = x + self.linear_attn(normed, cache)
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: ForwardCache | None = None,
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input `x + pending` (pending: the previous layer's MLP output, None for the first layer); returns
+        (h, mlp_out) with the layer's output = h + mlp_out."""
+        if pending is None:
+            normed = self.input_layernorm(x)
         else:
-            x = x + self.self_attn(normed, rope, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            normed, x = add_and_norm(self.input_layernorm, x, pending)
+        if self.mixer == "gdn":
+            mixed = self.linear_attn(normed, cache)
+        else:
+            mixed = self.self_attn(normed, rope, cache)
+        normed, x = add_and_norm(self.post_attention_layernorm, x, mixed)
+        return x, self.mlp(normed)
+
+
+def run_layers(
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: ForwardCache | None,
+    final_norm: RMSNorm,
+) -> torch.Tensor:
+    """final_norm(output of the stack), the last residual add fused into the norm."""
+    pending = None
+    for layer in layers:
+        x, pending = layer(x, rope, cache, pending)
+    return final_norm(x) if pending is None else add_and_norm(final_norm, x, pending)[0]

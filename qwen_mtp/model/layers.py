@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.ops import norm as norm_ops
+from qwen_mtp.ops.swiglu import swiglu
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +25,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm_ops.rms_norm(x, self.weight, self.eps)
+
+
+def add_and_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + delta; return norm(s), s`: the residual add fused into the next norm when no gradient is
+    needed (inference: one launch instead of two); the same numbers either way."""
+    if torch.is_grad_enabled():
+        summed = x + delta
+        return norm(summed), summed
+    return norm_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -63,8 +73,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(F.linear(x, self.gate_up)))
 
 
 class RotaryEmbedding(nn.Module):

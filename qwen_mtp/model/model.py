@@ -10,7 +10,7 @@ from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
-from qwen_mtp.model.decoder import DecoderLayer
+from qwen_mtp.model.decoder import DecoderLayer, run_layers
 from qwen_mtp.model.layers import MLP, RMSNorm, RotaryEmbedding
 from qwen_mtp.model.mtp import MTPHead
 from qwen_mtp.model.plan import plan_model
@@ -32,9 +32,7 @@ class QwenHybridModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, cache)
-        return self.norm(x)
+        return run_layers(self.layers, x, rope, cache, self.norm)
 
 
 class QwenHybridForCausalLM(nn.Module):

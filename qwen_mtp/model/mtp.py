@@ -14,7 +14,7 @@ from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
-from qwen_mtp.model.decoder import DecoderLayer
+from qwen_mtp.model.decoder import DecoderLayer, run_layers
 from qwen_mtp.model.layers import RMSNorm
 from qwen_mtp.model.plan import LayerSpec
 
@@ -38,6 +38,4 @@ class MTPHead(nn.Module):
     ) -> torch.Tensor:
         """next_embeds, hidden [B, T, H] -> post-`mtp.norm` hidden [B, T, H]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        for layer in self.layers:
-            x = layer(x, rope, cache)
-        return self.norm(x)
+        return run_layers(self.layers, x, rope, cache, self.norm)

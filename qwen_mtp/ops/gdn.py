@@ -231,9 +231,15 @@ def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed): 
 
     batch, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+    # q and k (and a and b) share one set of strides in the kernel; views of one conv output already do, so
+    # the model's strided q/k/v slices go in without copies.
+    q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    if a.stride() != b.stride():
+        a, b = a.contiguous(), b.contiguous()
     assert pool.is_contiguous()
-    out = torch.empty_like(v)
+    out = v.new_empty(v.shape)  # contiguous, whatever v's strides
     block_v = min(32, triton.next_power_of_2(dv))
     _gdn_recurrent_kernel()[(batch * hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, pool, rows, committed, out,

@@ -31,6 +31,14 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     return (y * F.silu(gate.float())).to(dtype)
 
 
+def add_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (rms_norm(x + delta), x + delta), the sum in the activation dtype."""
+    summed = x + delta
+    return rms_norm_reference(summed, weight, eps), summed
+
+
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _norm_kernel():
     import triton
@@ -38,20 +46,30 @@ def _norm_kernel():
 
     @triton.jit
     def kernel(
-        x_ptr, g_ptr, w_ptr, out_ptr, N, eps,
-        GATED: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps,
+        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the sum of squares runs over BLOCK-wide chunks in order, then one tree sum.
+        # ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and stored.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N, BLOCK):
-            x = tl.load(x_ptr + row * N + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+            mask = start + cols < N
+            x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0)
+            if ADD:
+                d = tl.load(d_ptr + row * N + start + cols, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+                tl.store(sum_ptr + row * N + start + cols, x, mask=mask)
+            x = x.to(tl.float32)
             acc += x * x
         inv = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
         for start in range(0, N, BLOCK):
             mask = start + cols < N
-            x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if ADD:  # this program's own stores: the same addresses, read back in the same thread layout
+                x = tl.load(sum_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
             if GATED:
                 y = (w.to(tl.float32) * (x * inv).to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
@@ -64,16 +82,29 @@ def _norm_kernel():
     return kernel
 
 
-def norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `rms_norm_reference` (gate None) or `gated_rms_norm_reference`."""
+def norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `rms_norm_reference` (gate None), `gated_rms_norm_reference`, or (delta given)
+    `add_rms_norm_reference`, which returns (normed, x + delta)."""
     import triton
 
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
     gates = rows if gate is None else gate.reshape(-1, n).contiguous()
+    deltas = rows if delta is None else delta.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
+    summed = out if delta is None else torch.empty_like(rows)
     block = min(1024, triton.next_power_of_2(n))
-    _norm_kernel()[(rows.shape[0],)](rows, gates, weight, out, n, eps, GATED=gate is not None, BLOCK=block)
+    _norm_kernel()[(rows.shape[0],)](
+        rows, gates, weight, out, deltas, summed, n, eps, GATED=gate is not None, ADD=delta is not None, BLOCK=block
+    )
+    if delta is not None:
+        return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)
 
 
@@ -107,6 +138,26 @@ def _(x, gate, weight, eps):
 @gated_rms_norm.register_fake
 def _(x, gate, weight, eps):
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("qwen_mtp::add_rms_norm", mutates_args=())
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom op: (rms_norm(x + delta), x + delta) in one pass over the row on CUDA (one launch instead of
+    two per residual add); `add_rms_norm_reference` on CPU."""
+    normed, summed = add_rms_norm_reference(x, delta, weight, eps)
+    return normed.contiguous(), summed.contiguous()
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, delta, weight, eps):
+    return norm_triton(x, weight, eps, delta=delta)
+
+
+@add_rms_norm.register_fake
+def _(x, delta, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 def _reference_backward(reference, num_tensors: int):

@@ -1,0 +1,65 @@
+"""SwiGLU on a fused [gate | up] projection: `silu(gate) * up` in one launch instead of two.
+
+The MLP's gate and up projections run as one GEMM on CUDA (`MLP.fuse_gate_up`); this op reads both halves of
+its output in place (no split copies). Rounding follows the two eager ops (silu rounded to the activation
+dtype, then the product), so it only saves launches. Elementwise, hence batch-invariant by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
+def _swiglu_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < INTER
+        gate = tl.load(gu_ptr + row * 2 * INTER + cols, mask=mask, other=0.0)
+        up = tl.load(gu_ptr + row * 2 * INTER + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
+        tl.store(out_ptr + row * INTER + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return kernel
+
+
+def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    import triton
+
+    inter = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * inter).contiguous()
+    out = rows.new_empty(rows.shape[0], inter)
+    block = 1024
+    _swiglu_kernel()[(rows.shape[0], triton.cdiv(inter, block))](rows, out, inter, BLOCK=block)
+    return out.reshape(*gate_up.shape[:-1], inter)
+
+
+@torch.library.custom_op("qwen_mtp::swiglu", mutates_args=())
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Custom op: `swiglu_reference` on CPU, the Triton kernel on CUDA."""
+    return swiglu_reference(gate_up).contiguous()
+
+
+@swiglu.register_kernel("cuda")
+def _(gate_up):
+    return swiglu_triton(gate_up)
+
+
+@swiglu.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

@@ -245,7 +245,7 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     q, kv, tables, lens = _paged_setup(2, torch.float32)
     kvh, dim = kv.shape[3], kv.shape[4]
     k_new = rand(q.shape[0], kvh, 2, dim, dtype=torch.float32).transpose(1, 2)  # [B, T, KV, D], transposed
-    positions = (lens - 2)[:, None].long() + torch.arange(2)
+    positions = (lens - 2)[:, None].long() + torch.arange(2, device=DEVICE)
     q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, T, H, D] as a transposed view
     checks.append((ops.paged_attention, (q_t, k_new, k_new.clone(), kv, tables, lens, positions, dim**-0.5)))
     for op, args in checks:

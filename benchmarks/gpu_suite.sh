@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks, and `qwen-mtp bench`.
+# Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
+# plan sweep, a step profile), and `qwen-mtp bench`. STAGE=tests|kernels|sweep|profile|bench runs one part.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -8,10 +9,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 STAGE="${STAGE:-all}"
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
-  python3 -m pytest -q -x tests/test_triton_ops.py tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  # -rA: the summary line (pyproject's -q plus this -q would hide it); the compiled case takes minutes to compile
+  python3 -m pytest -q -rA tests/test_triton_ops.py tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
 fi
 if [[ "$STAGE" == all || "$STAGE" == kernels ]]; then
   python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log"
+fi
+if [[ "$STAGE" == sweep ]]; then  # slow (minutes): only when asked
+  python3 benchmarks/gemm_sweep.py qwen3.5-27b 2>/dev/null | tee "$OUT/gemm-sweep.log"
+fi
+if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
+  python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30
 fi
 if [[ "$STAGE" == all || "$STAGE" == bench ]]; then
   recipe="${1:-recipes/bench-27b.yaml}"; shift || true

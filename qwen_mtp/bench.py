@@ -80,6 +80,10 @@ def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
     return {"target": target, "mtp_step": mtp}
 
 
+def _quiet(message: str) -> None:
+    pass
+
+
 def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", accept: float = 1.0) -> Recipe:
     bench = recipe.bench
     spec = k or 0
@@ -157,7 +161,8 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
         prompts = torch.randint(0, vocab, (batch, bench.prompt_len), generator=gen).tolist()
         plain_tokens, plain_tps = None, None
         for k, draft, rate in configs:
-            engine = Engine(loaded, _variant(recipe, batch, k, draft, rate), log=lambda _: None)
+            # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
+            engine = Engine(loaded, _variant(recipe, batch, k, draft, rate), log=log if graphs.enabled else _quiet)
             engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
             _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]])  # warm-up

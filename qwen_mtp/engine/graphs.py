@@ -6,8 +6,8 @@ buffers at fixed addresses; rows b..B-1 are padding that points at the pools' sc
 page, so they never touch a request's state, and since every kernel on this path computes a row on its own
 (batch-invariant), they never change a real row's numbers either. A graph is captured the first time its
 shape is needed (or ahead of time by `Engine.warmup`): two eager warm-up runs on padding only (Triton JIT,
-`torch.compile`), then the capture. Replaying it costs a few microseconds of CPU instead of thousands of
-kernel launches from Python.
+`torch.compile`), then the capture; without capture, one warm-up run, which compiles. Replaying a graph costs
+a few microseconds of CPU instead of thousands of kernel launches from Python.
 
 Every request that decodes under graphs must always decode under the same ones: a request that ran some steps
 eagerly and some compiled could round differently than in a run that did not. So the engine refuses a
@@ -55,6 +55,8 @@ class StaticStep:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.outputs = fn(**self.inputs)
+        else:
+            fn(**self.inputs)  # torch.compile compiles on the first call: now, on padding rows only
 
     def __call__(self, count: int, **values: torch.Tensor):
         """Run on the first `count` rows = `values`; the other rows are reset to padding. The outputs are the
@@ -89,6 +91,7 @@ class StepGraphs:
         self.steps, self.buckets, self.width = steps, sorted(set(batch_sizes)), table_width
         self.capture, self.log = capture, log or (lambda _: None)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.compiled = compile
         if compile:
             _raise_recompile_limit()
             self.target_fn = torch.compile(steps.target, fullgraph=True, dynamic=False, backend=backend)
@@ -118,6 +121,8 @@ class StepGraphs:
         key = (kind, size, length)
         if key not in self._steps:
             started = time.perf_counter()
+            what = "compiling" + (" and capturing" if self.capture else "") if self.compiled else "capturing"
+            self.log(f"{what} the {kind} step for batch {size} x {length} tokens ...")
             padding = self._padding(size, length)
             if kind == "target":
                 step = StaticStep(self.target_fn, padding, self.capture, self.pool)
@@ -131,8 +136,7 @@ class StepGraphs:
                     "use_override": torch.zeros(size, k, dtype=torch.bool, device=device),
                 }
                 step = StaticStep(self.draft_fn, padding, self.capture, self.pool)
-            what = "captured" if self.capture else "prepared"
-            self.log(f"{what} {kind} step: batch {size} x {length} tokens ({time.perf_counter() - started:.1f} s)")
+            self.log(f"... {kind} step for batch {size} x {length} ready in {time.perf_counter() - started:.1f} s")
             self._steps[key] = step
         return self._steps[key]
 

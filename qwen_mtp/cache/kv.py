@@ -84,12 +84,12 @@ class PagePool:
         """The layer's cache memory [2 (k, v), pages, page_size, KV, D] (a contiguous view)."""
         return self.storage[self.layer_index[layer]]
 
-    def block_table(self, requests: list[int], device: torch.device | None = None) -> torch.Tensor:
+    def block_table(self, requests: list[int]) -> torch.Tensor:
         """Page tables of `requests` as one [B, max pages] int32 tensor (padded with the scratch page, never
-        read), on `device` (default: the pool's)."""
+        read)."""
         width = max(len(self.tables[r]) for r in requests)
         rows = [self.tables[r] + [self.scratch_page] * (width - len(self.tables[r])) for r in requests]
-        return torch.tensor(rows, dtype=torch.int32, device=device or self.storage.device)
+        return torch.tensor(rows, dtype=torch.int32, device=self.storage.device)
 
     def read(self, layer: str, request: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length): each [length, KV, D]."""

@@ -2,7 +2,7 @@
 (BLOCK_N, BLOCK_K, K splits, pipeline stages), checks each is still batch-invariant (M = 1 rows equal the
 M = 16 rows bitwise), and prints the fastest per shape for M = 1 and M = 8, against the current plan and
 cuBLAS, plus a `TUNED` table to paste into ops/linear.py. Writes gemm_sweep.json to $OUT or cwd.
-Usage (GPU box): python3 benchmarks/gemm_sweep.py [qwen3.5-27b]
+Usage (GPU box): python3 benchmarks/gemm_sweep.py [qwen3.5-27b] [name filter, e.g. fused]
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from qwen_mtp.testing.synthetic import synthetic_config
 
 
 def decode_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of every decode-path linear of a synthetic preset's config (lm_head excluded: it is wide
-    enough for any plan)."""
+    """(N, K) of every decode-path linear of a synthetic preset's config, as the CUDA engine runs them (input
+    projections fused, `model.fuse_projections`; lm_head excluded: it is wide enough for any plan)."""
     c = synthetic_config(preset)
     h, inter = c.hidden_size, c.intermediate_size
+    attn_q, attn_kv = 2 * c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return {
-        "gdn in_proj_qkv": (c.gdn_conv_dim, h), "gdn in_proj_z": (c.gdn_value_dim, h),
-        "gdn in_proj_a/b": (c.linear_num_value_heads, h), "gdn out_proj": (h, c.gdn_value_dim),
-        "attn q_proj": (2 * c.num_attention_heads * c.head_dim, h),
-        "attn k/v_proj": (c.num_key_value_heads * c.head_dim, h),
-        "attn o_proj": (h, c.num_attention_heads * c.head_dim),
+        "gdn in_proj (fused)": (c.gdn_conv_dim + c.gdn_value_dim + 2 * c.linear_num_value_heads, h),
+        "gdn out_proj": (h, c.gdn_value_dim),
+        "attn qkv (fused)": (attn_q + 2 * attn_kv, h), "attn o_proj": (h, c.num_attention_heads * c.head_dim),
         "mlp gate_up (fused)": (2 * inter, h), "mlp down": (h, inter), "mtp fc": (h, 2 * h),
     }  # fmt: skip
 
@@ -54,10 +53,11 @@ def plans(n: int, k: int):
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-27b"
+    only = sys.argv[2] if len(sys.argv) > 2 else ""
     torch.manual_seed(0)
     report, tuned = [], {}
     for name, (n, k) in decode_shapes(preset).items():
-        if (n, k) in tuned:
+        if (n, k) in tuned or only not in name:
             continue
         copies = max(1, (256 << 20) // (n * k * 2))  # rotate weights beyond L2
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]

@@ -67,17 +67,30 @@ def test_gradients_match_hf_for_fine_tuning(checkpoint):
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_fused_gate_up_keeps_parameters_and_outputs(checkpoint):
-    """`fuse_gate_up_projections` (CUDA engines) changes how the MLP launches, not what the model holds."""
+def test_fused_projections_keep_parameters_and_outputs(checkpoint):
+    """`fuse_projections` (CUDA engines) changes how the projections launch, not what the model holds; and a
+    model that was fused still trains through the separate (differentiable) path."""
     model = load_model(checkpoint("tiny"), dtype=torch.float32, device="cpu")
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.inference_mode():
         expected = model(ids)
-    model.fuse_gate_up_projections()
+    model.fuse_projections()
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
-    mlp = model.model.layers[0].mlp
-    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.data_ptr()  # views of the fused tensor
+    layers = model.model.layers
+    gdn = next(layer.linear_attn for layer in layers if layer.mixer == "gdn")
+    attn = next(layer.self_attn for layer in layers if layer.mixer != "gdn")
+    for fused, first, last in (
+        (layers[0].mlp.gate_up, layers[0].mlp.gate_proj, layers[0].mlp.up_proj),
+        (gdn.in_proj, gdn.in_proj_qkv, gdn.in_proj_a),
+        (attn.qkv, attn.q_proj, attn.v_proj),
+    ):  # views of the fused tensor, in order, covering it
+        assert first.weight.data_ptr() == fused.data_ptr()
+        assert last.weight.data_ptr() + last.weight.numel() * last.weight.element_size() == (
+            fused.data_ptr() + fused.numel() * fused.element_size()
+        )
+    model(ids).float().pow(2).mean().backward()
+    assert attn.k_proj.weight.grad is not None and gdn.in_proj_b.weight.grad is not None

@@ -248,6 +248,10 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     positions = (lens - 2)[:, None].long() + torch.arange(2, device=DEVICE)
     q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, T, H, D] as a transposed view
     checks.append((ops.paged_attention, (q_t, k_new, k_new.clone(), kv, tables, lens, positions, dim**-0.5)))
+    q_gate, k_proj = _fused_projection(2, 3, [2 * 4 * 16, 2 * 16])
+    q_half, k_heads = q_gate.reshape(2, 3, 4, 32)[..., :16], k_proj.reshape(2, 3, 2, 16)
+    cos, sin = rand(2, 3, 8, seed=9), rand(2, 3, 8, seed=10)
+    checks.append((ops.qk_norm_rope, (q_half, k_heads, rand(16, scale=0.1), rand(16, scale=0.1), 1e-6, cos, sin)))
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         outputs = op(*args)
@@ -297,3 +301,64 @@ def test_gdn_recurrent_takes_strided_slices_of_one_conv_output():
         q.contiguous(), k.contiguous(), v.contiguous(), a, b, a_log, dt_bias, copied_pool, rows, committed
     )
     assert not q.is_contiguous() and torch.equal(strided, copied) and torch.equal(strided_pool, copied_pool)
+
+
+def _fused_projection(batch, length, sizes, dtype=torch.float32, seed=1):
+    """Slices of one [B, T, sum(sizes)] projection output, as the fused GEMMs hand them to the ops."""
+    return torch.split(rand(batch, length, sum(sizes), dtype=dtype, seed=seed), sizes, dim=-1)
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_matches_reference_on_strided_slices(length, dtype):
+    """The attention layer's head norms + partial rotary in one kernel: equal to the torch composition, reading
+    q (every other head_dim block of the q/gate projection) and k in place, and batch-invariant."""
+    from qwen_mtp.model.layers import RotaryEmbedding
+    from qwen_mtp.ops.rope import qk_norm_rope_reference, qk_norm_rope_triton
+
+    batch, heads, kv_heads, dim, rd = 3, 4, 2, 32, 8
+    q_gate, k, _ = _fused_projection(batch, length, [2 * heads * dim, kv_heads * dim, kv_heads * dim], dtype)
+    q = q_gate.reshape(batch, length, heads, 2 * dim)[..., :dim]
+    k = k.reshape(batch, length, kv_heads, dim)
+    q_w, k_w = rand(dim, seed=5, scale=0.1), rand(dim, seed=6, scale=0.1)
+    positions = torch.arange(length, device=DEVICE) + torch.tensor([[0], [7], [40]], device=DEVICE)
+    cos, sin = RotaryEmbedding(rd, 10000.0).to(DEVICE)(positions, dtype)
+    ours = qk_norm_rope_triton(q, k, q_w, k_w, 1e-6, cos, sin)
+    ref = qk_norm_rope_reference(q, k, q_w, k_w, 1e-6, cos, sin)
+    for mine, theirs in zip(ours, ref):
+        assert mine.is_contiguous() and mine.shape == theirs.shape
+        close(mine, theirs, dtype)
+    one = qk_norm_rope_triton(q[1:2], k[1:2], q_w, k_w, 1e-6, cos[1:2], sin[1:2])
+    assert torch.equal(one[0], ours[0][1:2]) and torch.equal(one[1], ours[1][1:2])
+
+
+def test_write_kv_kernel_equals_indexed_write():
+    from qwen_mtp.ops.paged_attention import write_kv_triton
+
+    kv = rand(2, 12, 8, 2, 32, seed=1)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0]], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([[6, 7, 8], [0, 1, 2]], device=DEVICE)
+    _, k, v = _fused_projection(2, 3, [16, 64, 64], seed=2)
+    k, v = k.reshape(2, 3, 2, 32), v.reshape(2, 3, 2, 32)  # strided slices
+    ref, ours = kv.clone(), kv.clone()
+    write_kv(k, v, ref, tables, positions)
+    write_kv_triton(k, v, ours, tables, positions)
+    assert torch.equal(ours, ref) and not torch.equal(ours, kv)
+
+
+def test_gated_norm_and_conv_read_strided_projection_slices():
+    """The GDN's z (per-head rows of a wider projection row) and qkv slices go into the kernels in place."""
+    from qwen_mtp.ops.norm import norm_triton
+
+    x = rand(2, 3, 4, 16, seed=1)
+    z, qkv, _ = _fused_projection(2, 3, [64, 40, 8], seed=2)
+    z = z.reshape(2, 3, 4, 16)
+    weight = rand(16, seed=3, scale=0.1)
+    assert torch.equal(norm_triton(x, weight, 1e-6, z), norm_triton(x, weight, 1e-6, z.contiguous()))
+    conv_w = rand(40, 4, seed=4)
+    pool = rand(3, 40, 7, seed=5)
+    rows, committed = torch.tensor([2, 0], device=DEVICE), torch.tensor([1, 0, 2], device=DEVICE)
+    strided_pool, copied_pool = pool.clone(), pool.clone()
+    strided = conv_update_triton(qkv, conv_w, strided_pool, rows, committed)
+    copied = conv_update_triton(qkv.contiguous(), conv_w, copied_pool, rows, committed)
+    assert not qkv.is_contiguous() and torch.equal(strided, copied) and torch.equal(strided_pool, copied_pool)

@@ -4,12 +4,14 @@ partial RoPE, GQA, sigmoid output gate."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
-from qwen_mtp.model.layers import RMSNorm, apply_rotary
+from qwen_mtp.model.layers import RMSNorm, fuse_linears
 from qwen_mtp.ops.attention import causal_attention
+from qwen_mtp.ops.rope import qk_norm_rope, rotate
 
 
 class GatedAttention(nn.Module):
@@ -30,6 +32,12 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qkv: torch.Tensor | None = None  # [q_proj; k_proj; v_proj] once `fuse_projections` ran
+
+    def fuse_projections(self) -> None:
+        """q (+ gate), k and v as one GEMM (`fuse_linears`)."""
+        if self.qkv is None:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -38,16 +46,32 @@ class GatedAttention(nn.Module):
         cache: ForwardCache | None = None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
-        q, gate = torch.chunk(self.q_proj(x).view(batch, length, self.heads, 2 * self.head_dim), 2, dim=-1)
-        gate = gate.reshape(batch, length, -1)
-        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q_gate, k, v = self._project(x)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]  # [B, T, H, D] views
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if torch.is_grad_enabled():  # differentiable composition (training)
+            q = rotate(self.q_norm(q), cos.unsqueeze(2), sin.unsqueeze(2))
+            k = rotate(self.k_norm(k), cos.unsqueeze(2), sin.unsqueeze(2))
+        else:  # the same numbers in one launch on CUDA
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         if cache is None:
             out = causal_attention(q, k, v, self.scale)
         else:
             out = cache.attend(self.name, q, k, v, self.scale)
-        out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        out = out.transpose(1, 2) * torch.sigmoid(gate)  # [B, T, H, D]
+        return self.o_proj(out.reshape(batch, length, -1))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q and gate [B, T, H, 2D], k, v [B, T, KV, D] (views of the projections)."""
+        batch, length, _ = x.shape
+        if self.qkv is None or torch.is_grad_enabled():
+            q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            sizes = [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0]]
+            q_gate, k, v = torch.split(F.linear(x, self.qkv), sizes, dim=-1)
+        return (
+            q_gate.view(batch, length, self.heads, 2 * self.head_dim),
+            k.view(batch, length, self.kv_heads, self.head_dim),
+            v.view(batch, length, self.kv_heads, self.head_dim),
+        )

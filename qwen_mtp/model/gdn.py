@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
-from qwen_mtp.model.layers import GatedRMSNorm
+from qwen_mtp.model.layers import GatedRMSNorm, fuse_linears
 from qwen_mtp.ops.conv import causal_conv1d
 from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
 
@@ -30,12 +31,17 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.in_proj: torch.Tensor | None = None  # [qkv; z; b; a] once `fuse_projections` ran
+
+    def fuse_projections(self) -> None:
+        """The four input projections as one GEMM (`fuse_linears`); the ops read their strided slices."""
+        if self.in_proj is None:
+            self.in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def forward(self, x: torch.Tensor, cache: ForwardCache | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
-        raw = self.in_proj_qkv(x)  # [B, T, C] pre-conv [q | k | v]
-        z = self.in_proj_z(x).reshape(batch, length, -1, self.dv)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        raw, z, b, a = self._project(x)  # raw [B, T, C]: pre-conv [q | k | v]
+        z = z.reshape(batch, length, -1, self.dv)
         weight = self.conv1d.weight.squeeze(1)
         if cache is not None and cache.gdn_recurrent(length):
             # Decode / verify: the cache runs the conv and the recurrence on its state memory.
@@ -49,8 +55,16 @@ class GatedDeltaNet(nn.Module):
             out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=ssm)
             if cache is not None:
                 cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
-        out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv))
+        out = self.norm(out, z)  # [B, T, Hv, dv]: per head, z read in place
         return self.out_proj(out.reshape(batch, length, self.value_dim))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, hidden] -> (qkv, z, b, a) projections (views of one GEMM's output once fused)."""
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        if self.in_proj is None or torch.is_grad_enabled():
+            return tuple(projection(x) for projection in projections)
+        sizes = [projection.weight.shape[0] for projection in projections]
+        return torch.split(F.linear(x, self.in_proj), sizes, dim=-1)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, C] conv output -> q, k [B, T, Hk, dk], v [B, T, Hv, dv]."""

@@ -1,4 +1,4 @@
-"""Small building blocks: (1+w) RMSNorm, gated RMSNorm, SwiGLU MLP, partial rotary embedding.
+"""Small building blocks: (1+w) RMSNorm, gated RMSNorm, SwiGLU MLP, rotary cos/sin, fused projections.
 
 Dtype handling mirrors Hugging Face exactly (norms in fp32 and cast once; cos/sin cast to the activation dtype),
 because exactness against it is what the tests check. The norms run as ops (`qwen_mtp.ops.norm`): the HF
@@ -51,24 +51,31 @@ class GatedRMSNorm(nn.Module):
         return norm_ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Store the weights of projections that read the same input in one [sum N, K] tensor and make each
+    weight a view of it, so one GEMM launch computes them all (decode: fewer launches per layer). Parameter
+    names, values and `state_dict` are unchanged; returns the fused weight."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        size = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start : start + size], requires_grad=linear.weight.requires_grad)
+        start += size
+    return fused
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up: torch.Tensor | None = None  # [2I, H] once `fuse_gate_up` ran; not a parameter
+        self.gate_up: torch.Tensor | None = None  # [2I, H] once `fuse_projections` ran; not a parameter
 
-    def fuse_gate_up(self) -> None:
-        """Store gate and up in one [2I, H] tensor and make both weights views of it, so one GEMM launch
-        computes both (decode: one launch less per layer). Parameter names and `state_dict` are unchanged."""
-        if self.gate_up is not None:
-            return
-        fused = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
-        size = self.gate_proj.weight.shape[0]
-        self.gate_proj.weight = nn.Parameter(fused[:size], requires_grad=self.gate_proj.weight.requires_grad)
-        self.up_proj.weight = nn.Parameter(fused[size:], requires_grad=self.up_proj.weight.requires_grad)
-        self.gate_up = fused
+    def fuse_projections(self) -> None:
+        """gate and up as one GEMM (`fuse_linears`), whose output the SwiGLU op reads directly."""
+        if self.gate_up is None:
+            self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or torch.is_grad_enabled():
@@ -98,13 +105,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, rd]. Rotates x[..., :rd] (rotate-half), passes the rest through."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rd = cos.shape[-1]
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)

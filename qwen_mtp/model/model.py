@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
+from qwen_mtp.model.attention import GatedAttention
 from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.decoder import DecoderLayer, run_layers
+from qwen_mtp.model.gdn import GatedDeltaNet
 from qwen_mtp.model.layers import MLP, RMSNorm, RotaryEmbedding
 from qwen_mtp.model.mtp import MTPHead
 from qwen_mtp.model.plan import plan_model
@@ -104,11 +106,12 @@ class QwenHybridForCausalLM(nn.Module):
         """Logits [B, T, V] for token i+2 at each position i (see `mtp_hidden_states`)."""
         return self.logits(self.mtp_hidden_states(next_ids, hidden, positions, cache))
 
-    def fuse_gate_up_projections(self) -> None:
-        """One GEMM for each MLP's gate and up projections (inference; see `MLP.fuse_gate_up`)."""
+    def fuse_projections(self) -> None:
+        """One GEMM where several projections read the same input: GDN in_proj qkv/z/b/a, attention q/k/v,
+        MLP gate/up (inference on CUDA: fewer launches per step; see `layers.fuse_linears`)."""
         for module in self.modules():
-            if isinstance(module, MLP):
-                module.fuse_gate_up()
+            if isinstance(module, (MLP, GatedAttention, GatedDeltaNet)):
+                module.fuse_projections()
 
     def init_non_persistent_buffers(self, device: torch.device | str) -> None:
         """Buffers that no checkpoint holds (rotary inverse frequencies): computed after a meta-device load."""

@@ -62,11 +62,11 @@ def _conv_update_kernel():
 
     # One binary for every T and every pool width (MAX_T is a constant, T and W runtime values): plain decode,
     # MTP verify and engines with different K must all run the very same code.
-    @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_pr"])
+    @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_xt", "stride_ob", "stride_pr"])
     def kernel(
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, C, W,
-        stride_xb, stride_xt, stride_pr, stride_pc,
+        stride_xb, stride_xt, stride_ob, stride_ot, stride_pr, stride_pc,
         KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr,
     ):  # fmt: skip
         # One program: one request, BLOCK_C channels, all T tokens. The whole conv input (window + new
@@ -95,7 +95,7 @@ def _conv_update_kernel():
                 acc += w * tap
             conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the conv's own rounding, as F.conv1d
             tl.store(
-                out_ptr + b * stride_xb + t * stride_xt + cs,
+                out_ptr + b * stride_ob + t * stride_ot + cs,
                 (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty),
                 mask=cmask & (cs * 0 + t < T),
             )
@@ -108,22 +108,23 @@ def _conv_update_kernel():
 def conv_update_triton(
     x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
 ) -> torch.Tensor:
-    """Triton version of `conv_update_reference` (same arguments, same in-place pool update)."""
+    """Triton version of `conv_update_reference` (same arguments, same in-place pool update). x may be a
+    strided slice (the fused input projection's qkv part): read in place."""
     import triton
 
     kernel = _conv_update_kernel()
     batch, length, channels = x.shape
-    x = x.contiguous()
+    x = x if x.stride(2) == 1 else x.contiguous()
     weight = weight.contiguous()
-    assert pool.stride(2) == 1 and x.stride(2) == 1
-    out = torch.empty_like(x)
+    assert pool.stride(2) == 1
+    out = x.new_empty(x.shape)
     block = 128
     max_t = 8  # the most tokens one call takes (K + 1 <= 5), fixed so the binary never depends on K or T
     assert length <= max_t
     kernel[(batch, triton.cdiv(channels, block))](
         x, weight, pool, rows, committed, out,
         length, channels, pool.shape[2],
-        x.stride(0), x.stride(1), pool.stride(0), pool.stride(1),
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), pool.stride(0), pool.stride(1),
         KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=max_t, FULL=triton.next_power_of_2(weight.shape[1] - 1 + max_t),
     )  # fmt: skip
     return out

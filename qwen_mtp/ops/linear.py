@@ -56,12 +56,9 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 # Measured on the H200 (benchmarks/gemm_sweep.py, 2026-11-29): the fastest batch-invariant plan per
 # Qwen3.5-27B decode shape at M = 1 and 8 (e.g. in_proj_a/b 6.5 us vs 34.9 us for the default plan).
 TUNED: dict[tuple[int, int], GemmPlan] = {
-    (10240, 5120): GemmPlan(32, 128, 40, 4, 4),  # gdn in_proj_qkv
-    (6144, 5120): GemmPlan(64, 256, 20, 4, 4),  # gdn in_proj_z
-    (48, 5120): GemmPlan(16, 128, 2, 4, 4),  # gdn in_proj_a / in_proj_b
+    (16480, 5120): GemmPlan(32, 128, 40, 4, 4),  # gdn in_proj qkv/z/b/a (fused)
     (5120, 6144): GemmPlan(32, 128, 16, 4, 3),  # gdn out_proj, attn o_proj
-    (12288, 5120): GemmPlan(32, 128, 40, 4, 4),  # attn q_proj (+ gate)
-    (1024, 5120): GemmPlan(16, 128, 10, 4, 4),  # attn k_proj / v_proj
+    (14336, 5120): GemmPlan(32, 128, 40, 4, 4),  # attn q (+ gate)/k/v (fused)
     (34816, 5120): GemmPlan(32, 256, 20, 4, 4),  # mlp gate_up (fused)
     (5120, 17408): GemmPlan(64, 128, 34, 4, 3),  # mlp down_proj
     (5120, 10240): GemmPlan(64, 128, 20, 4, 3),  # mtp fc

@@ -46,11 +46,13 @@ def _norm_kernel():
 
     @triton.jit
     def kernel(
-        x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps,
+        x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps, g_heads, g_s0, g_s1,
         GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # One program per row; the sum of squares runs over BLOCK-wide chunks in order, then one tree sum.
         # ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and stored.
+        # GATED: row r's gate is at (r // g_heads) * g_s0 + (r % g_heads) * g_s1 (per-head rows of a strided
+        # projection slice, read in place).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -73,7 +75,8 @@ def _norm_kernel():
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
             if GATED:
                 y = (w.to(tl.float32) * (x * inv).to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
-                g = tl.load(g_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                g_row = g_ptr + (row // g_heads) * g_s0 + (row % g_heads) * g_s1
+                g = tl.load(g_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 y = y * (g * tl.sigmoid(g))
             else:
                 y = x * inv * (1.0 + w.to(tl.float32))
@@ -95,17 +98,26 @@ def norm_triton(
 
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
-    gates = rows if gate is None else gate.reshape(-1, n).contiguous()
+    gates = rows[:, None] if gate is None else _per_head_rows(gate)
     deltas = rows if delta is None else delta.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
     summed = out if delta is None else torch.empty_like(rows)
     block = min(1024, triton.next_power_of_2(n))
     _norm_kernel()[(rows.shape[0],)](
-        rows, gates, weight, out, deltas, summed, n, eps, GATED=gate is not None, ADD=delta is not None, BLOCK=block
+        rows, gates, weight, out, deltas, summed, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
+        GATED=gate is not None, ADD=delta is not None, BLOCK=block,
     )
     if delta is not None:
         return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)
+
+
+def _per_head_rows(gate: torch.Tensor) -> torch.Tensor:
+    """gate [..., heads, N] as [rows, heads, N] without a copy where its strides allow (the GDN's z, a slice of
+    the fused input projection: [B, T, heads, N] with a row stride wider than heads * N)."""
+    heads = gate.shape[-2] if gate.dim() > 2 else 1
+    grouped = gate.reshape(-1, heads, gate.shape[-1])
+    return grouped if grouped.stride(2) == 1 else grouped.contiguous()
 
 
 @torch.library.custom_op("qwen_mtp::rms_norm", mutates_args=())

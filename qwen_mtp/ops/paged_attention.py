@@ -28,6 +28,51 @@ def write_kv(
     kv[1, pages, offsets] = v.to(kv.dtype)
 
 
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
+def _write_kv_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T", "sk_b", "sk_t", "sv_b", "sv_t"])
+    def kernel(
+        k_ptr, v_ptr, kv_ptr, tables_ptr, pos_ptr,
+        T, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_half, s_page, s_slot, s_head, s_table,
+        D: tl.constexpr, PAGE: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one (request, new position, KV head): a plain copy into its page slot.
+        pid = tl.program_id(0)
+        b = pid // T
+        t = pid % T
+        h = tl.program_id(1)
+        ds = tl.arange(0, D)
+        pos = tl.load(pos_ptr + pid)
+        page = tl.load(tables_ptr + b * s_table + pos // PAGE)
+        slot = kv_ptr + page.to(tl.int64) * s_page + (pos % PAGE) * s_slot + h * s_head + ds
+        k = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + ds)
+        v = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + ds)
+        tl.store(slot, k.to(kv_ptr.dtype.element_ty))
+        tl.store(slot + s_half, v.to(kv_ptr.dtype.element_ty))
+
+    return kernel
+
+
+def write_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Triton version of `write_kv`: one launch instead of the index arithmetic's several; k and v may be
+    strided views (v is a slice of the fused q/k/v projection)."""
+    batch, length, kv_heads, dim = k.shape
+    k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))
+    positions = positions.contiguous()
+    assert kv.is_contiguous() and block_tables.is_contiguous()
+    _write_kv_kernel()[(batch * length, kv_heads)](
+        k, v, kv, block_tables, positions,
+        length, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
+        D=dim, PAGE=kv.shape[2],
+    )  # fmt: skip
+
+
 def gather_kv(kv: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [0, length) of one request (page table row `table`): each [length, KV, D]."""
     positions = torch.arange(length, device=kv.device)
@@ -152,7 +197,7 @@ def paged_attention(
 
 @paged_attention.register_kernel("cuda")
 def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-    write_kv(k, v, kv, block_tables, positions)
+    write_kv_triton(k, v, kv, block_tables, positions)
     return paged_attention_triton(q, kv, block_tables, context_lens, scale)
 
 

@@ -1,6 +1,6 @@
 """SwiGLU on a fused [gate | up] projection: `silu(gate) * up` in one launch instead of two.
 
-The MLP's gate and up projections run as one GEMM on CUDA (`MLP.fuse_gate_up`); this op reads both halves of
+The MLP's gate and up projections run as one GEMM on CUDA (`MLP.fuse_projections`); this op reads both halves of
 its output in place (no split copies). Rounding follows the two eager ops (silu rounded to the activation
 dtype, then the product), so it only saves launches. Elementwise, hence batch-invariant by construction.
 """

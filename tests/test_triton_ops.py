@@ -325,7 +325,7 @@ def test_qk_norm_rope_matches_reference_on_strided_slices(length, dtype):
     cos, sin = RotaryEmbedding(rd, 10000.0).to(DEVICE)(positions, dtype)
     ours = qk_norm_rope_triton(q, k, q_w, k_w, 1e-6, cos, sin)
     ref = qk_norm_rope_reference(q, k, q_w, k_w, 1e-6, cos, sin)
-    for mine, theirs in zip(ours, ref):
+    for mine, theirs in zip(ours, ref, strict=True):
         assert mine.is_contiguous() and mine.shape == theirs.shape
         close(mine, theirs, dtype)
     one = qk_norm_rope_triton(q[1:2], k[1:2], q_w, k_w, 1e-6, cos[1:2], sin[1:2])

@@ -106,7 +106,7 @@ def norm_triton(
     _norm_kernel()[(rows.shape[0],)](
         rows, gates, weight, out, deltas, summed, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
         GATED=gate is not None, ADD=delta is not None, BLOCK=block,
-    )
+    )  # fmt: skip
     if delta is not None:
         return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)

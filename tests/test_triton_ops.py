@@ -332,6 +332,25 @@ def test_qk_norm_rope_matches_reference_on_strided_slices(length, dtype):
     assert torch.equal(one[0], ours[0][1:2]) and torch.equal(one[1], ours[1][1:2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES + ([torch.bfloat16] if torch.cuda.is_available() else []))
+def test_qk_norm_rope_equals_norm_kernel_then_rotate_bitwise(dtype):
+    """Bit for bit the path it replaced: the norm kernel, then the torch rotary (bf16 only on CUDA: the CPU
+    interpreter's bf16 arithmetic is not the GPU's)."""
+    from qwen_mtp.model.layers import RotaryEmbedding
+    from qwen_mtp.ops.norm import norm_triton
+    from qwen_mtp.ops.rope import qk_norm_rope_triton, rotate
+
+    batch, length, heads, kv_heads, dim, rd = 2, 5, 4, 2, 64, 16
+    q = rand(batch, length, heads, 2 * dim, dtype=dtype, seed=1)[..., :dim]
+    k = rand(batch, length, kv_heads, dim, dtype=dtype, seed=2)
+    q_w, k_w = rand(dim, dtype=dtype, seed=3, scale=0.1), rand(dim, dtype=dtype, seed=4, scale=0.1)
+    positions = torch.arange(length, device=DEVICE) + torch.tensor([[3], [5000]], device=DEVICE)
+    cos, sin = RotaryEmbedding(rd, 1e7).to(DEVICE)(positions, dtype)
+    fused = qk_norm_rope_triton(q, k, q_w, k_w, 1e-6, cos, sin)
+    for ours, x, w in zip(fused, (q, k), (q_w, k_w), strict=True):
+        assert torch.equal(ours, rotate(norm_triton(x, w, 1e-6), cos.unsqueeze(2), sin.unsqueeze(2)))
+
+
 def test_write_kv_kernel_equals_indexed_write():
     from qwen_mtp.ops.paged_attention import write_kv_triton
 

@@ -14,7 +14,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """q [B, H, T, D] are the last T positions of a context whose keys/values are k, v [B, KV, S, D] (S >= T).
 
     Query i sits at context position S - T + i and sees keys 0..S-T+i. Returns [B, H, T, D].
+    q and k go in contiguous, as Hugging Face hands them over (its rotary's outputs): SDPA chooses its CUDA
+    backend by layout, and a different backend rounds differently.
     """
+    q, k = q.contiguous(), k.contiguous()
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if t == s or t == 1:

@@ -56,9 +56,9 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 # Measured on the H200 (benchmarks/gemm_sweep.py, 2026-11-29): the fastest batch-invariant plan per
 # Qwen3.5-27B decode shape at M = 1 and 8 (e.g. in_proj_a/b 6.5 us vs 34.9 us for the default plan).
 TUNED: dict[tuple[int, int], GemmPlan] = {
-    (16480, 5120): GemmPlan(32, 128, 40, 4, 4),  # gdn in_proj qkv/z/b/a (fused)
+    (16480, 5120): GemmPlan(64, 128, 40, 4, 4),  # gdn in_proj qkv/z/b/a (fused)
     (5120, 6144): GemmPlan(32, 128, 16, 4, 3),  # gdn out_proj, attn o_proj
-    (14336, 5120): GemmPlan(32, 128, 40, 4, 4),  # attn q (+ gate)/k/v (fused)
+    (14336, 5120): GemmPlan(64, 128, 40, 4, 4),  # attn q (+ gate)/k/v (fused)
     (34816, 5120): GemmPlan(32, 256, 20, 4, 4),  # mlp gate_up (fused)
     (5120, 17408): GemmPlan(64, 128, 34, 4, 3),  # mlp down_proj
     (5120, 10240): GemmPlan(64, 128, 20, 4, 3),  # mtp fc

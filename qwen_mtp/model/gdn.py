@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.cache_api import ForwardCache
-from qwen_mtp.model.layers import GatedRMSNorm, fuse_linears
+from qwen_mtp.model.layers import GatedRMSNorm, fuse_linears, project
 from qwen_mtp.ops.conv import causal_conv1d
 from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
 
@@ -40,7 +39,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: ForwardCache | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
-        raw, z, b, a = self._project(x)  # raw [B, T, C]: pre-conv [q | k | v]
+        # raw [B, T, C]: pre-conv [q | k | v]
+        raw, z, b, a = project(x, self.in_proj, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         z = z.reshape(batch, length, -1, self.dv)
         weight = self.conv1d.weight.squeeze(1)
         if cache is not None and cache.gdn_recurrent(length):
@@ -57,14 +57,6 @@ class GatedDeltaNet(nn.Module):
                 cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
         out = self.norm(out, z)  # [B, T, Hv, dv]: per head, z read in place
         return self.out_proj(out.reshape(batch, length, self.value_dim))
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [B, T, hidden] -> (qkv, z, b, a) projections (views of one GEMM's output once fused)."""
-        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        if self.in_proj is None or torch.is_grad_enabled():
-            return tuple(projection(x) for projection in projections)
-        sizes = [projection.weight.shape[0] for projection in projections]
-        return torch.split(F.linear(x, self.in_proj), sizes, dim=-1)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, C] conv output -> q, k [B, T, Hk, dk], v [B, T, Hv, dv]."""

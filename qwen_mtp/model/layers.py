@@ -64,6 +64,14 @@ def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
     return fused
 
 
+def project(x: torch.Tensor, fused: torch.Tensor | None, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """Each linear applied to x: one GEMM over the `fuse_linears` weight, split into views, when it exists
+    and no gradient is needed; otherwise the separate (differentiable) projections."""
+    if fused is None or torch.is_grad_enabled():
+        return tuple(linear(x) for linear in linears)
+    return torch.split(F.linear(x, fused), [linear.weight.shape[0] for linear in linears], dim=-1)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()

@@ -6,7 +6,8 @@ import torch
 
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.conv import conv_update_reference, conv_update_triton
-from qwen_mtp.ops.gdn import gdn_recurrent_reference, gdn_recurrent_triton
+from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values, gdn_recurrent_reference, gdn_recurrent_triton
+from qwen_mtp.ops.gdn_prefill import gdn_chunked_triton
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
 from qwen_mtp.ops.paged_attention import paged_attention_reference, paged_attention_triton, write_kv
 
@@ -252,6 +253,11 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     q_half, k_heads = q_gate.reshape(2, 3, 4, 32)[..., :16], k_proj.reshape(2, 3, 2, 16)
     cos, sin = rand(2, 3, 8, seed=9), rand(2, 3, 8, seed=10)
     checks.append((ops.qk_norm_rope, (q_half, k_heads, rand(16, scale=0.1), rand(16, scale=0.1), 1e-6, cos, sin)))
+    mixed = rand(1, 5, 2 * 16 + 4 * 8, seed=11)  # prefill q, k, v: slices of one conv output
+    gq, gk, gv = (t.view(1, 5, -1, 8) for t in torch.split(mixed, [16, 16, 32], dim=-1))
+    decay, beta = -rand(1, 5, 4, seed=12).abs(), rand(1, 5, 4, seed=13).sigmoid()
+    for initial in (None, rand(1, 4, 8, 8, seed=14)):
+        checks.append((ops.gdn_chunked, (gq, gk, gv, decay, beta, initial)))
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         outputs = op(*args)
@@ -381,3 +387,23 @@ def test_gated_norm_and_conv_read_strided_projection_slices():
     strided = conv_update_triton(qkv, conv_w, strided_pool, rows, committed)
     copied = conv_update_triton(qkv.contiguous(), conv_w, copied_pool, rows, committed)
     assert not qkv.is_contiguous() and torch.equal(strided, copied) and torch.equal(strided_pool, copied_pool)
+
+
+@pytest.mark.parametrize("length,with_state", [(1, False), (37, True), (64, False), (130, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_chunked_prefill_matches_reference(length, with_state, dtype):
+    """The prefill kernels (own chunking: prepare + scan) against the torch chunked form, with GVA, ragged last
+    chunks, an initial state, and q/k/v as strided slices of one conv output (as the model passes them)."""
+    batch, hk, hv, dk, dv = 2, 2, 4, 16, 32
+    mixed = rand(batch, length, 2 * hk * dk + hv * dv, dtype=dtype, seed=1)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(batch, length, hk, dk), k.view(batch, length, hk, dk), v.view(batch, length, hv, dv)
+    g, beta = gate_values(rand(batch, length, hv, seed=2), rand(batch, length, hv, dtype=dtype, seed=3),
+                          rand(hv, seed=4).abs(), rand(hv, seed=5).abs())  # fmt: skip
+    state = rand(batch, hv, dk, dv, seed=6, scale=0.1) if with_state else None
+    out, final = gdn_chunked_triton(q, k, v, g, beta, state)
+    ref_out, ref_final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    assert out.dtype == ref_out.dtype and final.dtype == torch.float32
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(final, ref_final, rtol=2e-5, atol=2e-5)

@@ -10,6 +10,7 @@ from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.layers import GatedRMSNorm, fuse_linears, project
 from qwen_mtp.ops.conv import causal_conv1d
 from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
+from qwen_mtp.ops.gdn_prefill import gdn_chunked
 
 
 class GatedDeltaNet(nn.Module):
@@ -52,7 +53,10 @@ class GatedDeltaNet(nn.Module):
             mixed, conv_inputs = causal_conv1d(raw.transpose(1, 2), weight, window)
             q, k, v = self._split(mixed.transpose(1, 2))
             g, beta = gate_values(a, b, self.A_log, self.dt_bias)
-            out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=ssm)
+            if torch.is_grad_enabled():  # differentiable (training); the op runs the same math without autograd
+                out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=ssm)
+            else:
+                out, final = gdn_chunked(q, k, v, g, beta, ssm)
             if cache is not None:
                 cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
         out = self.norm(out, z)  # [B, T, Hv, dv]: per head, z read in place

@@ -9,6 +9,7 @@ import torch
 from helpers import load_hf, random_prompt
 
 from qwen_mtp import Engine, load_model
+from qwen_mtp.ops import gdn_prefill
 
 MODES = {  # the decode path: eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs
     "eager": {},
@@ -28,7 +29,11 @@ def engine_for(model_source, k=None, draft="head", accept=1.0, max_batch=32, mod
 
 
 @pytest.mark.parametrize("preset,layout", [("tiny", "text"), ("tiny-tied", "vlm"), ("tiny-8l", "text")])
-def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
+def test_logits_match_hf_on_cuda(checkpoint, preset, layout, monkeypatch):
+    """Every op but the GDN prefill rounds like Hugging Face's torch code: logits within 2 bf16 ulps almost
+    everywhere. The prefill kernels compute the delta rule in another (chunk-local) order, so here they step
+    aside for the torch form (their accuracy: the next test)."""
+    monkeypatch.setattr(gdn_prefill, "supported", lambda q, v: False)
     path = checkpoint(preset, layout, dtype="bfloat16")
     ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.inference_mode():
@@ -36,6 +41,23 @@ def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
         ref = load_hf(path, torch.bfloat16).cuda()(ids).logits.float()
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp(min=2**-10)
     assert ((ours - ref).abs() <= 2 * ulp).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("preset,layout", [("tiny", "text"), ("tiny-8l", "text")])
+def test_prefill_kernels_as_accurate_as_hf(checkpoint, preset, layout):
+    """With the Triton GDN prefill, bf16 logits are as close to an fp32 run of Hugging Face's model as
+    Hugging Face's own bf16 logits are, and pick the same greedy tokens as often."""
+    path = checkpoint(preset, layout, dtype="bfloat16")
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(2)).cuda()  # 5 chunks
+    with torch.inference_mode():
+        ours = load_model(path, dtype=torch.bfloat16, device="cuda")(ids).float()
+        hf = load_hf(path, torch.bfloat16).cuda()(ids).logits.float()
+        truth = load_hf(path, torch.float32).cuda()(ids).logits
+    ours_err, hf_err = (ours - truth).abs().mean(), (hf - truth).abs().mean()
+    assert ours_err <= 1.2 * hf_err, (ours_err, hf_err)
+    best = truth.argmax(-1)
+    ours_agree, hf_agree = ((x.argmax(-1) == best).float().mean() for x in (ours, hf))
+    assert ours_agree >= hf_agree - 0.01, (ours_agree, hf_agree)
 
 
 @pytest.mark.parametrize(

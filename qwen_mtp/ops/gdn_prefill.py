@@ -1,0 +1,202 @@
+"""Chunked gated delta rule for prefill: Triton kernels beside the plain-torch reference
+(`qwen_mtp.ops.gdn.chunked_gated_delta_rule`), as the custom op `qwen_mtp::gdn_chunked`.
+
+Why our own kernels: the torch form runs ~100 small launches per layer and chunk (a batched triangular solve,
+fp32 GEMMs of 64x64 tiles, elementwise glue): on the H200 a 2048-token prefill of the 27B shapes spent most of
+its 0.5 s there and in launch overhead. flash-linear-attention has such kernels, but autotunes their tile sizes
+per process, so two processes could round a prompt differently; ours use fixed tiles, so a prompt's numbers
+depend on nothing but the prompt (and the engine's prefill chunk boundaries).
+
+The math, per value head and chunk of C tokens (G = in-chunk cumulative log decay, S0 = state at chunk start):
+    A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i;   T = (I + A)^-1   (unit lower triangular)
+    W = T (beta exp(G) k),  U = T (beta v)                  -> the chunk's corrected values: delta = U - W S0
+    o_i = exp(G_i) q_i S0 + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) delta_j
+    S_end = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j delta_j^T
+Two kernels: `prepare` (A, T by forward substitution, W, U) runs on every chunk at once; `scan` carries the
+state across chunks (one program per head and block of value columns) and writes the output. Everything in
+fp32 with IEEE dots: the TF32 alternative rounds to 10 mantissa bits, which would move bf16 outputs away from
+the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qwen_mtp.ops.gdn import chunked_gated_delta_rule
+from qwen_mtp.ops.triton_utils import INTERPRET
+
+# Tokens per chunk: fixed, so a prompt's rounding never depends on the launch. 32, not the torch form's 64: at
+# head dim 128 the 64-token `prepare` needs 278 KB of shared memory for its dots (the H200 has 227 KB).
+CHUNK = 32
+
+
+@functools.cache  # build (and let Triton cache) the kernels once, on first use
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T", "sq_b", "sv_b", "sg_b"])
+    def prepare(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, scores_ptr, cum_ptr,
+        T, HV, GROUP, scale, sq_b, sq_t, sq_h, sv_b, sv_t, sv_h, sg_b, sg_t,
+        C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one (request, value head, chunk): everything about the chunk that does not need the
+        # state, into fp32 scratch [B, HV, T_padded, .] (scores: [B, HV, chunks, C, C]).
+        pid = tl.program_id(0)
+        bi = pid // HV
+        h = pid % HV
+        chunk = tl.program_id(1)
+        ts = chunk * C + tl.arange(0, C)
+        mask = ts < T
+        rows = tl.arange(0, C)
+        ks = tl.arange(0, DK)
+        vs = tl.arange(0, DV)
+        qk_offsets = bi * sq_b + (h // GROUP) * sq_h + ts[:, None] * sq_t + ks[None, :]
+        q = tl.load(q_ptr + qk_offsets, mask=mask[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + qk_offsets, mask=mask[:, None], other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        v_offsets = bi * sv_b + h * sv_h + ts[:, None] * sv_t + vs[None, :]
+        v = tl.load(v_ptr + v_offsets, mask=mask[:, None], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + bi * sg_b + ts * sg_t + h, mask=mask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + bi * sg_b + ts * sg_t + h, mask=mask, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, axis=0)  # padded rows add 0: the last row holds the chunk's total
+        last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)
+        causal = rows[None, :] <= rows[:, None]
+        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+        below = rows[None, :] < rows[:, None]
+        a = tl.where(below, tl.dot(k, tl.trans(k), input_precision=PRECISION) * beta[:, None] * decay, 0.0)
+        # T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j] (rows j < i are final).
+        inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+        for i in range(1, C):
+            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
+            step = tl.sum(a_i[:, None] * inverse, axis=0)
+            inverse = tl.where(rows[:, None] == i, inverse - step[None, :], inverse)
+        w = tl.dot(inverse, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
+        u = tl.dot(inverse, v * beta[:, None], input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        head = (bi * HV + h).to(tl.int64)
+        scratch = head * tl.num_programs(1) * C + ts
+        tl.store(w_ptr + scratch[:, None] * DK + ks[None, :], w)
+        tl.store(u_ptr + scratch[:, None] * DV + vs[None, :], u)
+        tl.store(qd_ptr + scratch[:, None] * DK + ks[None, :], q * tl.exp(cum)[:, None])
+        tl.store(kd_ptr + scratch[:, None] * DK + ks[None, :], k * tl.exp(last - cum)[:, None])
+        tl.store(scores_ptr + (scratch[:, None] * C + rows[None, :]), scores)
+        tl.store(cum_ptr + scratch, cum)
+
+    @triton.jit(do_not_specialize=["T", "NC", "so_b"])
+    def scan(
+        w_ptr, u_ptr, qd_ptr, kd_ptr, scores_ptr, cum_ptr, init_ptr, out_ptr, final_ptr,
+        T, NC, HV, so_b, so_t, so_h,
+        C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one (request, value head, BLOCK_V value columns), all chunks in order; the state tile
+        # [DK, BLOCK_V] stays in registers. Per chunk: delta = U - W S; out = Qd S + scores delta;
+        # S = exp(last) S + Kd^T delta.
+        pid = tl.program_id(0)
+        bi = pid // HV
+        h = pid % HV
+        ks = tl.arange(0, DK)
+        vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        rows = tl.arange(0, C)
+        head = (bi * HV + h).to(tl.int64)
+        tile = head * DK * DV + ks[:, None] * DV + vs[None, :]
+        if HAS_INIT:
+            state = tl.load(init_ptr + tile).to(tl.float32)
+        else:
+            state = tl.zeros([DK, BLOCK_V], dtype=tl.float32)
+        for c in range(NC):
+            ts = c * C + rows
+            scratch = head * NC * C + ts
+            w = tl.load(w_ptr + scratch[:, None] * DK + ks[None, :])
+            u = tl.load(u_ptr + scratch[:, None] * DV + vs[None, :])
+            qd = tl.load(qd_ptr + scratch[:, None] * DK + ks[None, :])
+            kd = tl.load(kd_ptr + scratch[:, None] * DK + ks[None, :])
+            scores = tl.load(scores_ptr + (scratch[:, None] * C + rows[None, :]))
+            last = tl.load(cum_ptr + head * NC * C + c * C + C - 1)
+            delta = u - tl.dot(w, state, input_precision=PRECISION)
+            out = tl.dot(qd, state, input_precision=PRECISION) + tl.dot(scores, delta, input_precision=PRECISION)
+            tl.store(
+                out_ptr + bi * so_b + ts[:, None] * so_t + h * so_h + vs[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=(ts < T)[:, None],
+            )
+            state = state * tl.exp(last) + tl.dot(tl.trans(kd), delta, input_precision=PRECISION)
+        tl.store(final_ptr + tile, state)
+
+    return prepare, scan
+
+
+def supported(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernels take these head sizes: powers of two of at least 16 (`tl.dot`'s smallest tile)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))
+
+
+def gdn_chunked_triton(q, k, v, g, beta, initial_state=None):
+    """Triton version of `chunked_gated_delta_rule` (q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv];
+    initial_state [B, Hv, dk, dv] or None). Returns (output [B, T, Hv, dv] in q's dtype, final state fp32)."""
+    import triton
+
+    prepare, scan = _kernels()
+    batch, length, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
+    chunks = triton.cdiv(length, CHUNK)
+    padded = chunks * CHUNK
+
+    def scratch(*shape):
+        return torch.empty(batch, hv, *shape, dtype=torch.float32, device=q.device)
+
+    w, u, qd, kd = scratch(padded, dk), scratch(padded, dv), scratch(padded, dk), scratch(padded, dk)
+    scores, cum = scratch(padded, CHUNK), scratch(padded)
+    out = torch.empty(batch, length, hv, dv, dtype=q.dtype, device=q.device)
+    final = torch.empty(batch, hv, dk, dv, dtype=torch.float32, device=q.device)
+    init = final if initial_state is None else initial_state.float().contiguous()
+    precision = "ieee" if INTERPRET else "tf32x3"  # ~fp32 accuracy on tensor cores; the interpreter has no TF32
+    prepare[(batch * hv, chunks)](
+        q, k, v, g, beta, w, u, qd, kd, scores, cum,
+        length, hv, hv // hk, dk**-0.5, q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), g.stride(0), g.stride(1), C=CHUNK, DK=dk, DV=dv, PRECISION=precision, num_warps=8,
+    )  # fmt: skip
+    block_v = min(dv, 32)
+    scan[(batch * hv, triton.cdiv(dv, block_v))](
+        w, u, qd, kd, scores, cum, init, out, final,
+        length, chunks, hv, out.stride(0), out.stride(1), out.stride(2),
+        C=CHUNK, DK=dk, DV=dv, BLOCK_V=block_v, HAS_INIT=initial_state is not None, PRECISION=precision,
+        num_warps=4,
+    )  # fmt: skip
+    return out, final
+
+
+@torch.library.custom_op("qwen_mtp::gdn_chunked", mutates_args=())
+def gdn_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom op: `chunked_gated_delta_rule` on CPU (bit for bit Hugging Face's), the Triton kernels on CUDA."""
+    return chunked_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
+
+
+@gdn_chunked.register_kernel("cuda")
+def _(q, k, v, g, beta, initial_state):
+    if not supported(q, v):
+        return chunked_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
+    return gdn_chunked_triton(q, k, v, g, beta, initial_state)
+
+
+@gdn_chunked.register_fake
+def _(q, k, v, g, beta, initial_state):
+    batch, length, hk, dk = q.shape
+    state_dtype = torch.promote_types(q.dtype, torch.float32)
+    return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(batch, v.shape[2], dk, v.shape[3], dtype=state_dtype)

@@ -82,3 +82,17 @@ def test_fused_projections_mtp_equals_plain_equals_hf(checkpoint):
     hf = load_hf(path, torch.float32)
     assert expected == [hf_greedy(hf, p, MAX_NEW, eos_ids=None) for p in prompts]
     assert generate(spec, prompts) == expected
+
+
+def test_inductor_gets_a_fallback_for_every_op():
+    """Each qwen_mtp op has an explicit inductor lowering (a fallback) once a compiled StepGraphs exists, so
+    inductor never builds its implicit-fallback log text (exponential in the layers on torch 2.11)."""
+    from torch._inductor import lowering
+
+    import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
+    from qwen_mtp.engine.graphs import register_inductor_fallbacks
+
+    register_inductor_fallbacks()
+    names = list(torch.ops.qwen_mtp)
+    assert {"gdn_recurrent", "gdn_chunked", "paged_attention", "invariant_linear"} <= set(names)
+    assert all(getattr(torch.ops.qwen_mtp, name).default in lowering.lowerings for name in names)

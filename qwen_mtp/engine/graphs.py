@@ -94,6 +94,8 @@ class StepGraphs:
         self.compiled = compile
         if compile:
             _raise_recompile_limit()
+            if backend == "inductor":
+                register_inductor_fallbacks()
             self.target_fn = torch.compile(steps.target, fullgraph=True, dynamic=False, backend=backend)
             self.draft_fn = torch.compile(steps.draft, fullgraph=True, dynamic=False, backend=backend)
         else:
@@ -170,3 +172,20 @@ def _raise_recompile_limit() -> None:
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), 256))
+
+
+def register_inductor_fallbacks() -> None:
+    """Give inductor a fallback lowering for each `qwen_mtp` op before it compiles: the op runs as is, which
+    is what inductor would decide itself. Without it, torch 2.11's inductor, on first meeting a custom op,
+    formats the op's arguments for an INFO log line whether or not the line is shown; their IR nests every
+    earlier write to the same pool, so the text grows exponentially with the layers and the compile never
+    finishes (seen on the H200; torch 2.13 formats the line lazily)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in torch.ops.qwen_mtp:
+        op = getattr(torch.ops.qwen_mtp, name).default
+        if op not in lowering.lowerings:
+            # the layout rule inductor's implicit fallback would pick (the op's tag, else the default)
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            lowering.make_fallback(op, layout_constraint=constraint, warn=False)

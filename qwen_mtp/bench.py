@@ -262,6 +262,8 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         for label, points in series.items():
             ax.plot([0] + [p[0] for p in points], [plain["tokens_per_s"]] + [p[1] for p in points], marker="o",
                     label=label)  # fmt: skip
+        if not series:  # plain decode only (bench.ks = []): one point per batch size
+            ax.plot([0], [plain["tokens_per_s"]], marker="o", label=f"B={batch} plain")
     ax.set_xlabel("K (0 = plain decode)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"qwen-mtp bench: {report['recipe']['model'].get('synthetic') or 'model'} on {report['device']}")

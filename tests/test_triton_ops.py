@@ -253,8 +253,8 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     q_half, k_heads = q_gate.reshape(2, 3, 4, 32)[..., :16], k_proj.reshape(2, 3, 2, 16)
     cos, sin = rand(2, 3, 8, seed=9), rand(2, 3, 8, seed=10)
     checks.append((ops.qk_norm_rope, (q_half, k_heads, rand(16, scale=0.1), rand(16, scale=0.1), 1e-6, cos, sin)))
-    mixed = rand(1, 5, 2 * 16 + 4 * 8, seed=11)  # prefill q, k, v: slices of one conv output
-    gq, gk, gv = (t.view(1, 5, -1, 8) for t in torch.split(mixed, [16, 16, 32], dim=-1))
+    # prefill q, k, v: slices of one conv output
+    gq, gk, gv = (t.view(1, 5, -1, 8) for t in _fused_projection(1, 5, [16, 16, 32], seed=11))
     decay, beta = -rand(1, 5, 4, seed=12).abs(), rand(1, 5, 4, seed=13).sigmoid()
     for initial in (None, rand(1, 4, 8, 8, seed=14)):
         checks.append((ops.gdn_chunked, (gq, gk, gv, decay, beta, initial)))
@@ -294,8 +294,7 @@ def test_swiglu_matches_reference(dtype):
 def test_gdn_recurrent_takes_strided_slices_of_one_conv_output():
     """The model hands q, k, v over as views of one [B, T, C] conv output: same result as contiguous copies."""
     batch, length, hk, hv, dk, dv = 2, 3, 2, 4, 16, 32
-    mixed = rand(batch, length, 2 * hk * dk + hv * dv, seed=1)
-    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = _fused_projection(batch, length, [hk * dk, hk * dk, hv * dv])
     q, k, v = q.reshape(batch, length, hk, dk), k.reshape(batch, length, hk, dk), v.reshape(batch, length, hv, dv)
     a, b = rand(batch, length, hv, seed=4), rand(batch, length, hv, seed=5)
     a_log, dt_bias = rand(hv, seed=6).abs(), rand(hv, seed=7).abs()
@@ -395,8 +394,7 @@ def test_gdn_chunked_prefill_matches_reference(length, with_state, dtype):
     """The prefill kernels (own chunking: prepare + scan) against the torch chunked form, with GVA, ragged last
     chunks, an initial state, and q/k/v as strided slices of one conv output (as the model passes them)."""
     batch, hk, hv, dk, dv = 2, 2, 4, 16, 32
-    mixed = rand(batch, length, 2 * hk * dk + hv * dv, dtype=dtype, seed=1)
-    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = _fused_projection(batch, length, [hk * dk, hk * dk, hv * dv], dtype)
     q, k, v = q.view(batch, length, hk, dk), k.view(batch, length, hk, dk), v.view(batch, length, hv, dv)
     g, beta = gate_values(rand(batch, length, hv, seed=2), rand(batch, length, hv, dtype=dtype, seed=3),
                           rand(hv, seed=4).abs(), rand(hv, seed=5).abs())  # fmt: skip

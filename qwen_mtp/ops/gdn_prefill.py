@@ -199,6 +199,6 @@ def _(q, k, v, g, beta, initial_state):
 
 @gdn_chunked.register_fake
 def _(q, k, v, g, beta, initial_state):
-    batch, length, hk, dk = q.shape
+    batch, dk = q.shape[0], q.shape[-1]
     state_dtype = torch.promote_types(q.dtype, torch.float32)
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(batch, v.shape[2], dk, v.shape[3], dtype=state_dtype)

@@ -10,6 +10,7 @@ from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values, gdn_recurren
 from qwen_mtp.ops.gdn_prefill import gdn_chunked_triton
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
 from qwen_mtp.ops.paged_attention import paged_attention_reference, paged_attention_triton, write_kv
+from qwen_mtp.ops.prefill_attention import prefill_attention_reference, prefill_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -102,6 +103,24 @@ def test_paged_attention_verify_block_equals_decode_per_position():
         assert torch.equal(decode[:, 0], verify[:, t])
     alone = paged_attention_triton(q[1:2], kv, tables[1:2], lens[1:2], 32**-0.5)
     assert torch.equal(alone, verify[1:2])
+
+
+@pytest.mark.parametrize("length", [1, 7, 20])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [(64, 64, 4), (16, 8, 4)])  # (pairs per program, keys per block, warps)
+def test_prefill_attention_matches_reference(length, dtype, tile):
+    """A prompt chunk of `length` positions per request (the last ones of its context, some requests mid-prompt)
+    over scattered pages, 3 query heads per KV head: tiles of 16 pairs cut positions' head groups apart."""
+    kv = rand(2, 12, 8, 2, 32, dtype=dtype, seed=1)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 6, 0], [9, 10, 11, 4]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([length, length + 3, 29], dtype=torch.int32, device=DEVICE)
+    q = rand(3, length, 6, 32, dtype=dtype, seed=2)
+    k, v = rand(3, length, 2, 32, dtype=dtype, seed=3), rand(3, length, 2, 32, dtype=dtype, seed=4)
+    write_kv(k, v, kv, tables, lens[:, None].long() - length + torch.arange(length, device=DEVICE))
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # the model hands q over as a transposed view
+    ours = prefill_attention_triton(q_view, kv, tables, lens, 32**-0.5, *tile)
+    assert ours.is_contiguous()
+    close(ours, prefill_attention_reference(q, kv, tables, lens, 32**-0.5), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -249,6 +268,7 @@ def test_custom_ops_pass_opcheck_with_the_models_strided_inputs():
     positions = (lens - 2)[:, None].long() + torch.arange(2, device=DEVICE)
     q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, T, H, D] as a transposed view
     checks.append((ops.paged_attention, (q_t, k_new, k_new.clone(), kv, tables, lens, positions, dim**-0.5)))
+    checks.append((ops.paged_prefill_attention, (q_t, k_new, k_new.clone(), kv, tables, lens, positions, dim**-0.5)))
     q_gate, k_proj = _fused_projection(2, 3, [2 * 4 * 16, 2 * 16])
     q_half, k_heads = q_gate.reshape(2, 3, 4, 32)[..., :16], k_proj.reshape(2, 3, 2, 16)
     cos, sin = rand(2, 3, 8, seed=9), rand(2, 3, 8, seed=10)

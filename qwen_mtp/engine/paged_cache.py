@@ -11,9 +11,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
-from qwen_mtp.ops import conv, gdn, paged_attention  # noqa: F401  (registers the torch.ops.qwen_mtp ops)
-from qwen_mtp.ops.attention import causal_attention
-from qwen_mtp.ops.paged_attention import gather_kv, write_kv
+from qwen_mtp.ops import conv, gdn, paged_attention, prefill_attention  # noqa: F401  (registers the ops)
 
 
 class StepKind(enum.Enum):
@@ -47,17 +45,12 @@ class PagedStepCache:
     def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         batch, kv = self.batch, self.pages.layer_kv(layer)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, heads, D]
-        if batch.kind is StepKind.DECODE:
-            # One query at a time over exactly its visible keys, so position p of a (K+1)-token verify is
-            # computed as a 1-token decode at p computes it.
-            out = torch.ops.qwen_mtp.paged_attention(
-                q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale
-            )
-            return out.transpose(1, 2)
-        # A prefill chunk (one request): causal attention over the pages written so far.
-        write_kv(k, v, kv, batch.block_tables, batch.positions)
-        keys, values = gather_kv(kv, batch.block_tables[0], int(batch.context_lens[0]))
-        return causal_attention(q.transpose(1, 2), keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale)
+        # Decode / verify: one query at a time over exactly its visible keys, so position p of a (K+1)-token
+        # verify is computed as a 1-token decode at p computes it. Prefill: a chunk's queries in tiles.
+        ops = torch.ops.qwen_mtp
+        op = ops.paged_attention if batch.kind is StepKind.DECODE else ops.paged_prefill_attention
+        out = op(q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale)
+        return out.transpose(1, 2)
 
     def gdn_recurrent(self, num_tokens: int) -> bool:
         return self.batch.kind is StepKind.DECODE

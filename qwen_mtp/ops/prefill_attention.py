@@ -1,0 +1,175 @@
+"""Attention of a prompt chunk over a paged KV cache (prefill), as the custom op
+`qwen_mtp::paged_prefill_attention`.
+
+A chunk feeds T positions per request, the last T of its context (`context_lens` after the chunk): the op writes
+their k, v into the request's pages, then query t attends to keys 0..context_len - T + t.
+
+- CPU: gather the request's pages and run `causal_attention` (SDPA, as Hugging Face calls it): bit for bit HF's.
+- CUDA: a Triton flash-attention kernel that reads keys and values straight from the pages. Why our own: the
+  gather copies the whole context per layer and needs the context length on the host (a sync, and a graph
+  break that kept prefill from compiling as one graph); and SDPA picks its kernel (cuDNN, flash, efficient) by
+  shape, so a prompt's rounding could depend on the chunk length it happened to land in. Here tiles and the
+  key-block order are fixed: a query's numbers depend on its position and context only.
+
+Tiling: the chunk's (query position, query head) pairs of one KV head are flattened (GQA: the heads sharing a
+KV head share its key loads) and cut into tiles of ROWS pairs; a program walks its tile's visible keys in
+blocks of BLOCK_N positions (online softmax), skipping blocks that no query of the tile can see.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qwen_mtp.ops.attention import causal_attention
+from qwen_mtp.ops.paged_attention import gather_kv, write_kv, write_kv_triton
+from qwen_mtp.ops.triton_utils import INTERPRET
+
+# (query pairs per program, keys per block, warps): fixed, see the module docstring. Chosen on the H200 at
+# Qwen3.5-27B shapes (head dim 256, 24 query / 4 KV heads) with benchmarks/prefill.py.
+ROWS, BLOCK_N, WARPS = 64, 64, 8
+
+
+def supported(q: torch.Tensor) -> bool:
+    """Head sizes the kernel tiles (`tl.dot` needs >= 16, `tl.arange` a power of two); others take the
+    reference path, on CUDA too."""
+    dim = q.shape[-1]
+    return dim >= 16 and dim & (dim - 1) == 0
+
+
+def prefill_attention_reference(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, T, H, D] -> [B, T, H, D]: each request's chunk over its pages, causal, through `causal_attention`."""
+    out = q.new_empty(q.shape)  # contiguous whatever q's strides
+    for b in range(q.shape[0]):
+        keys, values = gather_kv(kv, block_tables[b], int(context_lens[b]))  # [S, KV, D]
+        query = q[b].transpose(0, 1)[None]  # [1, H, T, D]
+        attended = causal_attention(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale)
+        out[b] = attended[0].transpose(0, 1)
+    return out
+
+
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
+def _prefill_attention_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T", "sq_b", "sq_t"])
+    def kernel(
+        q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
+        T, GROUP, scale,
+        sq_b, sq_t, sq_h, so_b, so_t, so_h, s_half, s_page, s_slot, s_head, s_table,
+        D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One program: ROWS consecutive (query position, head-in-group) pairs of one (request, KV head).
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        bi = tl.program_id(2)
+        pairs = tile * ROWS + tl.arange(0, ROWS)
+        valid = pairs < T * GROUP
+        t = tl.where(valid, pairs // GROUP, 0)
+        heads = kvh * GROUP + pairs % GROUP
+        ds = tl.arange(0, D)
+        ns = tl.arange(0, BLOCK_N)
+        q_rows = bi * sq_b + t * sq_t + heads * sq_h
+        q = tl.load(q_ptr + q_rows[:, None] + ds[None, :], mask=valid[:, None], other=0.0)
+        context = tl.load(lens_ptr + bi)
+        visible = context - T + t + 1  # keys [0, visible) for each pair
+        last_t = tl.minimum((tile * ROWS + ROWS - 1) // GROUP, T - 1)
+        end = context - T + last_t + 1  # no pair of this tile sees a key at or past `end`
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        denom = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        for first in range(0, end, BLOCK_N):
+            pos = first + ns
+            in_context = pos < end
+            page = tl.load(tables_ptr + bi * s_table + pos // PAGE, mask=in_context, other=0)
+            slot = page.to(tl.int64)[:, None] * s_page + (pos % PAGE)[:, None] * s_slot + kvh * s_head + ds[None, :]
+            k = tl.load(kv_ptr + slot, mask=in_context[:, None], other=0.0)
+            v = tl.load(kv_ptr + s_half + slot, mask=in_context[:, None], other=0.0)
+            if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            scores = tl.where(pos[None, :] < visible[:, None], scores * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out_rows = bi * so_b + t * so_t + heads * so_h
+        tl.store(
+            out_ptr + out_rows[:, None] + ds[None, :],
+            (acc / denom[:, None]).to(out_ptr.dtype.element_ty),
+            mask=valid[:, None],
+        )
+
+    return kernel, triton.cdiv
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    rows: int = ROWS,
+    block_n: int = BLOCK_N,
+    warps: int = WARPS,
+) -> torch.Tensor:
+    """Triton version of `prefill_attention_reference`; q may be a strided view ([B, T, H, D], unit stride
+    in D). `rows`, `block_n`, `warps` exist for the benchmark's tile sweep; the engine uses the defaults."""
+    batch, length, heads, dim = q.shape
+    kv_heads, page_size = kv.shape[3], kv.shape[2]
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    assert kv.is_contiguous() and block_tables.is_contiguous()
+    out = torch.empty(batch, length, heads, dim, dtype=q.dtype, device=q.device)
+    group = heads // kv_heads
+    kernel, cdiv = _prefill_attention_kernel()
+    kernel[(cdiv(length * group, rows), kv_heads, batch)](
+        q, kv, block_tables, context_lens, out,
+        length, group, scale,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
+        D=dim, PAGE=page_size, ROWS=rows, BLOCK_N=block_n,
+        UPCAST=INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qwen_mtp::paged_prefill_attention", mutates_args=("kv",))
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Custom op: write the chunk's k, v [B, T, KV, D] at `positions`, then attend (reference on CPU)."""
+    write_kv(k, v, kv, block_tables, positions)
+    return prefill_attention_reference(q, kv, block_tables, context_lens, scale)
+
+
+@paged_prefill_attention.register_kernel("cuda")
+def _(q, k, v, kv, block_tables, context_lens, positions, scale):
+    if not supported(q):
+        write_kv(k, v, kv, block_tables, positions)
+        return prefill_attention_reference(q, kv, block_tables, context_lens, scale)
+    write_kv_triton(k, v, kv, block_tables, positions)
+    return prefill_attention_triton(q, kv, block_tables, context_lens, scale)
+
+
+@paged_prefill_attention.register_fake
+def _(q, k, v, kv, block_tables, context_lens, positions, scale):
+    return q.new_empty(q.shape)  # contiguous, as both implementations return

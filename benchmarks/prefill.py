@@ -1,7 +1,11 @@
-"""GDN prefill on the GPU: our chunked Triton kernels (`qwen_mtp.ops.gdn_prefill`) against the plain-torch
-chunked form (the baseline, what Hugging Face runs without flash-linear-attention), at Qwen3.5-27B GDN shapes
-(16 key heads, 48 value heads, head dim 128), one request, bf16 inputs. Prints time per layer call, the ratio,
-and the largest difference from the baseline; writes JSON to $OUT or cwd.
+"""Prefill kernels on the GPU against their baselines, same run, Qwen3.5-27B shapes, one request, bf16:
+- GDN: our chunked Triton kernels (`qwen_mtp.ops.gdn_prefill`) vs the plain-torch chunked form (what Hugging
+  Face runs without flash-linear-attention); 16 key / 48 value heads, head dim 128; T = whole prompt.
+- attention: the tiled paged kernel (`qwen_mtp.ops.prefill_attention`) vs gathering the pages + SDPA (the
+  CPU path, and the CUDA path before the kernel); 24 query / 4 KV heads, head dim 256, pages of 64; the last
+  512-token chunk of a T-token prompt. Each (pairs per program, keys per block, warps) tile is timed; the
+  engine's fixed tile is marked *.
+Prints time per layer call, the ratio, and the difference from the baseline; writes JSON to $OUT or cwd.
 Usage (GPU box): python3 benchmarks/prefill.py [lengths ...]
 """
 
@@ -12,10 +16,14 @@ import sys
 import torch
 import triton
 
+from qwen_mtp.ops import prefill_attention
 from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
 from qwen_mtp.ops.gdn_prefill import gdn_chunked_triton
+from qwen_mtp.ops.prefill_attention import prefill_attention_reference, prefill_attention_triton
 
 HK, HV, DK, DV = 16, 48, 128, 128
+HEADS, KV_HEADS, HEAD_DIM, PAGE, CHUNK = 24, 4, 256, 64, 512
+TILES = [(64, 64, 8), (64, 32, 4), (128, 64, 8), (128, 32, 8), (32, 64, 4)]
 
 
 def inputs(length: int):
@@ -31,9 +39,38 @@ def inputs(length: int):
     return q, k, v, g, beta, randn(1, HV, DK, DV) * 0.1
 
 
+def attention(length: int) -> list[dict]:
+    """The last chunk (<= 512 tokens) of a `length`-token prompt over shuffled pages."""
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    chunk, pages = min(CHUNK, length), -(-length // PAGE)
+    tables = torch.randperm(pages, device="cuda", generator=gen).int()[None]
+    kv = torch.randn(2, pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(1, chunk, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    lens, scale = torch.tensor([length], device="cuda", dtype=torch.int32), HEAD_DIM**-0.5
+    ref = prefill_attention_reference(q, kv, tables, lens, scale)
+    t_ref = triton.testing.do_bench(lambda: prefill_attention_reference(q, kv, tables, lens, scale)) * 1e3
+    report = []
+    for tile in TILES:
+        ours = prefill_attention_triton(q, kv, tables, lens, scale, *tile)
+        t_ours = triton.testing.do_bench(lambda tile=tile: prefill_attention_triton(q, kv, tables, lens, scale, *tile))
+        t_ours *= 1e3
+        diff, same = (ours.float() - ref.float()).abs().max().item(), (ours == ref).float().mean().item()
+        mark = "*" if tile == (prefill_attention.ROWS, prefill_attention.BLOCK_N, prefill_attention.WARPS) else " "
+        print(
+            f"attention T={length:5d} chunk {chunk:3d} tile {tile}{mark} ours {t_ours:8.1f} us  gather+SDPA "
+            f"{t_ref:8.1f} us  speedup {t_ref / t_ours:5.2f}x  max|diff| {diff:.3g} (bf16 equal {100 * same:.1f}%)",
+            flush=True,
+        )
+        report.append(dict(kind="attention", length=length, chunk=chunk, tile=tile, ours_us=t_ours, sdpa_us=t_ref,
+                           max_diff=diff, equal_fraction=same))  # fmt: skip
+    return report
+
+
 def main() -> None:
     lengths = [int(x) for x in sys.argv[1:]] or [128, 512, 2048, 8192]
     rows, report = [], []
+    for length in lengths:
+        report += attention(length)
     for length in lengths:
         args = inputs(length)
 
@@ -49,10 +86,10 @@ def main() -> None:
         state_diff = (ours_state - ref_state).abs().max().item()
         same = (ours == ref).float().mean().item()
         rows.append(
-            f"T={length:5d}  ours {t_ours:9.1f} us  torch {t_ref:9.1f} us  speedup {t_ref / t_ours:6.1f}x  "
+            f"GDN T={length:5d}  ours {t_ours:9.1f} us  torch {t_ref:9.1f} us  speedup {t_ref / t_ours:6.1f}x  "
             f"max|out diff| {out_diff:.3g} (bf16 equal {100 * same:.1f}%)  max|state diff| {state_diff:.3g}"
         )
-        report.append(dict(length=length, ours_us=t_ours, torch_us=t_ref, out_max_diff=out_diff,
+        report.append(dict(kind="gdn", length=length, ours_us=t_ours, torch_us=t_ref, out_max_diff=out_diff,
                            out_equal_fraction=same, state_max_diff=state_diff))  # fmt: skip
         print(rows[-1], flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "prefill.json"), "w") as f:

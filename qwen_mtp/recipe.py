@@ -63,6 +63,7 @@ class CompileSection:
     cuda_graphs: bool = False  # capture them in CUDA graphs, one per batch bucket (CUDA only)
     batch_sizes: list[int] = field(default_factory=list)  # buckets; empty: 1, 2, 4, ... up to cache.max_batch
     backend: str = "inductor"  # torch.compile backend (aot_eager / eager: for debugging)
+    prefill: bool = True  # with `enabled`: also compile prefill chunks (dynamic shapes, no CUDA graphs)
 
 
 @dataclass

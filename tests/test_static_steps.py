@@ -96,3 +96,33 @@ def test_inductor_gets_a_fallback_for_every_op():
     names = list(torch.ops.qwen_mtp)
     assert {"gdn_recurrent", "gdn_chunked", "paged_attention", "invariant_linear"} <= set(names)
     assert all(getattr(torch.ops.qwen_mtp, name).default in lowering.lowerings for name in names)
+
+
+def test_inductor_compiled_prefill_writes_what_eager_writes(checkpoint):
+    """Prefill compiled by inductor with dynamic shapes (C++ code on CPU) fills every layer's pages and state
+    rows as eager prefill does, and MTP-on still equals MTP-off. Guards a real failure: with symbolic pool
+    sizes, inductor dropped the storage offset of the MTP layer's KV view and wrote into layer 0's pages."""
+    path = checkpoint("tiny")
+    prompt = random_prompt(21, seed=7)  # chunks of 16 and 5 tokens: the second reads the first's state
+
+    def run(compiled: bool, k: int | None):
+        engine = make_engine(path, k=k, prefill_chunk=16)
+        engine.runner.graphs = None  # decode eagerly: only prefill is compiled here
+        if compiled:
+            engine.runner.compile_prefill("inductor")
+        pools, mtp_pass = [], engine.runner.prefill_mtp
+
+        def prefill_mtp(*args):  # the pools after each chunk's target and MTP passes
+            result = mtp_pass(*args)
+            pools.append((engine.pages.storage.clone(), engine.states.conv.clone(), engine.states.ssm.clone()))
+            return result
+
+        engine.runner.prefill_mtp = prefill_mtp
+        return generate(engine, [prompt])[0], pools
+
+    (_, eager_pools), (tokens, pools) = run(False, 2), run(True, 2)
+    assert len(pools) == len(eager_pools) == 2
+    for got, want in zip(pools, eager_pools, strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert tokens == run(True, None)[0]

@@ -70,6 +70,8 @@ class Engine:
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
         if recipe.compile.enabled or recipe.compile.cuda_graphs:
             self.runner.graphs = self._build_graphs(log or _stderr)
+        if recipe.compile.enabled and recipe.compile.prefill:
+            self.runner.compile_prefill(recipe.compile.backend)  # compiles on the first prompt chunk
         self.speculator = None
         if recipe.mtp.enabled:
             mtp = recipe.mtp
@@ -257,11 +259,11 @@ class Engine:
         request = chunk.request
         tokens = request.prompt[chunk.start : chunk.start + chunk.length]
         batch = self.runner.batch(StepKind.PREFILL, [request], [tokens], [chunk.start])
-        hidden = self.runner.target(batch)
+        hidden = self.runner.prefill(batch)
         request.num_computed += chunk.length
         update = None
         if not request.in_prefill:
-            update = self._accept(request, [int(self.runner.greedy(hidden[:, -1], batch)[0])])
+            update = self._accept(request, [int(self.runner.greedy(hidden[:, -1])[0])])
         if request.spec is not None and not request.done:
             first = request.output[0] if update is not None else None
             self.speculator.prefill_chunk(request, chunk.start, hidden, first)

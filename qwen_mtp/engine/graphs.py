@@ -93,11 +93,8 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.compiled = compile
         if compile:
-            _raise_recompile_limit()
-            if backend == "inductor":
-                register_inductor_fallbacks()
-            self.target_fn = torch.compile(steps.target, fullgraph=True, dynamic=False, backend=backend)
-            self.draft_fn = torch.compile(steps.draft, fullgraph=True, dynamic=False, backend=backend)
+            self.target_fn = compile_step(steps.target, backend, dynamic=False)
+            self.draft_fn = compile_step(steps.draft, backend, dynamic=False)
         else:
             self.target_fn, self.draft_fn = steps.target, steps.draft
         self._steps: dict[tuple[str, int, int], StaticStep] = {}
@@ -164,6 +161,25 @@ class StepGraphs:
             accepted=accepted, override=override, use_override=use_override,
         )  # fmt: skip
         return drafts[:count]
+
+
+def compile_step(fn: Callable, backend: str, dynamic: bool) -> Callable:
+    """`torch.compile(fn, fullgraph=True)` for one whole engine step.
+
+    `dynamic` is decided up front, never learned: with dynamo's default (compile for the first shape, go
+    dynamic on a second) a prompt chunk would run a kernel specialised to its length or a generic one depending
+    on which lengths came before, and could round differently in two runs. Inductor runs `deterministic`
+    where it has the option: no on-device benchmarking picks among kernel configurations at run time (a
+    timing-dependent choice of a reduction's tiling would change its summation order)."""
+    from torch._inductor import config as inductor_config
+
+    _raise_recompile_limit()
+    options = None
+    if backend == "inductor":
+        register_inductor_fallbacks()
+        if "deterministic" in inductor_config.get_config_copy():
+            options = {"deterministic": True}
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend, options=options)
 
 
 def _raise_recompile_limit() -> None:

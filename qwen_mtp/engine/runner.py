@@ -1,25 +1,22 @@
 """Tensors in, tokens out: builds a `StepBatch` for the scheduler's choice and runs the target model or the
 MTP head on the paged caches. It decides nothing (that is the scheduler's and the speculator's job).
 
-Prefill chunks run eagerly, one request at a time. Decode-path steps (plain decode, verify, MTP draft) run the
-pure-tensor functions of `steps.py`, through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the
-recipe turns that on.
+Everything runs the pure-tensor functions of `steps.py`. Prefill chunks, one request at a time, eagerly or
+compiled with dynamic shapes (`compile.enabled`, `compile.prefill`). Decode-path steps (plain decode, verify,
+MTP draft) through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the recipe turns that on.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
-from qwen_mtp.engine.graphs import StepGraphs
-from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
+from qwen_mtp.engine.graphs import StepGraphs, compile_step
+from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request
-from qwen_mtp.engine.steps import DecodeSteps
+from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
 from qwen_mtp.model import QwenHybridForCausalLM
-from qwen_mtp.ops.linear import batch_invariant_linears
 
 __all__ = ["Runner", "StepBatch", "StepKind"]
 
@@ -31,6 +28,17 @@ class Runner:
         self.model, self.pages, self.states, self.device = model, pages, states, device
         self.steps = DecodeSteps(model, pages, states, k)
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
+        prefill = PrefillSteps(model, pages, states)
+        self.prefill_target, self.prefill_head = prefill.target, prefill.mtp  # compiled by `compile_prefill`
+
+    def compile_prefill(self, backend: str) -> None:
+        """Prefill through `torch.compile(fullgraph=True, dynamic=True)` (see `graphs.compile_step`). The pools
+        keep static shapes: with symbolic pool sizes, inductor (torch 2.13, CPU) lost the storage offset of the
+        layer view that the KV write mutates and wrote the MTP layer's keys into the first attention layer."""
+        for pool in (self.pages.storage, self.states.conv, self.states.ssm, self.states.committed):
+            torch._dynamo.mark_static(pool)
+        self.prefill_target = compile_step(self.prefill_target, backend, dynamic=True)
+        self.prefill_head = compile_step(self.prefill_head, backend, dynamic=True)
 
     def batch(self, kind: StepKind, requests: list[Request], tokens: list[list[int]], starts: list[int]) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` at positions starting at `starts[b]`."""
@@ -48,30 +56,23 @@ class Runner:
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
         )
 
-    def _invariant(self, batch: StepBatch):
-        """Decode-kind steps compute every row on its own (see ops/linear.py); a prefill runs alone anyway."""
-        return batch_invariant_linears() if batch.kind is StepKind.DECODE else contextlib.nullcontext()
+    # ---- prefill (one request's chunk; compiled with dynamic shapes when enabled, never in graphs) -----------
+    def prefill(self, batch: StepBatch) -> torch.Tensor:
+        """Target model over a prompt chunk: post-norm hidden states [1, T, H]."""
+        return self.prefill_target(
+            batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens, batch.fresh
+        )
 
-    # ---- prefill (eager) -------------------------------------------------------------------------------------
-    def target(self, batch: StepBatch) -> torch.Tensor:
-        """Target model over the batch: post-norm hidden states [B, T, H]."""
-        with self._invariant(batch):
-            cache = PagedStepCache(batch, self.pages, self.states)
-            return self.model.hidden_states(batch.token_ids, batch.positions, cache)
+    def prefill_mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP head over a prompt chunk's positions (writing its own KV there): `token_ids` hold the *next*
+        tokens (token i+1 at position i), `hidden` [1, T, H] the target's. Returns post-`mtp.norm` hidden."""
+        args = (batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
+        return self.prefill_head(batch.token_ids, hidden, *args)
 
-    def mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """MTP head at the batch's positions (writing its own KV there). For an MTP batch `token_ids` hold the
-        *next* tokens (token i+1 at position i) and `hidden` [B, T, H] the matching target hidden states.
-        Returns post-`mtp.norm` hidden [B, T, H]."""
-        with self._invariant(batch):
-            cache = PagedStepCache(batch, self.pages, self.states)
-            return self.model.mtp_hidden_states(batch.token_ids, hidden, batch.positions, cache)
-
-    def greedy(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Argmax token ids of `hidden` [..., H]. Argmax of fp32 logits picks the first maximal index, as
-        Hugging Face's greedy search does."""
-        with self._invariant(batch):
-            return self.model.logits(hidden).float().argmax(dim=-1)
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Argmax token ids of `hidden` [..., H] (a prefill's last position). Argmax of fp32 logits picks the
+        first maximal index, as Hugging Face's greedy search does."""
+        return self.model.logits(hidden).float().argmax(dim=-1)
 
     def chain(self, batch: StepBatch, hidden: torch.Tensor, first: torch.Tensor, override, use_override):
         """The MTP draft chain (eager) after a prefill: see `DecodeSteps.chain`."""

@@ -51,7 +51,7 @@ class Speculator:
         if first_token is not None:
             following = following + [first_token]
         batch = self.runner.batch(StepKind.PREFILL, [request], [following], [start])
-        mtp_hidden = self.runner.mtp(batch, hidden)
+        mtp_hidden = self.runner.prefill_mtp(batch, hidden)
         if first_token is not None:
             chain = self._chain_batch([request], StepKind.PREFILL)
             first = torch.tensor([request.num_computed], device=hidden.device)

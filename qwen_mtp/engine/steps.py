@@ -1,14 +1,18 @@
-"""The decode-path forwards as functions of tensors only: no Python values read from the GPU, no request
-objects, no shapes that change inside. That is what lets `graphs.py` run them on static buffers, compile
-them with `torch.compile(fullgraph=True)` and capture them in CUDA graphs; eagerly they are the same code.
+"""The engine's forwards as functions of tensors only: no Python values read from the GPU, no request
+objects. That is what lets `graphs.py` compile them with `torch.compile(fullgraph=True)` (and, for the
+decode path, run them on static buffers in CUDA graphs); eagerly they are the same code.
 
+`DecodeSteps`, shapes fixed per batch bucket:
 - `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and its argmax.
 - `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
             accepted position (see speculative.py for the algorithm).
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
-
 Every linear runs under `batch_invariant_linears`, so a row's numbers never depend on the other rows
 (padding rows included).
+
+`PrefillSteps`, one request's prompt chunk of any length (compiled with dynamic shapes, no graphs):
+- `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
+- `mtp`:    the MTP head over the chunk's positions.
 """
 
 from __future__ import annotations
@@ -86,3 +90,31 @@ class DecodeSteps:
             cache = self._cache(drafts[-1][:, None], positions, rows, tables, (positions[:, 0] + 1).int())
             hidden = self.model.mtp_hidden_states(drafts[-1][:, None], hidden[:, None], positions, cache)[:, 0]
         return torch.stack(drafts, dim=1)
+
+
+class PrefillSteps:
+    def __init__(self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool):
+        self.model, self.pages, self.states = model, pages, states
+
+    def _cache(self, tokens, positions, rows, tables, lens, fresh: bool) -> PagedStepCache:
+        batch = StepBatch(StepKind.PREFILL, tokens, positions, rows, tables, lens, fresh)
+        return PagedStepCache(batch, self.pages, self.states)
+
+    def target(
+        self,
+        tokens: torch.Tensor,  # [1, T] long: the chunk
+        positions: torch.Tensor,  # [1, T] long
+        rows: torch.Tensor,  # [1] long: the request's state row
+        tables: torch.Tensor,  # [1, W] int32: its pages, covering the chunk
+        lens: torch.Tensor,  # [1] int32: positions cached after the chunk
+        fresh: bool,  # the chunk starts the sequence: no conv window or SSM state to read
+    ) -> torch.Tensor:
+        """Post-norm hidden states [1, T, H]."""
+        return self.model.hidden_states(tokens, positions, self._cache(tokens, positions, rows, tables, lens, fresh))
+
+    def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
+        """The MTP head over the chunk: `tokens` hold the *next* tokens (token i+1 at position i), `hidden`
+        [1, T, H] the target's. Returns post-`mtp.norm` hidden [1, T, H]. The MTP layers are attention layers:
+        no recurrent state, so no `fresh`."""
+        cache = self._cache(tokens, positions, rows, tables, lens, fresh=False)
+        return self.model.mtp_hidden_states(tokens, hidden, positions, cache)

@@ -30,9 +30,10 @@ def engine_for(model_source, k=None, draft="head", accept=1.0, max_batch=32, mod
 
 @pytest.mark.parametrize("preset,layout", [("tiny", "text"), ("tiny-tied", "vlm"), ("tiny-8l", "text")])
 def test_logits_match_hf_on_cuda(checkpoint, preset, layout, monkeypatch):
-    """Every op but the GDN prefill rounds like Hugging Face's torch code: logits within 2 bf16 ulps almost
-    everywhere. The prefill kernels compute the delta rule in another (chunk-local) order, so here they step
-    aside for the torch form (their accuracy: the next test)."""
+    """Every op but the prefill kernels rounds like Hugging Face's torch code: logits within 2 bf16 ulps almost
+    everywhere. The GDN prefill kernels compute the delta rule in another (chunk-local) order, so here they
+    step aside for the torch form (their accuracy: the next test). (The paged prefill attention kernel is not
+    on this cache-less path; its accuracy: test_triton_ops.py.)"""
     monkeypatch.setattr(gdn_prefill, "supported", lambda q, v: False)
     path = checkpoint(preset, layout, dtype="bfloat16")
     ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1)).cuda()

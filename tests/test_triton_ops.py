@@ -107,7 +107,7 @@ def test_paged_attention_verify_block_equals_decode_per_position():
 
 @pytest.mark.parametrize("length", [1, 7, 20])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile", [(64, 64, 4), (16, 8, 4)])  # (pairs per program, keys per block, warps)
+@pytest.mark.parametrize("tile", [(128, 64, 8), (16, 16, 4)])  # (pairs per program, keys per block, warps)
 def test_prefill_attention_matches_reference(length, dtype, tile):
     """A prompt chunk of `length` positions per request (the last ones of its context, some requests mid-prompt)
     over scattered pages, 3 query heads per KV head: tiles of 16 pairs cut positions' head groups apart."""

@@ -93,8 +93,8 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.compiled = compile
         if compile:
-            self.target_fn = compile_step(steps.target, backend, dynamic=False)
-            self.draft_fn = compile_step(steps.draft, backend, dynamic=False)
+            self.target_fn = compile_step(steps.target, backend)
+            self.draft_fn = compile_step(steps.draft, backend)
         else:
             self.target_fn, self.draft_fn = steps.target, steps.draft
         self._steps: dict[tuple[str, int, int], StaticStep] = {}
@@ -163,14 +163,11 @@ class StepGraphs:
         return drafts[:count]
 
 
-def compile_step(fn: Callable, backend: str, dynamic: bool) -> Callable:
-    """`torch.compile(fn, fullgraph=True)` for one whole engine step.
-
-    `dynamic` is decided up front, never learned: with dynamo's default (compile for the first shape, go
-    dynamic on a second) a prompt chunk would run a kernel specialised to its length or a generic one depending
-    on which lengths came before, and could round differently in two runs. Inductor runs `deterministic`
-    where it has the option: no on-device benchmarking picks among kernel configurations at run time (a
-    timing-dependent choice of a reduction's tiling would change its summation order)."""
+def compile_step(fn: Callable, backend: str, dynamic: bool | None = False) -> Callable:
+    """`torch.compile(fn, fullgraph=True)` for one whole engine step; static shapes unless `dynamic` is None
+    (then only dims marked dynamic are; see `compile_chunk_step`). Inductor runs `deterministic` where it has
+    the option: no on-device benchmarking picks among kernel configurations at run time (a timing-dependent
+    choice of a reduction's tiling would change its summation order)."""
     from torch._inductor import config as inductor_config
 
     _raise_recompile_limit()
@@ -180,6 +177,27 @@ def compile_step(fn: Callable, backend: str, dynamic: bool) -> Callable:
         if "deterministic" in inductor_config.get_config_copy():
             options = {"deterministic": True}
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend, options=options)
+
+
+def compile_chunk_step(fn: Callable, backend: str) -> Callable:
+    """`compile_step` for prefill chunks: one graph for every chunk length. Before each call, dim 1 of each
+    tensor argument with two or more dims (the chunk length; the page table's width) is marked dynamic.
+
+    Marked up front, never learned: with dynamo's default (specialise on the first shape, go dynamic on a
+    second) a chunk would run a graph specialised to its length or the generic one depending on which lengths
+    came before. Only those dims: with `dynamic=True` the pools (read as attributes) got symbolic sizes too,
+    and inductor then lost the storage offset of a layer's KV view that an op mutates (on CPU, torch 2.13: the
+    MTP layer's keys landed in the first attention layer's pages; on the H200, torch 2.11: MTP-on != MTP-off).
+    A 1-token chunk (a dim of size 1) runs its own specialised graph, the same one every time."""
+    compiled = compile_step(fn, backend, dynamic=None)
+
+    def run(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() >= 2 and arg.shape[1] > 1:
+                torch._dynamo.mark_dynamic(arg, 1)
+        return compiled(*args)
+
+    return run
 
 
 def _raise_recompile_limit() -> None:

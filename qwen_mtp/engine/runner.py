@@ -2,7 +2,7 @@
 MTP head on the paged caches. It decides nothing (that is the scheduler's and the speculator's job).
 
 Everything runs the pure-tensor functions of `steps.py`. Prefill chunks, one request at a time, eagerly or
-compiled with dynamic shapes (`compile.enabled`, `compile.prefill`). Decode-path steps (plain decode, verify,
+compiled for any chunk length (`compile.enabled` + `compile.prefill`). Decode-path steps (plain decode, verify,
 MTP draft) through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the recipe turns that on.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
-from qwen_mtp.engine.graphs import StepGraphs, compile_step
+from qwen_mtp.engine.graphs import StepGraphs, compile_chunk_step
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request
 from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
@@ -32,13 +32,9 @@ class Runner:
         self.prefill_target, self.prefill_head = prefill.target, prefill.mtp  # compiled by `compile_prefill`
 
     def compile_prefill(self, backend: str) -> None:
-        """Prefill through `torch.compile(fullgraph=True, dynamic=True)` (see `graphs.compile_step`). The pools
-        keep static shapes: with symbolic pool sizes, inductor (torch 2.13, CPU) lost the storage offset of the
-        layer view that the KV write mutates and wrote the MTP layer's keys into the first attention layer."""
-        for pool in (self.pages.storage, self.states.conv, self.states.ssm, self.states.committed):
-            torch._dynamo.mark_static(pool)
-        self.prefill_target = compile_step(self.prefill_target, backend, dynamic=True)
-        self.prefill_head = compile_step(self.prefill_head, backend, dynamic=True)
+        """Prefill through `torch.compile(fullgraph=True)`, one graph for every chunk length (`compile_chunk_step`)."""
+        self.prefill_target = compile_chunk_step(self.prefill_target, backend)
+        self.prefill_head = compile_chunk_step(self.prefill_head, backend)
 
     def batch(self, kind: StepKind, requests: list[Request], tokens: list[list[int]], starts: list[int]) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` at positions starting at `starts[b]`."""
@@ -56,7 +52,7 @@ class Runner:
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
         )
 
-    # ---- prefill (one request's chunk; compiled with dynamic shapes when enabled, never in graphs) -----------
+    # ---- prefill (one request's chunk; compiled for any length when enabled, never in graphs) ---------------
     def prefill(self, batch: StepBatch) -> torch.Tensor:
         """Target model over a prompt chunk: post-norm hidden states [1, T, H]."""
         return self.prefill_target(

@@ -63,7 +63,7 @@ class CompileSection:
     cuda_graphs: bool = False  # capture them in CUDA graphs, one per batch bucket (CUDA only)
     batch_sizes: list[int] = field(default_factory=list)  # buckets; empty: 1, 2, 4, ... up to cache.max_batch
     backend: str = "inductor"  # torch.compile backend (aot_eager / eager: for debugging)
-    prefill: bool = True  # with `enabled`: also compile prefill chunks (dynamic shapes, no CUDA graphs)
+    prefill: bool = False  # with `enabled`: also compile prefill chunks (any length, no CUDA graphs)
 
 
 @dataclass
@@ -237,6 +237,7 @@ def _validate(r: Recipe) -> None:
         r.compile.backend in COMPILE_BACKENDS,
         f"compile.backend must be one of {list(COMPILE_BACKENDS)}, got {r.compile.backend!r}",
     )
+    _require(not r.compile.prefill or r.compile.enabled, "compile.prefill needs compile.enabled: true")
     b = r.bench
     _require(all(n >= 1 for n in b.batch_sizes) and b.batch_sizes, "bench.batch_sizes must be positive integers")
     _require(all(1 <= k <= 4 for k in b.ks), f"bench.ks must be in 1..4, got {b.ks}")

@@ -46,6 +46,7 @@ def test_features_not_yet_available_are_refused_by_key(override):
         (("compile.cuda_graphs=true",), "compile.cuda_graphs needs a CUDA device"),
         (("compile.enabled=true", "compile.batch_sizes=[1, 2]", "cache.max_batch=4"), "must cover cache.max_batch"),
         (("compile.backend=tvm",), "compile.backend must be one of"),
+        (("compile.prefill=true",), "compile.prefill needs compile.enabled"),
     ],
 )
 def test_impossible_compile_settings_are_refused(overrides, message):

@@ -109,7 +109,7 @@ def test_inductor_compiled_prefill_writes_what_eager_writes(checkpoint):
         engine = make_engine(path, k=k, prefill_chunk=16)
         engine.runner.graphs = None  # decode eagerly: only prefill is compiled here
         if compiled:
-            engine.runner.compile_prefill("inductor")
+            engine.runner.compile_prefill("inductor", log=lambda _: None)
         pools, mtp_pass = [], engine.runner.prefill_mtp
 
         def prefill_mtp(*args):  # the pools after each chunk's target and MTP passes

@@ -71,7 +71,7 @@ class Engine:
         if recipe.compile.enabled or recipe.compile.cuda_graphs:
             self.runner.graphs = self._build_graphs(log or _stderr)
         if recipe.compile.enabled and recipe.compile.prefill:
-            self.runner.compile_prefill(recipe.compile.backend)  # compiles on the first prompt chunk
+            self.runner.compile_prefill(recipe.compile.backend, log or _stderr)  # compiles on the first chunk
         self.speculator = None
         if recipe.mtp.enabled:
             mtp = recipe.mtp

@@ -179,7 +179,7 @@ def compile_step(fn: Callable, backend: str, dynamic: bool | None = False) -> Ca
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend, options=options)
 
 
-def compile_chunk_step(fn: Callable, backend: str) -> Callable:
+def compile_chunk_step(fn: Callable, backend: str, name: str, log: Callable[[str], None]) -> Callable:
     """`compile_step` for prefill chunks: one graph for every chunk length. Before each call, dim 1 of each
     tensor argument with two or more dims (the chunk length; the page table's width) is marked dynamic.
 
@@ -188,14 +188,23 @@ def compile_chunk_step(fn: Callable, backend: str) -> Callable:
     came before. Only those dims: with `dynamic=True` the pools (read as attributes) got symbolic sizes too,
     and inductor then lost the storage offset of a layer's KV view that an op mutates (on CPU, torch 2.13: the
     MTP layer's keys landed in the first attention layer's pages; on the H200, torch 2.11: MTP-on != MTP-off).
-    A 1-token chunk (a dim of size 1) runs its own specialised graph, the same one every time."""
+    A 1-token chunk (a dim of size 1) runs its own specialised graph, the same one every time. The first call
+    compiles (minutes at 27B shapes): it is logged with its duration."""
     compiled = compile_step(fn, backend, dynamic=None)
+    first = True
 
     def run(*args):
+        nonlocal first
         for arg in args:
             if isinstance(arg, torch.Tensor) and arg.dim() >= 2 and arg.shape[1] > 1:
                 torch._dynamo.mark_dynamic(arg, 1)
-        return compiled(*args)
+        if not first:
+            return compiled(*args)
+        first, started = False, time.perf_counter()
+        log(f"compiling the {name} step for any chunk length ...")
+        out = compiled(*args)
+        log(f"... {name} step ready in {time.perf_counter() - started:.1f} s")
+        return out
 
     return run
 

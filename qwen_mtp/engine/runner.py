@@ -8,6 +8,8 @@ MTP draft) through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from qwen_mtp.cache.kv import PagePool
@@ -28,13 +30,13 @@ class Runner:
         self.model, self.pages, self.states, self.device = model, pages, states, device
         self.steps = DecodeSteps(model, pages, states, k)
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
-        prefill = PrefillSteps(model, pages, states)
-        self.prefill_target, self.prefill_head = prefill.target, prefill.mtp  # compiled by `compile_prefill`
+        self.prefill_steps = PrefillSteps(model, pages, states)
+        self.prefill_target, self.prefill_head = self.prefill_steps.target, self.prefill_steps.mtp
 
-    def compile_prefill(self, backend: str) -> None:
+    def compile_prefill(self, backend: str, log: Callable[[str], None]) -> None:
         """Prefill through `torch.compile(fullgraph=True)`, one graph for every chunk length (`compile_chunk_step`)."""
-        self.prefill_target = compile_chunk_step(self.prefill_target, backend)
-        self.prefill_head = compile_chunk_step(self.prefill_head, backend)
+        self.prefill_target = compile_chunk_step(self.prefill_steps.target, backend, "prefill", log)
+        self.prefill_head = compile_chunk_step(self.prefill_steps.mtp, backend, "MTP prefill", log)
 
     def batch(self, kind: StepKind, requests: list[Request], tokens: list[list[int]], starts: list[int]) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` at positions starting at `starts[b]`."""

@@ -11,10 +11,10 @@ from helpers import load_hf, random_prompt
 from qwen_mtp import Engine, load_model
 from qwen_mtp.ops import gdn_prefill
 
-MODES = {  # the decode path: eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs
+MODES = {  # eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs + compiled prefill
     "eager": {},
     "graphs": {"cuda_graphs": True},
-    "compiled": {"cuda_graphs": True, "enabled": True},
+    "compiled": {"cuda_graphs": True, "enabled": True, "prefill": True},
 }
 
 

@@ -148,7 +148,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     graphs = recipe.compile
     log(f"decode path: torch.compile {'on (' + graphs.backend + ')' if graphs.enabled else 'off'}, "
         f"CUDA graphs {'on' if graphs.cuda_graphs else 'off'}; prefill: "
-        f"{'compiled, dynamic shapes' if graphs.enabled and graphs.prefill else 'eager'}")  # fmt: skip
+        f"{'compiled, any chunk length' if graphs.enabled and graphs.prefill else 'eager'}")  # fmt: skip
     configs: list[tuple[int | None, str, float]] = [(None, "-", 0.0)]
     for k in bench.ks:
         configs += [(k, "oracle", rate) for rate in bench.accept_rates]

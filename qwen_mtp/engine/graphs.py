@@ -187,9 +187,10 @@ def compile_chunk_step(fn: Callable, backend: str, name: str, log: Callable[[str
     second) a chunk would run a graph specialised to its length or the generic one depending on which lengths
     came before. Only those dims: with `dynamic=True` the pools (read as attributes) got symbolic sizes too,
     and inductor then lost the storage offset of a layer's KV view that an op mutates (on CPU, torch 2.13: the
-    MTP layer's keys landed in the first attention layer's pages; on the H200, torch 2.11: MTP-on != MTP-off).
+    MTP layer's keys landed in the first attention layer's pages; on the H200, torch 2.11, MTP-on != MTP-off
+    even with the pools marked static).
     A 1-token chunk (a dim of size 1) runs its own specialised graph, the same one every time. The first call
-    compiles (minutes at 27B shapes): it is logged with its duration."""
+    compiles (about a minute at 27B shapes): it is logged with its duration."""
     compiled = compile_step(fn, backend, dynamic=None)
     first = True
 

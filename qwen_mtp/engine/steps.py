@@ -10,7 +10,7 @@ decode path, run them on static buffers in CUDA graphs); eagerly they are the sa
 Every linear runs under `batch_invariant_linears`, so a row's numbers never depend on the other rows
 (padding rows included).
 
-`PrefillSteps`, one request's prompt chunk of any length (compiled with dynamic shapes, no graphs):
+`PrefillSteps`, one request's prompt chunk of any length (compiled with the length dynamic, no graphs):
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
 - `mtp`:    the MTP head over the chunk's positions.
 """

@@ -10,6 +10,7 @@ Cache layout per layer: kv [2, pages, page_size, KV, D]; block_tables [B, max_pa
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -179,28 +180,48 @@ def paged_attention_triton(
     return out
 
 
-@torch.library.custom_op("qwen_mtp::paged_attention", mutates_args=("kv",))
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Custom op: write the step's k, v [B, T, KV, D] at `positions`, then attend (reference on CPU)."""
-    write_kv(k, v, kv, block_tables, positions)
-    return paged_attention_reference(q, kv, block_tables, context_lens, scale).contiguous()
+def register_paged_attention(
+    name: str,
+    attend_reference: Callable[..., torch.Tensor],
+    attend_triton: Callable[..., torch.Tensor],
+    supported: Callable[[torch.Tensor], bool] = lambda q: True,
+):
+    """Register the custom op `qwen_mtp::<name>`: write the step's k, v [B, T, KV, D] at `positions`, then
+    attend with `attend_*(q, kv, block_tables, context_lens, scale)` -> [B, T, H, D], contiguous. The reference
+    runs on CPU (and on CUDA where `supported(q)` is false), the Triton kernel on CUDA. Decode/verify attention
+    (here) and prefill attention (`prefill_attention.py`) share this contract and differ only in the kernel."""
+
+    def on_reference(q, k, v, kv, block_tables, context_lens, positions, scale):
+        write_kv(k, v, kv, block_tables, positions)
+        return attend_reference(q, kv, block_tables, context_lens, scale).contiguous()
+
+    @torch.library.custom_op(f"qwen_mtp::{name}", mutates_args=("kv",))
+    def op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return on_reference(q, k, v, kv, block_tables, context_lens, positions, scale)
+
+    @op.register_kernel("cuda")
+    def _(q, k, v, kv, block_tables, context_lens, positions, scale):
+        if not supported(q):
+            return on_reference(q, k, v, kv, block_tables, context_lens, positions, scale)
+        write_kv_triton(k, v, kv, block_tables, positions)
+        return attend_triton(q, kv, block_tables, context_lens, scale)
+
+    @op.register_fake
+    def _(q, k, v, kv, block_tables, context_lens, positions, scale):
+        return q.new_empty(q.shape)  # contiguous, as both implementations return
+
+    return op
 
 
-@paged_attention.register_kernel("cuda")
-def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-    write_kv_triton(k, v, kv, block_tables, positions)
-    return paged_attention_triton(q, kv, block_tables, context_lens, scale)
-
-
-@paged_attention.register_fake
-def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-    return q.new_empty(q.shape)  # contiguous, as both implementations return
+# One query at a time over exactly its visible keys: position p of a (K+1)-token verify is computed as a
+# 1-token decode at p computes it.
+paged_attention = register_paged_attention("paged_attention", paged_attention_reference, paged_attention_triton)

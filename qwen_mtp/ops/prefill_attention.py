@@ -23,7 +23,7 @@ import functools
 import torch
 
 from qwen_mtp.ops.attention import causal_attention
-from qwen_mtp.ops.paged_attention import gather_kv, write_kv, write_kv_triton
+from qwen_mtp.ops.paged_attention import gather_kv, register_paged_attention
 from qwen_mtp.ops.triton_utils import INTERPRET
 
 # (query pairs per program, keys per block, warps): fixed, see the module docstring. Chosen on the H200 at
@@ -145,31 +145,6 @@ def prefill_attention_triton(
     return out
 
 
-@torch.library.custom_op("qwen_mtp::paged_prefill_attention", mutates_args=("kv",))
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Custom op: write the chunk's k, v [B, T, KV, D] at `positions`, then attend (reference on CPU)."""
-    write_kv(k, v, kv, block_tables, positions)
-    return prefill_attention_reference(q, kv, block_tables, context_lens, scale)
-
-
-@paged_prefill_attention.register_kernel("cuda")
-def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-    if not supported(q):
-        write_kv(k, v, kv, block_tables, positions)
-        return prefill_attention_reference(q, kv, block_tables, context_lens, scale)
-    write_kv_triton(k, v, kv, block_tables, positions)
-    return prefill_attention_triton(q, kv, block_tables, context_lens, scale)
-
-
-@paged_prefill_attention.register_fake
-def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-    return q.new_empty(q.shape)  # contiguous, as both implementations return
+paged_prefill_attention = register_paged_attention(
+    "paged_prefill_attention", prefill_attention_reference, prefill_attention_triton, supported
+)

@@ -130,7 +130,8 @@ def _paged_attention_kernel():
             pos = first + ns
             smask = pos < visible
             page = tl.load(tables_ptr + bi * s_table + pos // PAGE, mask=smask, other=0)
-            slot = page[:, None] * s_page + (pos % PAGE)[:, None] * s_slot + kvh * s_head + ds[None, :]
+            # int64: pages x page stride passes 2^31 elements in large pools (e.g. 0.8B shapes, >65536 pages)
+            slot = page.to(tl.int64)[:, None] * s_page + (pos % PAGE)[:, None] * s_slot + kvh * s_head + ds[None, :]
             k = tl.load(kv_ptr + slot, mask=smask[:, None], other=0.0)
             v = tl.load(kv_ptr + s_half + slot, mask=smask[:, None], other=0.0)
             if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs

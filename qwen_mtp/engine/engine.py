@@ -16,6 +16,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.state import StatePool
+from qwen_mtp.dtypes import STATE_DTYPES
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.request import Request, SpecStats, Status
 from qwen_mtp.engine.runner import Runner, StepKind
@@ -26,8 +27,6 @@ from qwen_mtp.engine.speculative import Speculator
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.errors import RecipeError, RequestError
 from qwen_mtp.recipe import Recipe, load_recipe
-
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -82,22 +81,24 @@ class Engine:
         (log or _stderr)(sizes.describe(self.pages.bytes, self.states.bytes))
 
     def _build_pools(self, sizes: PoolSizes) -> tuple[PagePool, StatePool]:
-        cfg, plan = self.config, self.model.model.plan
-        attn_layers = [f"layers.{i}" for i in plan.attention_layers]
-        if self.model.mtp is not None:
-            attn_layers += [f"mtp.layers.{spec.index}" for spec in plan.mtp_layers]
-        dtype = self.model.lm_head_weight.dtype
+        shapes, dtype = self.model.shapes, self.model.lm_head_weight.dtype
         pages = PagePool(
-            attn_layers, sizes.num_pages, sizes.page_size, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device
+            self.model.attention_cache_layers,
+            sizes.num_pages,
+            sizes.page_size,
+            shapes.kv_heads,
+            shapes.head_dim,
+            dtype,
+            self.device,
         )
         states = StatePool(
-            [f"layers.{i}" for i in plan.gdn_layers],
+            self.model.gdn_cache_layers,
             sizes.num_state_rows,
-            cfg.gdn_conv_dim,
-            cfg.linear_conv_kernel_dim,
-            cfg.linear_num_value_heads,
-            cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim,
+            shapes.gdn_conv_dim,
+            shapes.conv_kernel,
+            shapes.gdn_value_heads,
+            shapes.gdn_key_head_dim,
+            shapes.gdn_value_head_dim,
             self.spec_tokens,
             conv_dtype=dtype,
             state_dtype=STATE_DTYPES[self.recipe.state.dtype],

@@ -16,6 +16,7 @@ from qwen_mtp.model.gdn import GatedDeltaNet
 from qwen_mtp.model.layers import MLP, RMSNorm, RotaryEmbedding
 from qwen_mtp.model.mtp import MTPHead
 from qwen_mtp.model.plan import plan_model
+from qwen_mtp.model.shapes import RankShapes
 
 
 class QwenHybridModel(nn.Module):
@@ -48,11 +49,22 @@ class QwenHybridForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.shapes = RankShapes.of(config)
         self.model = QwenHybridModel(config)
         self.tied = config.tie_word_embeddings
         # With tied embeddings there is no `lm_head.weight`: the embedding matrix serves both.
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTPHead(config, self.model.plan.mtp_layers) if config.mtp_num_hidden_layers else None
+
+    @property
+    def attention_cache_layers(self) -> list[str]:
+        """Cache names of the attention layers, the target's then the MTP head's: the KV page pool's layers."""
+        return [module.name for module in self.modules() if isinstance(module, GatedAttention)]
+
+    @property
+    def gdn_cache_layers(self) -> list[str]:
+        """Cache names of the GDN layers: the state pool's layers."""
+        return [module.name for module in self.modules() if isinstance(module, GatedDeltaNet)]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""Per-rank shapes: what one tensor-parallel rank of a model holds, derived once from the config and the TP
+degree. Layers and cache pools size themselves from here, so sharding changes one place. Degree 1 for now."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qwen_mtp.config import ModelConfig
+from qwen_mtp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankShapes:
+    tp: int  # tensor-parallel degree
+    hidden_size: int  # replicated on every rank
+    vocab_size: int  # the whole vocabulary (the lm_head is not sharded yet)
+    heads: int  # attention query heads on this rank
+    kv_heads: int  # attention KV heads on this rank
+    head_dim: int
+    gdn_key_heads: int  # GDN key heads on this rank
+    gdn_value_heads: int  # GDN value heads on this rank
+    gdn_key_head_dim: int
+    gdn_value_head_dim: int
+    conv_kernel: int
+    intermediate_size: int  # MLP columns on this rank
+
+    @classmethod
+    def of(cls, config: ModelConfig, tp: int = 1) -> RankShapes:
+        """The shapes of one of `tp` ranks; a ConfigError names what `tp` does not divide."""
+        counts = {
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads,
+            "linear_num_key_heads": config.linear_num_key_heads,
+            "linear_num_value_heads": config.linear_num_value_heads,
+            "intermediate_size": config.intermediate_size,
+        }
+        for name, count in counts.items():
+            if count % tp:
+                raise ConfigError(f"tensor parallel degree {tp} does not divide {name}={count}")
+        return cls(
+            tp=tp,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            heads=config.num_attention_heads // tp,
+            kv_heads=config.num_key_value_heads // tp,
+            head_dim=config.head_dim,
+            gdn_key_heads=config.linear_num_key_heads // tp,
+            gdn_value_heads=config.linear_num_value_heads // tp,
+            gdn_key_head_dim=config.linear_key_head_dim,
+            gdn_value_head_dim=config.linear_value_head_dim,
+            conv_kernel=config.linear_conv_kernel_dim,
+            intermediate_size=config.intermediate_size // tp,
+        )
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.gdn_key_heads * self.gdn_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.gdn_value_heads * self.gdn_value_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of the depthwise conv on this rank: `[q | k | v]` before the split."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim

@@ -1,5 +1,5 @@
 """Prefill kernels on the GPU against their baselines, same run, Qwen3.5-27B shapes, one request, bf16:
-- GDN: our chunked Triton kernels (`qwen_mtp.ops.gdn_prefill`) vs the plain-torch chunked form (what Hugging
+- GDN: our chunked Triton kernels (`qwen_mtp.ops.gdn.chunked`) vs the plain-torch chunked form (what Hugging
   Face runs without flash-linear-attention); 16 key / 48 value heads, head dim 128; T = whole prompt.
 - attention: the tiled paged kernel (`qwen_mtp.ops.prefill_attention`) vs gathering the pages + SDPA (the
   CPU path, and the CUDA path before the kernel); 24 query / 4 KV heads, head dim 256, pages of 64; the last
@@ -18,7 +18,7 @@ import triton
 
 from qwen_mtp.ops import prefill_attention
 from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
-from qwen_mtp.ops.gdn_prefill import gdn_chunked_triton
+from qwen_mtp.ops.gdn.chunked import gdn_chunked_triton
 from qwen_mtp.ops.prefill_attention import prefill_attention_reference, prefill_attention_triton
 
 HK, HV, DK, DV = 16, 48, 128, 128

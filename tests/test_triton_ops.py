@@ -6,8 +6,9 @@ import torch
 
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.conv import conv_update_reference, conv_update_triton
-from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values, gdn_recurrent_reference, gdn_recurrent_triton
-from qwen_mtp.ops.gdn_prefill import gdn_chunked_triton
+from qwen_mtp.ops.gdn.chunked import gdn_chunked_triton
+from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule, gate_values
+from qwen_mtp.ops.gdn.recurrent import gdn_recurrent_reference, gdn_recurrent_triton
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
 from qwen_mtp.ops.paged_attention import paged_attention_reference, paged_attention_triton, write_kv
 from qwen_mtp.ops.prefill_attention import prefill_attention_reference, prefill_attention_triton

@@ -10,7 +10,7 @@ from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.layers import GatedRMSNorm, fuse_linears, project
 from qwen_mtp.ops.conv import causal_conv1d
 from qwen_mtp.ops.gdn import chunked_gated_delta_rule, gate_values
-from qwen_mtp.ops.gdn_prefill import gdn_chunked
+from qwen_mtp.ops.gdn.chunked import gdn_chunked
 
 
 class GatedDeltaNet(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from helpers import load_hf, random_prompt
 
 from qwen_mtp import Engine, load_model
-from qwen_mtp.ops import gdn_prefill
+from qwen_mtp.ops.gdn import chunked as gdn_prefill
 
 MODES = {  # eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs + compiled prefill
     "eager": {},

@@ -1,5 +1,5 @@
 """Chunked gated delta rule for prefill: Triton kernels beside the plain-torch reference
-(`qwen_mtp.ops.gdn.chunked_gated_delta_rule`), as the custom op `qwen_mtp::gdn_chunked`.
+(`naive.chunked_gated_delta_rule`), as the custom op `qwen_mtp::gdn_chunked`.
 
 Why our own kernels: the torch form runs ~100 small launches per layer and chunk (a batched triangular solve,
 fp32 GEMMs of 64x64 tiles, elementwise glue): on the H200 a 2048-token prefill of the 27B shapes spent most of
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from qwen_mtp.ops.gdn import chunked_gated_delta_rule
+from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule
 from qwen_mtp.ops.triton_utils import INTERPRET
 
 # Tokens per chunk: fixed, so a prompt's rounding never depends on the launch. 32, not the torch form's 64: at

@@ -1,0 +1,20 @@
+"""Gated DeltaNet's delta rule, laid out as flash-linear-attention lays out `fla/ops/gated_delta_rule/`:
+- `naive.py`: the plain-torch math (recurrent and chunked forms, gates, l2norm): the reference and CPU's path;
+- `recurrent.py`: decode / verify over pooled states: its Triton kernel and the op `qwen_mtp::gdn_recurrent`;
+- `chunked.py`: prefill: its Triton kernels and the op `qwen_mtp::gdn_chunked`.
+Importing the package registers both ops.
+"""
+
+from qwen_mtp.ops.gdn.chunked import gdn_chunked
+from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule, gate_values, l2norm, recurrent_gated_delta_rule
+from qwen_mtp.ops.gdn.recurrent import gdn_recurrent, gdn_recurrent_reference
+
+__all__ = [
+    "chunked_gated_delta_rule",
+    "gate_values",
+    "gdn_chunked",
+    "gdn_recurrent",
+    "gdn_recurrent_reference",
+    "l2norm",
+    "recurrent_gated_delta_rule",
+]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.triton_utils import INTERPRET
 
 BLOCK_M = 16  # rows per program: tl.dot's minimum; never depends on M
@@ -108,10 +109,7 @@ def _matmul_kernel():
             w = tl.load(
                 w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
             )
-            if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            acc += triton_utils.dot(x, tl.trans(w), UPCAST, PRECISION)
         tile = ms[:, None] * N + ns[None, :]
         mask = (ms[:, None] < M) & (ns[None, :] < N)
         if SPLITS == 1:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.attention import causal_attention
-from qwen_mtp.ops.triton_utils import INTERPRET
 
 
 def write_kv(
@@ -47,8 +47,8 @@ def _write_kv_kernel():
         h = tl.program_id(1)
         ds = tl.arange(0, D)
         pos = tl.load(pos_ptr + pid)
-        page = tl.load(tables_ptr + b * s_table + pos // PAGE)
-        slot = kv_ptr + page.to(tl.int64) * s_page + (pos % PAGE) * s_slot + h * s_head + ds
+        offset = triton_utils.kv_slots(tables_ptr + b * s_table, pos, True, PAGE, s_page, s_slot)
+        slot = kv_ptr + offset + h * s_head + ds
         k = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + ds)
         v = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + ds)
         tl.store(slot, k.to(kv_ptr.dtype.element_ty))
@@ -129,25 +129,10 @@ def _paged_attention_kernel():
         for first in range(0, visible, BLOCK_N):
             pos = first + ns
             smask = pos < visible
-            page = tl.load(tables_ptr + bi * s_table + pos // PAGE, mask=smask, other=0)
-            # int64: pages x page stride passes 2^31 elements in large pools (e.g. 0.8B shapes, >65536 pages)
-            slot = page.to(tl.int64)[:, None] * s_page + (pos % PAGE)[:, None] * s_slot + kvh * s_head + ds[None, :]
-            k = tl.load(kv_ptr + slot, mask=smask[:, None], other=0.0)
-            v = tl.load(kv_ptr + s_half + slot, mask=smask[:, None], other=0.0)
-            if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-            else:
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            scores = tl.where(smask[None, :], scores * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, axis=1)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            k, v = triton_utils.load_kv_block(
+                kv_ptr, tables_ptr + bi * s_table, pos, smask, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+            )
+            m, denom, acc = triton_utils.attend_block(q, k, v, smask[None, :], scale, m, denom, acc, UPCAST, PRECISION)
         out = acc / denom[:, None]
         tl.store(
             out_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :],
@@ -176,7 +161,7 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         block_tables.stride(0),
         D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
-        UPCAST=INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
 

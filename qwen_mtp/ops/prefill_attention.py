@@ -22,9 +22,9 @@ import functools
 
 import torch
 
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.paged_attention import gather_kv, register_paged_attention
-from qwen_mtp.ops.triton_utils import INTERPRET
 
 # (query pairs per program, keys per block, warps): fixed, see the module docstring. Chosen on the H200 at
 # Qwen3.5-27B shapes (head dim 256, 24 query / 4 KV heads) with benchmarks/prefill.py.
@@ -86,24 +86,11 @@ def _prefill_attention_kernel():
         for first in range(0, end, BLOCK_N):
             pos = first + ns
             in_context = pos < end
-            page = tl.load(tables_ptr + bi * s_table + pos // PAGE, mask=in_context, other=0)
-            slot = page.to(tl.int64)[:, None] * s_page + (pos % PAGE)[:, None] * s_slot + kvh * s_head + ds[None, :]
-            k = tl.load(kv_ptr + slot, mask=in_context[:, None], other=0.0)
-            v = tl.load(kv_ptr + s_half + slot, mask=in_context[:, None], other=0.0)
-            if UPCAST:  # the CPU interpreter's tl.dot is wrong on 16-bit inputs
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-            else:
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            scores = tl.where(pos[None, :] < visible[:, None], scores * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, axis=1)
-            if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            k, v = triton_utils.load_kv_block(
+                kv_ptr, tables_ptr + bi * s_table, pos, in_context, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+            )
+            sees = pos[None, :] < visible[:, None]
+            m, denom, acc = triton_utils.attend_block(q, k, v, sees, scale, m, denom, acc, UPCAST, PRECISION)
         out_rows = bi * so_b + t * so_t + heads * so_h
         tl.store(
             out_ptr + out_rows[:, None] + ds[None, :],
@@ -140,7 +127,7 @@ def prefill_attention_triton(
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         D=dim, PAGE=page_size, ROWS=rows, BLOCK_N=block_n,
-        UPCAST=INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+        UPCAST=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
     )  # fmt: skip
     return out
 

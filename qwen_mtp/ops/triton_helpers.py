@@ -1,0 +1,62 @@
+"""The `@triton.jit` helpers that several kernels call, written once: a dot product whose result rows never depend
+on the other rows (also under the CPU interpreter), and the paged-attention key loop shared by decode/verify and
+prefill attention (int64 page-slot addresses, the online-softmax update). Kernels reach them as
+`triton_utils.<helper>` (see there why); this module needs Triton.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
+    """a [M, K] @ b [K, N], accumulated in fp32.
+
+    Compiled: `tl.dot` at `PRECISION` on the inputs as given. Interpreted (the CPU tests), `tl.dot` is numpy's
+    matmul, which is wrong on 16-bit inputs and, through OpenBLAS, rounds a row by where it sits in the tile (rows
+    6-11 of 16 differed on an AVX-512 machine running OpenBLAS's Haswell kernels): the tests could not tell a
+    kernel whose rows depend on each other from one whose rows do not. So the interpreter sums fp32 products over
+    K on its own for every (row, column), in an order that depends on K alone.
+    """
+    if INTERPRETED:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def kv_slots(table_ptr, pos, mask, PAGE: tl.constexpr, s_page, s_slot):  # noqa: N803
+    """Element offsets of positions `pos` in a request's KV pages (`table_ptr`: its row of the page table; `mask`:
+    which positions exist) in the cache [2, pages, PAGE, KV, D]. In int64: pages x page stride passes 2^31 elements
+    in large pools (e.g. 0.8B shapes, >65536 pages)."""
+    page = tl.load(table_ptr + pos // PAGE, mask=mask, other=0)
+    return page.to(tl.int64) * s_page + (pos % PAGE) * s_slot
+
+
+@triton.jit
+def load_kv_block(kv_ptr, table_ptr, pos, mask, head_offset, ds, PAGE: tl.constexpr, s_half, s_page, s_slot):  # noqa: N803
+    """Keys and values [N, D] of positions `pos` [N] (where `mask`; zeros elsewhere) of one KV head (`head_offset`
+    into a slot; `ds` the arange over D), each position read from its own page: any page size works."""
+    slot = kv_slots(table_ptr, pos, mask, PAGE, s_page, s_slot)[:, None] + head_offset + ds[None, :]
+    k = tl.load(kv_ptr + slot, mask=mask[:, None], other=0.0)
+    v = tl.load(kv_ptr + s_half + slot, mask=mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def attend_block(q, k, v, visible, scale, m, denom, acc, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
+    """One block of keys into a flash-attention running state (online softmax).
+
+    q [R, D] query rows; k, v [N, D]; visible [R or 1, N]: which keys each row sees; m, denom [R]: the running
+    maximum score and sum of exponentials; acc [R, D] the running weighted sum of values. Returns the updated
+    (m, denom, acc); the output is acc / denom once every block is in. A row's numbers depend on its own query and
+    keys and on the block order only.
+    """
+    scores = dot(q, tl.trans(k), INTERPRETED, PRECISION)
+    scores = tl.where(visible, scores * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERPRETED, PRECISION)
+    return m_new, denom, acc

@@ -26,12 +26,13 @@ import functools
 
 import torch
 
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule
-from qwen_mtp.ops.triton_utils import INTERPRET
 
 # Tokens per chunk: fixed, so a prompt's rounding never depends on the launch. 32, not the torch form's 64: at
 # head dim 128 the 64-token `prepare` needs 278 KB of shared memory for its dots (the H200 has 227 KB).
 CHUNK = 32
+DOTS = "tf32x3"  # the GPU dots' precision: ~fp32 accuracy on tensor cores (the module docstring says why)
 
 
 @functools.cache  # build (and let Triton cache) the kernels once, on first use
@@ -43,7 +44,7 @@ def _kernels():
     def prepare(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qd_ptr, kd_ptr, scores_ptr, cum_ptr,
         T, HV, GROUP, scale, sq_b, sq_t, sq_h, sv_b, sv_t, sv_h, sg_b, sg_t,
-        C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
+        C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One program: one (request, value head, chunk): everything about the chunk that does not need the
         # state, into fp32 scratch [B, HV, T_padded, .] (scores: [B, HV, chunks, C, C]).
@@ -70,16 +71,16 @@ def _kernels():
         causal = rows[None, :] <= rows[:, None]
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
         below = rows[None, :] < rows[:, None]
-        a = tl.where(below, tl.dot(k, tl.trans(k), input_precision=PRECISION) * beta[:, None] * decay, 0.0)
+        a = tl.where(below, triton_utils.dot(k, tl.trans(k), INTERPRETED, PRECISION) * beta[:, None] * decay, 0.0)
         # T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j] (rows j < i are final).
         inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
         for i in range(1, C):
             a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
             step = tl.sum(a_i[:, None] * inverse, axis=0)
             inverse = tl.where(rows[:, None] == i, inverse - step[None, :], inverse)
-        w = tl.dot(inverse, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)
-        u = tl.dot(inverse, v * beta[:, None], input_precision=PRECISION)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        w = triton_utils.dot(inverse, k * (beta * tl.exp(cum))[:, None], INTERPRETED, PRECISION)
+        u = triton_utils.dot(inverse, v * beta[:, None], INTERPRETED, PRECISION)
+        scores = triton_utils.dot(q, tl.trans(k), INTERPRETED, PRECISION) * decay
         head = (bi * HV + h).to(tl.int64)
         scratch = head * tl.num_programs(1) * C + ts
         tl.store(w_ptr + scratch[:, None] * DK + ks[None, :], w)
@@ -94,7 +95,7 @@ def _kernels():
         w_ptr, u_ptr, qd_ptr, kd_ptr, scores_ptr, cum_ptr, init_ptr, out_ptr, final_ptr,
         T, NC, HV, so_b, so_t, so_h,
         C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr,
-        PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One program: one (request, value head, BLOCK_V value columns), all chunks in order; the state tile
         # [DK, BLOCK_V] stays in registers. Per chunk: delta = U - W S; out = Qd S + scores delta;
@@ -120,14 +121,15 @@ def _kernels():
             kd = tl.load(kd_ptr + scratch[:, None] * DK + ks[None, :])
             scores = tl.load(scores_ptr + (scratch[:, None] * C + rows[None, :]))
             last = tl.load(cum_ptr + head * NC * C + c * C + C - 1)
-            delta = u - tl.dot(w, state, input_precision=PRECISION)
-            out = tl.dot(qd, state, input_precision=PRECISION) + tl.dot(scores, delta, input_precision=PRECISION)
+            delta = u - triton_utils.dot(w, state, INTERPRETED, PRECISION)
+            out = triton_utils.dot(qd, state, INTERPRETED, PRECISION)
+            out += triton_utils.dot(scores, delta, INTERPRETED, PRECISION)
             tl.store(
                 out_ptr + bi * so_b + ts[:, None] * so_t + h * so_h + vs[None, :],
                 out.to(out_ptr.dtype.element_ty),
                 mask=(ts < T)[:, None],
             )
-            state = state * tl.exp(last) + tl.dot(tl.trans(kd), delta, input_precision=PRECISION)
+            state = state * tl.exp(last) + triton_utils.dot(tl.trans(kd), delta, INTERPRETED, PRECISION)
         tl.store(final_ptr + tile, state)
 
     return prepare, scan
@@ -161,17 +163,18 @@ def gdn_chunked_triton(q, k, v, g, beta, initial_state=None):
     out = torch.empty(batch, length, hv, dv, dtype=q.dtype, device=q.device)
     final = torch.empty(batch, hv, dk, dv, dtype=torch.float32, device=q.device)
     init = final if initial_state is None else initial_state.float().contiguous()
-    precision = "ieee" if INTERPRET else "tf32x3"  # ~fp32 accuracy on tensor cores; the interpreter has no TF32
     prepare[(batch * hv, chunks)](
         q, k, v, g, beta, w, u, qd, kd, scores, cum,
         length, hv, hv // hk, dk**-0.5, q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), g.stride(0), g.stride(1), C=CHUNK, DK=dk, DV=dv, PRECISION=precision, num_warps=8,
+        v.stride(2), g.stride(0), g.stride(1),
+        C=CHUNK, DK=dk, DV=dv, INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS, num_warps=8,
     )  # fmt: skip
     block_v = min(dv, 32)
     scan[(batch * hv, triton.cdiv(dv, block_v))](
         w, u, qd, kd, scores, cum, init, out, final,
         length, chunks, hv, out.stride(0), out.stride(1), out.stride(2),
-        C=CHUNK, DK=dk, DV=dv, BLOCK_V=block_v, HAS_INIT=initial_state is not None, PRECISION=precision,
+        C=CHUNK, DK=dk, DV=dv, BLOCK_V=block_v, HAS_INIT=initial_state is not None,
+        INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS,
         num_warps=4,
     )  # fmt: skip
     return out, final

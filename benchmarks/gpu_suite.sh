@@ -11,7 +11,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 STAGE="${STAGE:-all}"
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
   # -rA: the summary line (pyproject's -q plus this -q would hide it)
-  python3 -m pytest -q -rA tests/test_triton_ops.py tests/gpu -k "not compiled" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
+  python3 -m pytest -q -rA tests/ops tests/gpu -k "not compiled" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
 fi
 if [[ "$STAGE" == compile ]]; then  # torch.compile (inductor) + graphs on the 8-layer fixture
   # With py-spy on the PATH (carry its wheel), stacks every DUMP_EVERY s (not pytest's faulthandler_timeout:

@@ -1,0 +1,66 @@
+"""The causal conv1d (`causal_conv1d`, prefill) and its decode / verify op over pooled windows
+(`qwen_mtp::conv_update`)."""
+
+import pytest
+import torch
+from op_helpers import DEVICE, DTYPES, REAL, VERIFY_DTYPE, close, fused_projection, rand
+
+from qwen_mtp.ops.conv import causal_conv1d, conv_update_reference, conv_update_triton
+
+
+def test_causal_conv_window_continuation():
+    x = torch.randn(2, 6, 20)
+    w = torch.randn(6, 4)
+    whole, inputs = causal_conv1d(x, w)
+    assert torch.equal(inputs[..., 3:], x) and not inputs[..., :3].any()
+    first, inputs = causal_conv1d(x[..., :11], w)
+    rest = [first]
+    for t in range(11, 20):
+        out, inputs = causal_conv1d(x[..., t : t + 1], w, inputs[..., -3:])
+        rest.append(out)
+        assert torch.equal(inputs, x[..., t - 3 : t + 1])
+    torch.testing.assert_close(torch.cat(rest, -1), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("length", [1, 2, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_update_matches_reference(length, dtype):
+    channels, kernel, spec = 40, 4, 4
+    pool = rand(5, channels, kernel - 1 + spec, dtype=dtype, seed=1)
+    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    committed = torch.tensor([1, 0, 3, 0, 2], device=DEVICE)
+    x, weight = rand(3, length, channels, dtype=dtype, seed=2), rand(channels, kernel, dtype=dtype, seed=3)
+    ref_pool, tri_pool = pool.clone(), pool.clone()
+    close(
+        conv_update_triton(x, weight, tri_pool, rows, committed),
+        conv_update_reference(x, weight, ref_pool, rows, committed),
+        dtype,
+    )
+    assert torch.equal(tri_pool, ref_pool)
+
+
+@pytest.mark.parametrize("spec", [1, 3])
+def test_conv_update_verify_equals_decode_steps(spec):
+    channels, kernel = (6144, 4) if REAL else (40, 4)
+    x = rand(8, spec + 1, channels, dtype=VERIFY_DTYPE, seed=1)
+    weight = rand(channels, kernel, dtype=VERIFY_DTYPE, seed=2)
+    pool = rand(8, channels, kernel - 1 + spec, dtype=VERIFY_DTYPE, seed=3)
+    rows, committed = torch.arange(8, device=DEVICE), torch.zeros(8, dtype=torch.long, device=DEVICE)
+    verify_pool, decode_pool = pool.clone(), pool.clone()
+    verify = conv_update_triton(x, weight, verify_pool, rows, committed)
+    for t in range(spec + 1):
+        decode = conv_update_triton(x[:, t : t + 1], weight, decode_pool, rows, committed)
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+    assert torch.equal(verify_pool[:, :, spec : spec + kernel - 1], decode_pool[:, :, : kernel - 1])
+
+
+def test_conv_update_reads_strided_projection_slices():
+    """The qkv slice of the GDN's fused input projection goes into the kernel in place."""
+    _, qkv, _ = fused_projection(2, 3, [64, 40, 8], seed=2)
+    conv_w = rand(40, 4, seed=4)
+    pool = rand(3, 40, 7, seed=5)
+    rows, committed = torch.tensor([2, 0], device=DEVICE), torch.tensor([1, 0, 2], device=DEVICE)
+    strided_pool, copied_pool = pool.clone(), pool.clone()
+    strided = conv_update_triton(qkv, conv_w, strided_pool, rows, committed)
+    copied = conv_update_triton(qkv.contiguous(), conv_w, copied_pool, rows, committed)
+    assert not qkv.is_contiguous() and torch.equal(strided, copied) and torch.equal(strided_pool, copied_pool)

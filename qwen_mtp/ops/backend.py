@@ -2,8 +2,9 @@
 
 The references are the documentation of the math and what CPU runs; forcing them on CUDA is for tests that
 compare against Hugging Face's torch code bit for bit, and for bisecting a numerical difference to one kernel.
-`QWEN_MTP_OPS=reference` in the environment forces them for the whole process; `reference_ops()` for a block.
-The choice is read when an op runs, so CUDA graphs and compiled steps keep the one they were built with.
+`QWEN_MTP_OPS=reference` in the environment forces every op's for the whole process; `reference_ops()` every op's
+for a block, `reference_ops("gdn_chunked", ...)` only the named ops'. Each op's CUDA implementation asks
+`reference_forced("<its name>")` when it runs, so CUDA graphs and compiled steps keep the choice they were built with.
 """
 
 from __future__ import annotations
@@ -12,19 +13,51 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_forced = os.environ.get("QWEN_MTP_OPS", "").strip().lower() == "reference"
+# The custom ops `qwen_mtp::<name>` that have a Triton kernel on CUDA (tests/ops/test_backend.py checks the list).
+OPS = frozenset(
+    {
+        "add_rms_norm",
+        "conv_update",
+        "gated_rms_norm",
+        "gdn_chunked",
+        "gdn_recurrent",
+        "invariant_linear",
+        "paged_attention",
+        "paged_prefill_attention",
+        "qk_norm_rope",
+        "rms_norm",
+        "swiglu",
+    }
+)
 
 
-def reference_forced() -> bool:
-    """True while the plain-torch references must run on every device."""
-    return _forced
+def _forced_by_environment() -> frozenset[str]:
+    value = os.environ.get("QWEN_MTP_OPS", "").strip().lower()
+    if value not in ("", "reference"):
+        raise ValueError(
+            f"QWEN_MTP_OPS={value!r}: set it to 'reference' (every op's plain-torch reference, also on CUDA) "
+            "or leave it unset (Triton kernels on CUDA)"
+        )
+    return OPS if value == "reference" else frozenset()
+
+
+_forced = _forced_by_environment()
+
+
+def reference_forced(op: str | None = None) -> bool:
+    """True while `op`'s plain-torch reference must run on every device (`op` None: every op's)."""
+    return _forced == OPS if op is None else op in _forced
 
 
 @contextmanager
-def reference_ops(enabled: bool = True) -> Iterator[None]:
-    """Run the ops' plain-torch references (also on CUDA) inside this block."""
+def reference_ops(*ops: str) -> Iterator[None]:
+    """Run plain-torch references (also on CUDA) inside this block: every op's, or only those of the ops named
+    (names from `OPS`, e.g. "gdn_chunked"). Ops forced outside the block stay forced inside it."""
+    unknown = sorted(set(ops) - OPS)
+    if unknown:
+        raise ValueError(f"reference_ops: unknown ops {unknown}; the ops with a Triton kernel are {sorted(OPS)}")
     global _forced
-    previous, _forced = _forced, enabled
+    previous, _forced = _forced, _forced | (frozenset(ops) or OPS)
     try:
         yield
     finally:

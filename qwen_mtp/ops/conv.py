@@ -11,6 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qwen_mtp.ops.backend import reference_forced
+
 
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None
@@ -140,6 +142,8 @@ def conv_update(
 
 @conv_update.register_kernel("cuda")
 def _(x, weight, pool, rows, committed):
+    if reference_forced("conv_update"):
+        return conv_update_reference(x, weight, pool, rows, committed).contiguous()
     return conv_update_triton(x, weight, pool, rows, committed)
 
 

@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qwen_mtp.ops.backend import reference_forced
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm, computed in fp32 and cast once (HF `Qwen3_5RMSNorm`)."""
@@ -128,6 +130,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @rms_norm.register_kernel("cuda")
 def _(x, weight, eps):
+    if reference_forced("rms_norm"):
+        return rms_norm_reference(x, weight, eps).contiguous()
     return norm_triton(x, weight, eps)
 
 
@@ -144,6 +148,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 @gated_rms_norm.register_kernel("cuda")
 def _(x, gate, weight, eps):
+    if reference_forced("gated_rms_norm"):
+        return gated_rms_norm_reference(x, gate, weight, eps).contiguous()
     return norm_triton(x, weight, eps, gate)
 
 
@@ -164,6 +170,9 @@ def add_rms_norm(
 
 @add_rms_norm.register_kernel("cuda")
 def _(x, delta, weight, eps):
+    if reference_forced("add_rms_norm"):
+        normed, summed = add_rms_norm_reference(x, delta, weight, eps)
+        return normed.contiguous(), summed.contiguous()
     return norm_triton(x, weight, eps, delta=delta)
 
 

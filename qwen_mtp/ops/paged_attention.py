@@ -16,6 +16,7 @@ import torch
 
 from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.attention import causal_attention
+from qwen_mtp.ops.backend import reference_forced
 
 
 def write_kv(
@@ -108,7 +109,7 @@ def _paged_attention_kernel():
         T, GROUP, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One program: one (request, query position, KV head) with its GROUP query heads; keys in blocks of
         # BLOCK_N positions in position order (each position looks up its own page, so any page size works).
@@ -132,7 +133,9 @@ def _paged_attention_kernel():
             k, v = triton_utils.load_kv_block(
                 kv_ptr, tables_ptr + bi * s_table, pos, smask, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
             )
-            m, denom, acc = triton_utils.attend_block(q, k, v, smask[None, :], scale, m, denom, acc, UPCAST, PRECISION)
+            m, denom, acc = triton_utils.attend_block(
+                q, k, v, smask[None, :], scale, m, denom, acc, INTERPRETED, PRECISION
+            )
         out = acc / denom[:, None]
         tl.store(
             out_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :],
@@ -161,7 +164,7 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         block_tables.stride(0),
         D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
-        UPCAST=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
 
@@ -174,8 +177,9 @@ def register_paged_attention(
 ):
     """Register the custom op `qwen_mtp::<name>`: write the step's k, v [B, T, KV, D] at `positions`, then
     attend with `attend_*(q, kv, block_tables, context_lens, scale)` -> [B, T, H, D], contiguous. The reference
-    runs on CPU (and on CUDA where `supported(q)` is false), the Triton kernel on CUDA. Decode/verify attention
-    (here) and prefill attention (`prefill_attention.py`) share this contract and differ only in the kernel."""
+    runs on CPU (and on CUDA where `supported(q)` is false or `reference_forced(name)`), the Triton kernel on
+    CUDA. Decode/verify attention (here) and prefill attention (`prefill_attention.py`) share this contract and
+    differ only in the kernel."""
 
     def on_reference(q, k, v, kv, block_tables, context_lens, positions, scale):
         write_kv(k, v, kv, block_tables, positions)
@@ -196,7 +200,7 @@ def register_paged_attention(
 
     @op.register_kernel("cuda")
     def _(q, k, v, kv, block_tables, context_lens, positions, scale):
-        if not supported(q):
+        if reference_forced(name) or not supported(q):
             return on_reference(q, k, v, kv, block_tables, context_lens, positions, scale)
         write_kv_triton(k, v, kv, block_tables, positions)
         return attend_triton(q, kv, block_tables, context_lens, scale)

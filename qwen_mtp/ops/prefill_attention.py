@@ -62,7 +62,7 @@ def _prefill_attention_kernel():
         T, GROUP, scale,
         sq_b, sq_t, sq_h, so_b, so_t, so_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One program: ROWS consecutive (query position, head-in-group) pairs of one (request, KV head).
         tile = tl.program_id(0)
@@ -90,7 +90,7 @@ def _prefill_attention_kernel():
                 kv_ptr, tables_ptr + bi * s_table, pos, in_context, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
             )
             sees = pos[None, :] < visible[:, None]
-            m, denom, acc = triton_utils.attend_block(q, k, v, sees, scale, m, denom, acc, UPCAST, PRECISION)
+            m, denom, acc = triton_utils.attend_block(q, k, v, sees, scale, m, denom, acc, INTERPRETED, PRECISION)
         out_rows = bi * so_b + t * so_t + heads * so_h
         tl.store(
             out_ptr + out_rows[:, None] + ds[None, :],
@@ -127,7 +127,7 @@ def prefill_attention_triton(
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         D=dim, PAGE=page_size, ROWS=rows, BLOCK_N=block_n,
-        UPCAST=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+        INTERPRETED=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.norm import rms_norm_reference
 
 
@@ -130,6 +131,9 @@ def qk_norm_rope(
 
 @qk_norm_rope.register_kernel("cuda")
 def _(q, k, q_weight, k_weight, eps, cos, sin):
+    if reference_forced("qk_norm_rope"):
+        q_out, k_out = qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)
+        return q_out.contiguous(), k_out.contiguous()
     return qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin)
 
 

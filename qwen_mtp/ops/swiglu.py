@@ -12,6 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qwen_mtp.ops.backend import reference_forced
+
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
@@ -57,6 +59,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 @swiglu.register_kernel("cuda")
 def _(gate_up):
+    if reference_forced("swiglu"):
+        return swiglu_reference(gate_up).contiguous()
     return swiglu_triton(gate_up)
 
 

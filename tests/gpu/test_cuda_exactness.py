@@ -9,7 +9,7 @@ import torch
 from helpers import load_hf, random_prompt
 
 from qwen_mtp import Engine, load_model
-from qwen_mtp.ops.gdn import chunked as gdn_prefill
+from qwen_mtp.ops.backend import reference_ops
 
 MODES = {  # eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs + compiled prefill
     "eager": {},
@@ -29,15 +29,14 @@ def engine_for(model_source, k=None, draft="head", accept=1.0, max_batch=32, mod
 
 
 @pytest.mark.parametrize("preset,layout", [("tiny", "text"), ("tiny-tied", "vlm"), ("tiny-8l", "text")])
-def test_logits_match_hf_on_cuda(checkpoint, preset, layout, monkeypatch):
+def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
     """Every op but the prefill kernels rounds like Hugging Face's torch code: logits within 2 bf16 ulps almost
     everywhere. The GDN prefill kernels compute the delta rule in another (chunk-local) order, so here they
-    step aside for the torch form (their accuracy: the next test). (The paged prefill attention kernel is not
-    on this cache-less path; its accuracy: test_triton_ops.py.)"""
-    monkeypatch.setattr(gdn_prefill, "supported", lambda q, v: False)
+    step aside for the torch form (their accuracy: the next test); the other ops' kernels run. (The paged
+    prefill attention kernel is not on this cache-less path; its accuracy: tests/ops/test_prefill_attention.py.)"""
     path = checkpoint(preset, layout, dtype="bfloat16")
     ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1)).cuda()
-    with torch.inference_mode():
+    with torch.inference_mode(), reference_ops("gdn_chunked"):
         ours = load_model(path, dtype=torch.bfloat16, device="cuda")(ids).float()
         ref = load_hf(path, torch.bfloat16).cuda()(ids).logits.float()
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp(min=2**-10)

@@ -1,9 +1,134 @@
-"""The ops are registered with the engine and run their references on CPU."""
+"""The ops are registered with the engine, run their references on CPU, and their CUDA implementations run the
+references instead of the Triton kernels while `reference_ops()` / `QWEN_MTP_OPS=reference` force them.
 
+Without a GPU the CUDA implementations are reached through the dispatcher with CPU tensors (a redispatch to the
+CUDA key); their Triton kernels then run under the interpreter, so a spy on each kernel's launcher tells which
+path ran."""
+
+import pytest
 import torch
-from op_helpers import paged_setup, rand
+from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_attention_step
 
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
+from qwen_mtp.ops import backend, conv, norm, paged_attention, rope, swiglu
+from qwen_mtp.ops.backend import reference_ops
+from qwen_mtp.ops.gdn import chunked, recurrent
+
+
+def norm_args(extra: int):
+    return (rand(2, 3, 8), *(rand(2, 3, 8, seed=1 + i) for i in range(extra)), rand(8, seed=5, scale=0.1), 1e-6)
+
+
+def rope_args():
+    q_gate, k_proj = fused_projection(2, 3, [2 * 4 * 16, 2 * 16])
+    q, k = q_gate.reshape(2, 3, 4, 32)[..., :16], k_proj.reshape(2, 3, 2, 16)
+    return (q, k, rand(16, scale=0.1), rand(16, seed=1, scale=0.1), 1e-6, rand(2, 3, 8, seed=9), rand(2, 3, 8, seed=10))
+
+
+def conv_args():
+    rows, committed = torch.tensor([4, 0, 2], device=DEVICE), torch.tensor([1, 0, 3, 0, 2], device=DEVICE)
+    return (rand(3, 2, 40, seed=2), rand(40, 4, seed=3), rand(5, 40, 7, seed=1), rows, committed)
+
+
+def gdn_recurrent_args():
+    q, k, v = (t.view(3, 2, -1, 16) for t in fused_projection(3, 2, [32, 32, 64], seed=1))
+    a, b = rand(3, 2, 4, seed=4), rand(3, 2, 4, seed=5)
+    pool = rand(6, 6, 4, 16, 16, seed=8, scale=0.1)
+    rows, committed = torch.tensor([5, 1, 3], device=DEVICE), torch.tensor([0, 2, 0, 4, 0, 1], device=DEVICE)
+    return (q, k, v, a, b, rand(4, seed=6).abs(), rand(4, seed=7).abs(), pool, rows, committed)
+
+
+def gdn_chunked_args():
+    q, k, v = (t.view(1, 5, -1, 16) for t in fused_projection(1, 5, [32, 32, 64], seed=11))
+    return (q, k, v, -rand(1, 5, 4, seed=12).abs(), rand(1, 5, 4, seed=13).sigmoid(), rand(1, 4, 16, 16, seed=14))
+
+
+# op -> (module, its Triton launcher that the CUDA implementation calls, fresh arguments)
+CUDA_PATHS = {
+    "rms_norm": (norm, "norm_triton", lambda: norm_args(0)),
+    "gated_rms_norm": (norm, "norm_triton", lambda: norm_args(1)),
+    "add_rms_norm": (norm, "norm_triton", lambda: norm_args(1)),
+    "swiglu": (swiglu, "swiglu_triton", lambda: (rand(2, 3, 16),)),
+    "qk_norm_rope": (rope, "qk_norm_rope_triton", rope_args),
+    "conv_update": (conv, "conv_update_triton", conv_args),
+    "gdn_recurrent": (recurrent, "gdn_recurrent_triton", gdn_recurrent_args),
+    "gdn_chunked": (chunked, "gdn_chunked_triton", gdn_chunked_args),
+    "paged_attention": (paged_attention, "write_kv_triton", strided_attention_step),
+    "paged_prefill_attention": (paged_attention, "write_kv_triton", strided_attention_step),
+}
+
+
+def on_key(key, name, args):
+    """Run op `name`'s implementation for dispatch key `key` (CPU: its reference) on `args`, devices aside."""
+    return getattr(torch.ops.qwen_mtp, name).default.redispatch(torch._C.DispatchKeySet(key), *args)
+
+
+def assert_same_results(ours, ours_args, expected, expected_args):
+    outputs = ours if isinstance(ours, tuple) else (ours,)
+    for mine, theirs in zip(outputs, expected if isinstance(expected, tuple) else (expected,), strict=True):
+        assert mine.is_contiguous() and torch.equal(mine, theirs)
+    for mine, theirs in zip(ours_args, expected_args, strict=True):  # pools and caches written the same way
+        if isinstance(mine, torch.Tensor):
+            assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_PATHS))
+def test_cuda_implementation_runs_the_reference_while_forced(name, monkeypatch):
+    module, launcher, make_args = CUDA_PATHS[name]
+    launches = []
+    triton_launcher = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a, **kw: launches.append(a) or triton_launcher(*a, **kw))
+    cuda, cpu = torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU
+    reference_args = make_args()
+    reference = on_key(cpu, name, reference_args)
+    for forced in ((name,), ()):  # this op alone, then every op
+        args = make_args()
+        with reference_ops(*forced):
+            assert backend.reference_forced(name)
+            result = on_key(cuda, name, args)
+        assert not launches, f"{name}: a Triton kernel ran while its reference was forced"
+        assert_same_results(result, args, reference, reference_args)
+    other = next(op for op in sorted(backend.OPS) if op != name)
+    with reference_ops(other):
+        on_key(cuda, name, make_args())
+    assert launches, f"{name}: forcing {other} alone also kept {name}'s Triton kernel from running"
+
+
+def test_reference_ops_nests_and_restores():
+    assert not backend.reference_forced("gdn_chunked")
+    with reference_ops("gdn_chunked"):
+        assert backend.reference_forced("gdn_chunked") and not backend.reference_forced("rms_norm")
+        assert not backend.reference_forced()  # not every op
+        with reference_ops():
+            assert backend.reference_forced() and backend.reference_forced("rms_norm")
+        assert not backend.reference_forced("rms_norm")
+    assert not backend.reference_forced("gdn_chunked")
+
+
+def test_reference_ops_refuses_unknown_names():
+    with pytest.raises(ValueError, match="unknown ops \\['gdn_chunk'\\]"):
+        with reference_ops("gdn_chunk"):
+            pass
+
+
+@pytest.mark.parametrize("value,forced", [("", frozenset()), ("reference", backend.OPS), (" Reference ", backend.OPS)])
+def test_environment_forces_every_reference(value, forced, monkeypatch):
+    monkeypatch.setenv("QWEN_MTP_OPS", value)
+    assert backend._forced_by_environment() == forced
+
+
+def test_environment_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("QWEN_MTP_OPS", "refrence")
+    with pytest.raises(ValueError, match="QWEN_MTP_OPS='refrence': set it to 'reference'"):
+        backend._forced_by_environment()
+
+
+def test_every_registered_op_can_be_forced():
+    ops = torch.ops.qwen_mtp
+    registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
+    assert registered == backend.OPS
+    # invariant_linear's CUDA implementation lives in ops/linear.py; every other op is checked above
+    assert set(CUDA_PATHS) == backend.OPS - {"invariant_linear"}
 
 
 def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():

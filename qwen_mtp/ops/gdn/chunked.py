@@ -27,6 +27,7 @@ import functools
 import torch
 
 from qwen_mtp.ops import triton_utils
+from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule
 
 # Tokens per chunk: fixed, so a prompt's rounding never depends on the launch. 32, not the torch form's 64: at
@@ -195,7 +196,7 @@ def gdn_chunked(
 
 @gdn_chunked.register_kernel("cuda")
 def _(q, k, v, g, beta, initial_state):
-    if not supported(q, v):
+    if reference_forced("gdn_chunked") or not supported(q, v):
         return chunked_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
     return gdn_chunked_triton(q, k, v, g, beta, initial_state)
 

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.gdn.naive import gate_values, recurrent_gated_delta_rule
 
 
@@ -140,6 +141,8 @@ def gdn_recurrent(
 
 @gdn_recurrent.register_kernel("cuda")
 def _(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803
+    if reference_forced("gdn_recurrent"):
+        return gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, pool, rows, committed).contiguous()
     return gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
 
 

@@ -6,7 +6,7 @@ Importing the package registers both ops.
 """
 
 from qwen_mtp.ops.gdn.chunked import gdn_chunked
-from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule, gate_values, l2norm, recurrent_gated_delta_rule
+from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule, gate_values, recurrent_gated_delta_rule
 from qwen_mtp.ops.gdn.recurrent import gdn_recurrent, gdn_recurrent_reference
 
 __all__ = [
@@ -15,6 +15,5 @@ __all__ = [
     "gdn_chunked",
     "gdn_recurrent",
     "gdn_recurrent_reference",
-    "l2norm",
     "recurrent_gated_delta_rule",
 ]

@@ -2,7 +2,9 @@
 
 Accepts one `model.safetensors`, shards listed in `model.safetensors.index.json`, or a folder of shards; the
 prefixes `model.language_model.` (VLM layout) and `model.` (text layout); ignores the vision tower. FP8 block
-tensors (`weight` e4m3 + `weight_scale_inv`) are dequantized for now. Every error names the tensor or file.
+tensors (`weight` e4m3 + `weight_scale_inv`) are dequantized for now. Each tensor is written where the model's
+name table (`QwenHybridForCausalLM.checkpoint_slots`) says: a parameter, or a segment of a merged projection.
+Every error names the tensor or file.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def checkpoint_name(name: str) -> str | None:
-    """The model's parameter name for a checkpoint tensor name, or None for tensors we ignore (vision)."""
+    """The text-layout Hugging Face name of a checkpoint tensor (the model's name table uses those), or None
+    for tensors we ignore (vision)."""
     if name.startswith(IGNORED_PREFIXES):
         return None
     if name.startswith("model.language_model."):
@@ -123,7 +126,7 @@ def load_model(
     dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = QwenHybridForCausalLM(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: slot.shape for name, slot in model.checkpoint_slots().items()}
 
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -144,7 +147,6 @@ def load_model(
     if missing:
         raise CheckpointError(f"missing tensors in checkpoint {path}: {missing[:20]}")
 
-    state: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         if tensor.dtype == torch.float8_e4m3fn:
             if name not in scales:
@@ -158,9 +160,12 @@ def load_model(
             raise CheckpointError(
                 f"tensor {name} has shape {list(tensor.shape)} but the config implies {list(expected[name])}"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
+        weights[name] = tensor
     if scales:
         raise CheckpointError(f"block scales without an fp8 weight: {sorted(scales)[:20]}")
-    model.load_state_dict(state, assign=True, strict=True)
+    model = model.to(dtype).to_empty(device=device)  # every parameter in `dtype`, as Hugging Face casts them
+    slots = model.checkpoint_slots()
+    for name in list(weights):
+        slots[name].load(weights.pop(name).to(device=device, dtype=dtype))  # each host copy freed once written
     model.init_non_persistent_buffers(device)
     return model.eval()

@@ -102,6 +102,23 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     return table[name]
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """The device to load onto; a CheckpointError, before anything is read, for one that cannot be used."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise CheckpointError(f"invalid device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"device {str(resolved)!r} requested but no CUDA device is available; use 'cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise CheckpointError(f"device {str(resolved)!r} requested but only {count} CUDA device(s) are visible")
+    elif resolved.type != "cpu":
+        raise CheckpointError(f"unsupported device {str(resolved)!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    return resolved
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | str | None = None,
@@ -114,6 +131,7 @@ def load_model(
     does. A checkpoint with no `mtp.*` tensors at all loads without a head (`model.mtp is None`); one with an
     incomplete head is an error.
     """
+    device = check_device(device)
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     files = checkpoint_files(path)

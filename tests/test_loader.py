@@ -204,3 +204,30 @@ def test_load_state_dict_takes_hf_names_and_names_what_is_wrong(checkpoint):
     keys = blank.load_state_dict({name: torch.ones(4, 64)}, strict=False)
     assert name not in keys.missing_keys and len(keys.missing_keys) == len(on_disk) - 1
     assert torch.equal(blank.checkpoint_slots()[name].tensor(), torch.ones(4, 64))
+
+
+def test_cuda_without_a_cuda_device_is_refused_before_reading(monkeypatch, tmp_path):
+    """Asked for CUDA on a machine without it, load_model says so before touching the checkpoint (here there
+    is none: the device error must come first)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        with pytest.raises(CheckpointError, match="no CUDA device is available"):
+            load_model(tmp_path / "nowhere", device=device)
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "gpu", "", "cpu:x"])
+def test_malformed_device_is_refused_before_reading(tmp_path, device):
+    with pytest.raises(CheckpointError, match=r"invalid device .*use 'cpu', 'cuda' or 'cuda:N'"):
+        load_model(tmp_path / "nowhere", device=device)
+
+
+def test_unsupported_device_type_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match=r"unsupported device 'meta'"):
+        load_model(tmp_path / "nowhere", device="meta")
+
+
+def test_cuda_index_past_the_visible_devices_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(CheckpointError, match=r"'cuda:2' requested but only 2 CUDA device\(s\) are visible"):
+        load_model(tmp_path / "nowhere", device="cuda:2")

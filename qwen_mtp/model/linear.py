@@ -32,6 +32,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         _init_like_nn_linear(self.weight)
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path)."""
         return linear(x, self.weight, invariant)
@@ -65,6 +68,9 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
         _init_like_nn_linear(self.weight)
         self.one_gemm: bool | None = None  # None: one GEMM on CUDA, a product per segment elsewhere
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, segments={self.segments}"
 
     def segment_weight(self, segment: str) -> torch.Tensor:
         """Segment `segment`'s weight [N_i, K]: a view of its rows of the fused weight."""

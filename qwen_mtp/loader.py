@@ -2,7 +2,9 @@
 
 Accepts one `model.safetensors`, shards listed in `model.safetensors.index.json`, or a folder of shards; the
 prefixes `model.language_model.` (VLM layout) and `model.` (text layout); ignores the vision tower. FP8 block
-tensors (`weight` e4m3 + `weight_scale_inv`) are dequantized for now. Every error names the tensor or file.
+tensors (`weight` e4m3 + `weight_scale_inv`) are dequantized for now. Each tensor is written where the model's
+name table (`QwenHybridForCausalLM.checkpoint_slots`) says: a parameter, or a segment of a merged projection.
+Every error names the tensor or file.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def checkpoint_name(name: str) -> str | None:
-    """The model's parameter name for a checkpoint tensor name, or None for tensors we ignore (vision)."""
+    """The text-layout Hugging Face name of a checkpoint tensor (the model's name table uses those), or None
+    for tensors we ignore (vision)."""
     if name.startswith(IGNORED_PREFIXES):
         return None
     if name.startswith("model.language_model."):
@@ -99,6 +102,23 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     return table[name]
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """The device to load onto; a CheckpointError, before anything is read, for one that cannot be used."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise CheckpointError(f"invalid device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"device {str(resolved)!r} requested but no CUDA device is available; use 'cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise CheckpointError(f"device {str(resolved)!r} requested but only {count} CUDA device(s) are visible")
+    elif resolved.type != "cpu":
+        raise CheckpointError(f"unsupported device {str(resolved)!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    return resolved
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | str | None = None,
@@ -111,6 +131,7 @@ def load_model(
     does. A checkpoint with no `mtp.*` tensors at all loads without a head (`model.mtp is None`); one with an
     incomplete head is an error.
     """
+    device = check_device(device)
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     files = checkpoint_files(path)
@@ -123,7 +144,7 @@ def load_model(
     dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = QwenHybridForCausalLM(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: slot.shape for name, slot in model.checkpoint_slots().items()}
 
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -144,7 +165,6 @@ def load_model(
     if missing:
         raise CheckpointError(f"missing tensors in checkpoint {path}: {missing[:20]}")
 
-    state: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         if tensor.dtype == torch.float8_e4m3fn:
             if name not in scales:
@@ -158,9 +178,12 @@ def load_model(
             raise CheckpointError(
                 f"tensor {name} has shape {list(tensor.shape)} but the config implies {list(expected[name])}"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
+        weights[name] = tensor
     if scales:
         raise CheckpointError(f"block scales without an fp8 weight: {sorted(scales)[:20]}")
-    model.load_state_dict(state, assign=True, strict=True)
+    model = model.to(dtype).to_empty(device=device)  # every parameter in `dtype`, as Hugging Face casts them
+    slots = model.checkpoint_slots()
+    for name in list(weights):
+        slots[name].load(weights.pop(name).to(device=device, dtype=dtype))  # each host copy freed once written
     model.init_non_persistent_buffers(device)
     return model.eval()

@@ -12,6 +12,7 @@ def _cached_logits(model, ids, pieces):
     cache, outs, start = SequenceCache(ids.shape[0], state_dtype=model.lm_head_weight.dtype), [], 0
     for length in pieces:
         outs.append(model(ids[:, start : start + length], cache=cache))
+        cache.advance(length)
         start += length
     assert start == ids.shape[1] and cache.length == start
     return torch.cat(outs, dim=1)
@@ -38,7 +39,9 @@ def test_bf16_state_pool_precision_runs_close(checkpoint):
     ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         ref = _cached_logits(model, ids, [10] + [1] * 20)
-        cache = SequenceCache(1, state_dtype=torch.bfloat16)
-        outs = [model(ids[:, :10], cache=cache)] + [model(ids[:, i : i + 1], cache=cache) for i in range(10, 30)]
+        cache, outs = SequenceCache(1, state_dtype=torch.bfloat16), []
+        for start, end in [(0, 10)] + [(i, i + 1) for i in range(10, 30)]:
+            outs.append(model(ids[:, start:end], cache=cache))
+            cache.advance(end - start)
     assert next(iter(cache.gdn.values()))[1].dtype == torch.bfloat16
     torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=0.05, atol=0.05)

@@ -9,7 +9,8 @@ import torch
 from helpers import load_hf
 from safetensors.torch import load_file, save_file
 
-from qwen_mtp import CheckpointError, ConfigError, load_model
+from qwen_mtp import CheckpointError, ConfigError, ModelConfig, load_model
+from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.quant.fp8 import dequantize_fp8_block
 
 MTP_NAMES = {
@@ -182,3 +183,51 @@ def test_fp8_dequantize_handles_partial_edge_blocks():
     back = dequantize_fp8_block(q, scale, (128, 128))
     assert back[128:, 128:].abs().max() > 0
     torch.testing.assert_close(back, w, rtol=0.07, atol=0.02)  # e4m3 has a 3-bit mantissa
+
+
+def test_load_state_dict_takes_hf_names_and_names_what_is_wrong(checkpoint):
+    """`load_state_dict` writes HF-named tensors into the merged projections' rows, and, like torch's, refuses
+    missing, unexpected and mis-shaped tensors by name."""
+    path = checkpoint("tiny")
+    on_disk = load_file(path / "model.safetensors")
+    model = load_model(path, dtype=torch.float32)
+    blank = QwenHybridForCausalLM(ModelConfig.from_pretrained(path))
+    assert blank.load_state_dict(on_disk) == ([], [])
+    assert all(torch.equal(blank.state_dict()[k], v) for k, v in model.state_dict().items())
+    name = "model.layers.0.linear_attn.in_proj_b.weight"
+    with pytest.raises(RuntimeError, match=rf"missing keys: \['{name}'\]"):
+        blank.load_state_dict({k: v for k, v in on_disk.items() if k != name})
+    with pytest.raises(RuntimeError, match=r"unexpected keys: \['model.layers.0.mlp.extra.weight'\]"):
+        blank.load_state_dict({**on_disk, "model.layers.0.mlp.extra.weight": torch.zeros(2)})
+    with pytest.raises(RuntimeError, match=rf"size mismatch for {name}: checkpoint \[3, 64\], model \[4, 64\]"):
+        blank.load_state_dict({**on_disk, name: on_disk[name][:3]})
+    keys = blank.load_state_dict({name: torch.ones(4, 64)}, strict=False)
+    assert name not in keys.missing_keys and len(keys.missing_keys) == len(on_disk) - 1
+    assert torch.equal(blank.checkpoint_slots()[name].tensor(), torch.ones(4, 64))
+
+
+def test_cuda_without_a_cuda_device_is_refused_before_reading(monkeypatch, tmp_path):
+    """Asked for CUDA on a machine without it, load_model says so before touching the checkpoint (here there
+    is none: the device error must come first)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        with pytest.raises(CheckpointError, match="no CUDA device is available"):
+            load_model(tmp_path / "nowhere", device=device)
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "gpu", "", "cpu:x"])
+def test_malformed_device_is_refused_before_reading(tmp_path, device):
+    with pytest.raises(CheckpointError, match=r"invalid device .*use 'cpu', 'cuda' or 'cuda:N'"):
+        load_model(tmp_path / "nowhere", device=device)
+
+
+def test_unsupported_device_type_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match=r"unsupported device 'meta'"):
+        load_model(tmp_path / "nowhere", device="meta")
+
+
+def test_cuda_index_past_the_visible_devices_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(CheckpointError, match=r"'cuda:2' requested but only 2 CUDA device\(s\) are visible"):
+        load_model(tmp_path / "nowhere", device="cuda:2")

@@ -2,7 +2,8 @@
 
 Used for plain single-batch generation and as the simple reference the paged engine is tested against. KV
 grows by concatenation; GDN state is one row per sequence with a single slot, driven by the same ops as the
-paged pools.
+paged pools. The caller calls `advance` after each forward of the target model: the cache cannot tell a target
+forward (which moves the sequences on) from an MTP-head forward over the same positions (which does not).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from qwen_mtp.ops.attention import causal_attention
 
 
 class SequenceCache:
+    batch_invariant = False  # a fixed batch runs together from start to end: its rows never change company
+
     def __init__(self, batch: int, device: torch.device | str = "cpu", state_dtype: torch.dtype = torch.float32):
         self.batch = batch
         self.device = torch.device(device)
@@ -57,4 +60,5 @@ class SequenceCache:
         return gdn_ops.gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, ssm, self._rows, self._committed)
 
     def advance(self, num_tokens: int) -> None:
+        """The target model consumed `num_tokens` more tokens per sequence (call after each of its forwards)."""
         self.length += num_tokens

@@ -50,11 +50,6 @@ class Engine:
         if recipe.mtp.enabled and loaded.model.mtp is None:
             raise RecipeError(f"mtp.enabled: checkpoint {loaded.checkpoint} has no mtp.* weights (no MTP head)")
         self.model = loaded.model
-        if loaded.device.type == "cuda":
-            # One GEMM launch per group of projections that read the same input. Every step of every mode
-            # uses it, so MTP-on and MTP-off stay identical; CPU keeps the separate products, as Hugging Face
-            # computes them (bit-exact tests).
-            self.model.fuse_projections()
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.recipe = recipe

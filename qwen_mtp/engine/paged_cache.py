@@ -38,6 +38,9 @@ class PagedStepCache:
 
     def __init__(self, batch: StepBatch, pages: PagePool, states: StatePool):
         self.batch, self.pages, self.states = batch, pages, states
+        # Decode, verify and draft rows share a step with whatever else is running: their linears must compute
+        # each row as it would be alone. A prefill chunk runs one request alone.
+        self.batch_invariant = batch.kind is StepKind.DECODE
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         return self.batch.positions
@@ -70,6 +73,3 @@ class PagedStepCache:
     def gdn_delta_rule(self, layer, q, k, v, a, b, A_log, dt_bias) -> torch.Tensor:  # noqa: N803
         pool, rows, committed = self.states.layer_ssm(layer), self.batch.state_rows, self.states.committed
         return torch.ops.qwen_mtp.gdn_recurrent(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
-
-    def advance(self, num_tokens: int) -> None:
-        """Progress is tracked on the requests by the engine."""

@@ -7,8 +7,8 @@ decode path, run them on static buffers in CUDA graphs); eagerly they are the sa
 - `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
             accepted position (see speculative.py for the algorithm).
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
-Every linear runs under `batch_invariant_linears`, so a row's numbers never depend on the other rows
-(padding rows included).
+Their caches are DECODE-kind (`batch_invariant`), so every linear computes each row on its own and a row's
+numbers never depend on the other rows (padding rows included).
 
 `PrefillSteps`, one request's prompt chunk of any length (compiled with the length dynamic, no graphs):
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
@@ -23,7 +23,6 @@ from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.model import QwenHybridForCausalLM
-from qwen_mtp.ops.linear import batch_invariant_linears
 
 
 class DecodeSteps:
@@ -36,7 +35,7 @@ class DecodeSteps:
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         # Argmax of fp32 logits picks the first maximal index, as Hugging Face's greedy search does.
-        return self.model.logits(hidden).float().argmax(dim=-1)
+        return self.model.logits(hidden, invariant=True).float().argmax(dim=-1)
 
     def target(
         self,
@@ -47,10 +46,9 @@ class DecodeSteps:
         lens: torch.Tensor,  # [B] int32: positions cached after the step
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-norm hidden states [B, T, H] and their greedy tokens [B, T]."""
-        with batch_invariant_linears():
-            cache = self._cache(tokens, positions, rows, tables, lens)
-            hidden = self.model.hidden_states(tokens, positions, cache)
-            return hidden, self._argmax(hidden)
+        cache = self._cache(tokens, positions, rows, tables, lens)
+        hidden = self.model.hidden_states(tokens, positions, cache)
+        return hidden, self._argmax(hidden)
 
     def draft(
         self,
@@ -65,18 +63,16 @@ class DecodeSteps:
         use_override: torch.Tensor,  # [B, K] bool: where the oracle replaces the head's proposal
     ) -> torch.Tensor:
         """MTP catch-up over the verified positions, then the chain from index j. Returns drafts [B, K]."""
-        with batch_invariant_linears():
-            cache = self._cache(tokens, positions, rows, tables, lens)
-            mtp_hidden = self.model.mtp_hidden_states(tokens, hidden, positions, cache)
-            index = accepted[:, None, None].expand(-1, 1, mtp_hidden.shape[-1])
-            start = torch.gather(mtp_hidden, 1, index)[:, 0]
-            return self._chain(start, positions[:, 0] + accepted + 1, rows, tables, override, use_override)
+        cache = self._cache(tokens, positions, rows, tables, lens)
+        mtp_hidden = self.model.mtp_hidden_states(tokens, hidden, positions, cache)
+        index = accepted[:, None, None].expand(-1, 1, mtp_hidden.shape[-1])
+        start = torch.gather(mtp_hidden, 1, index)[:, 0]
+        return self._chain(start, positions[:, 0] + accepted + 1, rows, tables, override, use_override)
 
     def chain(self, hidden, first, rows, tables, override, use_override) -> torch.Tensor:
         """Drafts [B, K] from the MTP output `hidden` [B, H] at each request's last consumed position;
         `first` [B] = that position + 1, where the chain's second step sits."""
-        with batch_invariant_linears():
-            return self._chain(hidden, first, rows, tables, override, use_override)
+        return self._chain(hidden, first, rows, tables, override, use_override)
 
     def _chain(self, hidden, first, rows, tables, override, use_override) -> torch.Tensor:
         drafts = []

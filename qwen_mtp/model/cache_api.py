@@ -11,6 +11,10 @@ import torch
 
 
 class ForwardCache(Protocol):
+    batch_invariant: bool
+    """Whether each row must be computed as it would be alone: decode, verify and MTP draft steps, whose tokens
+    must not depend on what shares their batch. The layers pass it to every linear (`qwen_mtp::linear`)."""
+
     def positions(self, num_tokens: int) -> torch.Tensor:
         """Positions [B, num_tokens] of the tokens about to be fed to the target model."""
 
@@ -46,5 +50,7 @@ class ForwardCache(Protocol):
         """Gates + l2norm + recurrence from the committed state; keeps the state after every token (so a
         speculative verify can commit any accepted prefix). Returns [B, T, Hv, dv]."""
 
-    def advance(self, num_tokens: int) -> None:
-        """The target model consumed `num_tokens` more tokens per sequence."""
+
+def batch_invariant(cache: ForwardCache | None) -> bool:
+    """What a layer asks of its linears: batch invariance when the cache's step needs it (no cache: no)."""
+    return cache is not None and cache.batch_invariant

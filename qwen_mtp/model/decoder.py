@@ -9,26 +9,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.attention import GatedAttention
-from qwen_mtp.model.cache_api import ForwardCache
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
 from qwen_mtp.model.gdn import GatedDeltaNet
 from qwen_mtp.model.layers import MLP, RMSNorm, add_and_norm
 from qwen_mtp.model.plan import LayerSpec
+from qwen_mtp.model.shapes import RankShapes
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec, name: str):
+    def __init__(self, shapes: RankShapes, eps: float, spec: LayerSpec, name: str):
         super().__init__()
         self.mixer = spec.mixer
         # Attribute names are the checkpoint's: `linear_attn` for GDN layers, `self_attn` for attention.
         if spec.mixer == "gdn":
-            self.linear_attn = GatedDeltaNet(config, name)
+            self.linear_attn = GatedDeltaNet(shapes, eps, name)
         else:
-            self.self_attn = GatedAttention(config, name)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.self_attn = GatedAttention(shapes, eps, name)
+        self.mlp = MLP(shapes.hidden_size, shapes.intermediate_size)
+        self.input_layernorm = RMSNorm(shapes.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(shapes.hidden_size, eps)
 
     def forward(
         self,
@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(normed, rope, cache)
         normed, x = add_and_norm(self.post_attention_layernorm, x, mixed)
-        return x, self.mlp(normed)
+        return x, self.mlp(normed, batch_invariant(cache))
 
 
 def run_layers(

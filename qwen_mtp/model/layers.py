@@ -1,4 +1,4 @@
-"""Small building blocks: (1+w) RMSNorm, gated RMSNorm, SwiGLU MLP, rotary cos/sin, fused projections.
+"""Small building blocks: (1+w) RMSNorm, gated RMSNorm, SwiGLU MLP, rotary cos/sin.
 
 Dtype handling mirrors Hugging Face exactly (norms in fp32 and cast once; cos/sin cast to the activation dtype),
 because exactness against it is what the tests check. The norms run as ops (`qwen_mtp.ops.norm`): the HF
@@ -8,9 +8,9 @@ computation on CPU, a batch-invariant Triton kernel on CUDA.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.ops import norm as norm_ops
 from qwen_mtp.ops.swiglu import swiglu
 
@@ -28,11 +28,8 @@ class RMSNorm(nn.Module):
 
 
 def add_and_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`s = x + delta; return norm(s), s`: the residual add fused into the next norm when no gradient is
-    needed (inference: one launch instead of two); the same numbers either way."""
-    if torch.is_grad_enabled():
-        summed = x + delta
-        return norm(summed), summed
+    """`s = x + delta; return norm(s), s`: the residual add fused into the next norm (one launch instead of
+    two on CUDA), rounded as the separate add and norm are."""
     return norm_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
 
 
@@ -51,44 +48,16 @@ class GatedRMSNorm(nn.Module):
         return norm_ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
-def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    """Store the weights of projections that read the same input in one [sum N, K] tensor and make each
-    weight a view of it, so one GEMM launch computes them all (decode: fewer launches per layer). Parameter
-    names, values and `state_dict` are unchanged; returns the fused weight."""
-    fused = torch.cat([linear.weight.detach() for linear in linears])
-    start = 0
-    for linear in linears:
-        size = linear.weight.shape[0]
-        linear.weight = nn.Parameter(fused[start : start + size], requires_grad=linear.weight.requires_grad)
-        start += size
-    return fused
-
-
-def project(x: torch.Tensor, fused: torch.Tensor | None, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x: one GEMM over the `fuse_linears` weight, split into views, when it exists
-    and no gradient is needed; otherwise the separate (differentiable) projections."""
-    if fused is None or torch.is_grad_enabled():
-        return tuple(linear(x) for linear in linears)
-    return torch.split(F.linear(x, fused), [linear.weight.shape[0] for linear in linears], dim=-1)
-
-
 class MLP(nn.Module):
+    """SwiGLU MLP: `down(silu(gate(x)) * up(x))`, gate and up one `MergedLinear` read by the SwiGLU op."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up: torch.Tensor | None = None  # [2I, H] once `fuse_projections` ran; not a parameter
+        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])
+        self.down_proj = Linear(intermediate, hidden)
 
-    def fuse_projections(self) -> None:
-        """gate and up as one GEMM (`fuse_linears`), whose output the SwiGLU op reads directly."""
-        if self.gate_up is None:
-            self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None or torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(swiglu(F.linear(x, self.gate_up)))
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_up_proj.fused(x, invariant)), invariant)
 
 
 class RotaryEmbedding(nn.Module):

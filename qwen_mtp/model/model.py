@@ -1,11 +1,14 @@
 """`QwenHybridForCausalLM`: embeddings -> decoder layers (GDN / attention per the plan) -> norm -> lm_head,
-plus the MTP head. Parameter names equal the Hugging Face text checkpoint's, so `state_dict()` can be saved
-back to HF format."""
+plus the MTP head. `state_dict()` keys are the Hugging Face text checkpoint's names (merged projections split
+back into their HF tensors: `model/weights.py`), so it saves back to HF format, and `load_state_dict` takes
+HF-named tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_mtp.config import ModelConfig
@@ -13,21 +16,32 @@ from qwen_mtp.model.attention import GatedAttention
 from qwen_mtp.model.cache_api import ForwardCache
 from qwen_mtp.model.decoder import DecoderLayer, run_layers
 from qwen_mtp.model.gdn import GatedDeltaNet
-from qwen_mtp.model.layers import MLP, RMSNorm, RotaryEmbedding
+from qwen_mtp.model.layers import RMSNorm, RotaryEmbedding
+from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.mtp import MTPHead
 from qwen_mtp.model.plan import plan_model
 from qwen_mtp.model.shapes import RankShapes
+from qwen_mtp.model.weights import WeightSlot, weight_slots
+from qwen_mtp.ops.linear import linear
+
+
+class IncompatibleKeys(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 class QwenHybridModel(nn.Module):
     """The decoder stack; `forward` returns the hidden state after the final norm."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shapes: RankShapes):
         super().__init__()
         self.plan = plan_model(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, f"layers.{spec.index}") for spec in self.plan.layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(shapes.vocab_size, shapes.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shapes, eps, spec, f"layers.{spec.index}") for spec in self.plan.layers
+        )
+        self.norm = RMSNorm(shapes.hidden_size, eps)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta)
 
     def forward(
@@ -50,11 +64,12 @@ class QwenHybridForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.shapes = RankShapes.of(config)
-        self.model = QwenHybridModel(config)
+        self.model = QwenHybridModel(config, self.shapes)
         self.tied = config.tie_word_embeddings
         # With tied embeddings there is no `lm_head.weight`: the embedding matrix serves both.
-        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = MTPHead(config, self.model.plan.mtp_layers) if config.mtp_num_hidden_layers else None
+        self.lm_head = None if self.tied else Linear(self.shapes.hidden_size, self.shapes.vocab_size)
+        mtp_layers = self.model.plan.mtp_layers
+        self.mtp = MTPHead(self.shapes, config.rms_norm_eps, mtp_layers) if config.mtp_num_hidden_layers else None
 
     @property
     def attention_cache_layers(self) -> list[str]:
@@ -80,13 +95,11 @@ class QwenHybridForCausalLM(nn.Module):
                 positions = cache.positions(length)
             else:
                 positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], length)
-        hidden = self.model(input_ids, positions, cache)
-        if cache is not None:
-            cache.advance(length)
-        return hidden
+        return self.model(input_ids, positions, cache)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+    def logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """lm_head: [..., H] -> [..., V]; `invariant` for the decode path's greedy tokens (see `ops/linear.py`)."""
+        return linear(hidden, self.lm_head_weight, invariant)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: ForwardCache | None = None
@@ -118,12 +131,48 @@ class QwenHybridForCausalLM(nn.Module):
         """Logits [B, T, V] for token i+2 at each position i (see `mtp_hidden_states`)."""
         return self.logits(self.mtp_hidden_states(next_ids, hidden, positions, cache))
 
-    def fuse_projections(self) -> None:
-        """One GEMM where several projections read the same input: GDN in_proj qkv/z/b/a, attention q/k/v,
-        MLP gate/up (inference on CUDA: fewer launches per step; see `layers.fuse_linears`)."""
+    def use_one_gemm(self, enabled: bool | None = True) -> None:
+        """Run every `MergedLinear` as one GEMM (True), as one product per projection (False), or by device
+        (None, the default: one GEMM on CUDA). For tests of the CUDA layout on CPU."""
         for module in self.modules():
-            if isinstance(module, (MLP, GatedAttention, GatedDeltaNet)):
-                module.fuse_projections()
+            if isinstance(module, MergedLinear):
+                module.one_gemm = enabled
+
+    def checkpoint_slots(self) -> dict[str, WeightSlot]:
+        """Hugging Face tensor name -> where this model keeps it (the table the loader writes through)."""
+        return weight_slots(self)
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The checkpoint's tensors under their Hugging Face names; merged projections give views of their rows."""
+        destination = {} if destination is None else destination
+        for name, slot in self.checkpoint_slots().items():
+            tensor = slot.tensor()
+            destination[prefix + name] = tensor if keep_vars else tensor.detach()
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Copy Hugging Face-named tensors into the model (each cast to the parameter's dtype and device). With
+        tied embeddings an `lm_head.weight` entry (HF's state_dict lists the tie under both names) is skipped.
+        Missing or unexpected names are an error when `strict`, as in `nn.Module.load_state_dict`."""
+        if assign:
+            raise ValueError("assign=True cannot assign into merged projections: load into an allocated model")
+        slots = self.checkpoint_slots()
+        names = [name for name in state_dict if not (self.tied and name == "lm_head.weight")]
+        keys = IncompatibleKeys(sorted(set(slots) - set(names)), sorted(set(names) - set(slots)))
+        mismatched = [
+            f"{name}: checkpoint {list(state_dict[name].shape)}, model {list(slots[name].shape)}"
+            for name in names
+            if name in slots and tuple(state_dict[name].shape) != slots[name].shape
+        ]
+        problems = [f"size mismatch for {m}" for m in mismatched]
+        if strict and (keys.missing_keys or keys.unexpected_keys):
+            problems += [f"missing keys: {keys.missing_keys}", f"unexpected keys: {keys.unexpected_keys}"]
+        if problems:
+            raise RuntimeError("error loading state_dict into QwenHybridForCausalLM: " + "; ".join(problems))
+        for name in names:
+            if name in slots:
+                slots[name].load(state_dict[name])
+        return keys
 
     def init_non_persistent_buffers(self, device: torch.device | str) -> None:
         """Buffers that no checkpoint holds (rotary inverse frequencies): computed after a meta-device load."""

@@ -12,21 +12,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen_mtp.config import ModelConfig
-from qwen_mtp.model.cache_api import ForwardCache
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
 from qwen_mtp.model.decoder import DecoderLayer, run_layers
 from qwen_mtp.model.layers import RMSNorm
+from qwen_mtp.model.linear import Linear
 from qwen_mtp.model.plan import LayerSpec
+from qwen_mtp.model.shapes import RankShapes
 
 
 class MTPHead(nn.Module):
-    def __init__(self, config: ModelConfig, specs: tuple[LayerSpec, ...]):
+    def __init__(self, shapes: RankShapes, eps: float, specs: tuple[LayerSpec, ...]):
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden = shapes.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, f"mtp.layers.{spec.index}") for spec in specs)
+        self.fc = Linear(2 * hidden, hidden)
+        self.layers = nn.ModuleList(DecoderLayer(shapes, eps, spec, f"mtp.layers.{spec.index}") for spec in specs)
         self.norm = RMSNorm(hidden, eps)
 
     def forward(
@@ -37,5 +38,6 @@ class MTPHead(nn.Module):
         cache: ForwardCache | None = None,
     ) -> torch.Tensor:
         """next_embeds, hidden [B, T, H] -> post-`mtp.norm` hidden [B, T, H]."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = self.fc(x, batch_invariant(cache))
         return run_layers(self.layers, x, rope, cache, self.norm)

@@ -1,4 +1,4 @@
-"""ModelConfig -> the layer plan: which mixer and MLP each decoder layer has, and the MTP block's layers."""
+"""ModelConfig -> the layer plan: which mixer each decoder layer has, and the MTP block's layers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from qwen_mtp.config import ModelConfig
 class LayerSpec:
     index: int
     mixer: Literal["gdn", "attn"]
-    mlp: Literal["dense"] = "dense"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ OPS = frozenset(
         "gated_rms_norm",
         "gdn_chunked",
         "gdn_recurrent",
-        "invariant_linear",
+        "linear",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",

@@ -1,17 +1,19 @@
-"""Batch-invariant linear layers for the decode, verify and draft path.
+"""The linear op `qwen_mtp::linear(x, weight, invariant)`: every projection of the model goes through it.
 
-A GEMM library picks its kernel by the number of rows: on CPU, fp32 `F.linear` over 1 row and over 8 rows
-round differently (measured: ~1000 of 1000-odd row comparisons differ in the last bit); cuBLAS likewise picks
-kernels (and split-K) by M. Greedy decoding must give a request the same tokens whatever else shares its
-batch, so on that path every row's reduction order must not depend on the row count:
-- CPU: every row is its own 1-row product, `bmm` over [rows, 1, K] x [rows, K, N] (weight broadcast, not
-  copied);
+`invariant=False` is the device's fastest GEMM (`F.linear`: cuBLAS on CUDA, and on CPU exactly what Hugging
+Face computes). `invariant=True` is what the decode, verify and draft steps ask for: a row's result must not
+depend on the other rows. A GEMM library picks its kernel by the number of rows: on CPU, fp32 `F.linear` over
+1 row and over 8 rows round differently (measured: ~1000 of 1000-odd row comparisons differ in the last bit);
+cuBLAS likewise picks kernels (and split-K) by M. Greedy decoding must give a request the same tokens whatever
+else shares its batch, so on that path every row's reduction order must not depend on the row count:
+- CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product, `bmm` over
+  [rows, 1, K] x [rows, K, N] (weight broadcast, not copied);
 - CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only, and the split
   partial sums are added in one fixed order (never accumulated with atomics), so a row's result is the same
   for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few output tiles (tall K like `down_proj`,
   tiny N like `in_proj_a`), where one program per tile would leave most SMs idle.
-The engine enters `batch_invariant_linears()` around those steps; the model keeps plain `nn.Linear` modules.
-`qwen_mtp::invariant_linear` is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it.
+It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
+gradient, so training runs the same module code.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from qwen_mtp.ops import triton_utils
+from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.triton_utils import INTERPRET
 
 BLOCK_M = 16  # rows per program: tl.dot's minimum; never depends on M
@@ -45,13 +47,12 @@ class GemmPlan:
         return -(-k_blocks // self.k_per_split)
 
 
-def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear` with each row of x reduced on its own: the result of a row never depends on the others."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, 1, in_features)
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.shape[0], in_features, out_features))
-    out = out.reshape(*x.shape[:-1], out_features)
-    return out if bias is None else out + bias
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 # Measured on the H200 (benchmarks/gemm_sweep.py, 2026-11-29): the fastest batch-invariant plan per
@@ -90,7 +91,7 @@ def _matmul_kernel():
         x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
         # every row tile from L2.
@@ -109,7 +110,7 @@ def _matmul_kernel():
             w = tl.load(
                 w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
             )
-            acc += triton_utils.dot(x, tl.trans(w), UPCAST, PRECISION)
+            acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
         tile = ms[:, None] * N + ns[None, :]
         mask = (ms[:, None] < M) & (ns[None, :] < N)
         if SPLITS == 1:
@@ -159,40 +160,53 @@ def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPla
     _matmul_kernel()[grid](
         x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 
 
-@torch.library.custom_op("qwen_mtp::invariant_linear", mutates_args=())
-def invariant_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Custom op: `rowwise_linear` on CPU, the batch-invariant Triton GEMM on CUDA (x [..., K], weight [N, K])."""
-    return rowwise_linear(x, weight)
+@torch.library.custom_op("qwen_mtp::linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """Custom op: x [..., K] @ weight [N, K]^T -> [..., N]. `invariant`: each row's reduction order is fixed
+    whatever the number of rows (`rowwise_linear` here, the Triton GEMM on CUDA); otherwise `F.linear`."""
+    return rowwise_linear(x, weight) if invariant else F.linear(x, weight).contiguous()
 
 
-@invariant_linear_op.register_kernel("cuda")
-def _(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """`qwen_mtp::linear`: `F.linear(x, weight)`, batch-invariant when `invariant` (the decode path)."""
+    return linear_op(x, weight, invariant)
+
+
+@linear_op.register_kernel("cuda")
+def _(x, weight, invariant):
+    if not invariant:
+        return F.linear(x, weight).contiguous()
+    if reference_forced("linear"):
+        return rowwise_linear(x, weight)
     return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
-@invariant_linear_op.register_fake
-def _(x, weight):
+@linear_op.register_fake
+def _(x, weight, invariant):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The batch-invariant `F.linear` of this device."""
-    out = invariant_linear_op(x, weight)
-    return out if bias is None else out + bias
+def _setup_linear_backward(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.wants_grad = ctx.needs_input_grad[:2]
 
 
-class batch_invariant_linears(TorchFunctionMode):  # noqa: N801 - used as a context manager, like no_grad
-    """Inside this context every `F.linear` (so every `nn.Linear`) is computed by `invariant_linear`.
-    `torch.compile` traces through the mode when it is entered inside the compiled function."""
+def _linear_backward(ctx, grad):
+    """grad_x = grad @ W; grad_W = grad^T x over the flattened rows (the invariance flag has no gradient)."""
+    x, weight = ctx.saved_tensors
+    wants_x, wants_weight = ctx.wants_grad
+    grad_x = grad.matmul(weight) if wants_x else None
+    grad_weight = None
+    if wants_weight:
+        grad_weight = grad.reshape(-1, weight.shape[0]).t().matmul(x.reshape(-1, weight.shape[1]))
+    return grad_x, grad_weight, None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            return invariant_linear(*args, **kwargs)
-        return func(*args, **kwargs)
+
+linear_op.register_autograd(_linear_backward, setup_context=_setup_linear_backward)

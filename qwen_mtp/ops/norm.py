@@ -4,7 +4,7 @@ Why ops and not plain torch: PyTorch's CUDA reductions choose how to split a row
 rows*, so a decode step over 8 rows and a verify step over 16 rows round `mean(x^2)` differently, and greedy
 tokens drift apart (seen on the H200: MTP-on != MTP-off at batch 8 before this op). The Triton kernels give
 each row one program that sums in a fixed order. The references are the exact Hugging Face computations and
-run on CPU; backward goes through the reference, so fine-tuning works unchanged.
+run on CPU; backward differentiates the reference (`ops/autograd.py`), so fine-tuning works unchanged.
 """
 
 from __future__ import annotations
@@ -181,24 +181,11 @@ def _(x, delta, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-def _reference_backward(reference, num_tensors: int):
-    """Autograd for a norm op: the gradient of its plain-torch reference (the same function on every device)."""
+from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)
 
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:num_tensors])
-        ctx.eps = inputs[-1]
-
-    def backward(ctx, grad):
-        with torch.enable_grad():
-            tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-            out = reference(*tensors, ctx.eps)
-            wanted = [t for t in tensors if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else [])
-        return (*[next(grads) if t.requires_grad else None for t in tensors], None)
-
-    return backward, setup_context
-
-
-for _op, _ref, _n in ((rms_norm, rms_norm_reference, 2), (gated_rms_norm, gated_rms_norm_reference, 3)):
-    _backward, _setup = _reference_backward(_ref, _n)
-    _op.register_autograd(_backward, setup_context=_setup)
+for _op, _reference in (
+    (rms_norm, rms_norm_reference),
+    (gated_rms_norm, gated_rms_norm_reference),
+    (add_rms_norm, add_rms_norm_reference),
+):
+    register_reference_autograd(_op, _reference)

@@ -140,3 +140,8 @@ def _(q, k, q_weight, k_weight, eps, cos, sin):
 @qk_norm_rope.register_fake
 def _(q, k, q_weight, k_weight, eps, cos, sin):
     return q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous, as both implementations return
+
+
+from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)
+
+register_reference_autograd(qk_norm_rope, qk_norm_rope_reference)

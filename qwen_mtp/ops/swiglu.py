@@ -1,8 +1,9 @@
 """SwiGLU on a fused [gate | up] projection: `silu(gate) * up` in one launch instead of two.
 
-The MLP's gate and up projections run as one GEMM on CUDA (`MLP.fuse_projections`); this op reads both halves of
-its output in place (no split copies). Rounding follows the two eager ops (silu rounded to the activation
-dtype, then the product), so it only saves launches. Elementwise, hence batch-invariant by construction.
+The MLP's gate and up projections run as one GEMM on CUDA (`MLP.gate_up_proj`, a `MergedLinear`); this op
+reads both halves of its output in place (no split copies). Rounding follows the two eager ops (silu rounded to
+the activation dtype, then the product), so it only saves launches. Elementwise, hence batch-invariant by
+construction.
 """
 
 from __future__ import annotations
@@ -67,3 +68,8 @@ def _(gate_up):
 @swiglu.register_fake
 def _(gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)
+
+register_reference_autograd(swiglu, swiglu_reference)

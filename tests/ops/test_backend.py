@@ -10,7 +10,7 @@ import torch
 from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_attention_step
 
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
-from qwen_mtp.ops import backend, conv, norm, paged_attention, rope, swiglu
+from qwen_mtp.ops import backend, conv, linear, norm, paged_attention, rope, swiglu
 from qwen_mtp.ops.backend import reference_ops
 from qwen_mtp.ops.gdn import chunked, recurrent
 
@@ -55,6 +55,7 @@ CUDA_PATHS = {
     "gdn_chunked": (chunked, "gdn_chunked_triton", gdn_chunked_args),
     "paged_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "paged_prefill_attention": (paged_attention, "write_kv_triton", strided_attention_step),
+    "linear": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), rand(5, 16), True)),
 }
 
 
@@ -127,8 +128,7 @@ def test_every_registered_op_can_be_forced():
     ops = torch.ops.qwen_mtp
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
     assert registered == backend.OPS
-    # invariant_linear's CUDA implementation lives in ops/linear.py; every other op is checked above
-    assert set(CUDA_PATHS) == backend.OPS - {"invariant_linear"}
+    assert set(CUDA_PATHS) == backend.OPS
 
 
 def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():

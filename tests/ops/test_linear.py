@@ -1,4 +1,4 @@
-"""The batch-invariant GEMM (`qwen_mtp::invariant_linear`): equal to a plain product, and a row's result never
+"""The batch-invariant GEMM (`qwen_mtp::linear` with `invariant=True`): equal to a plain product, and a row's result never
 depends on the other rows or on how many there are."""
 
 import pytest
@@ -42,6 +42,7 @@ def test_gemm_rows_invariant_real_shapes():
         assert torch.equal(invariant_matmul_triton(x[rows], weight), full[rows])
 
 
-def test_invariant_linear_passes_opcheck_on_a_strided_input():
+@pytest.mark.parametrize("invariant", [True, False])
+def test_linear_passes_opcheck_on_a_strided_input(invariant):
     strided = rand(2, 3, 16, dtype=torch.float32)[..., :8]  # like one half of q_proj's [q | gate] chunk
-    check_op(torch.ops.qwen_mtp.invariant_linear, (strided, rand(5, 8, dtype=torch.float32)))
+    check_op(torch.ops.qwen_mtp.linear, (strided, rand(5, 8, dtype=torch.float32), invariant))

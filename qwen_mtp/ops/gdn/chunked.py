@@ -206,3 +206,13 @@ def _(q, k, v, g, beta, initial_state):
     batch, dk = q.shape[0], q.shape[-1]
     state_dtype = torch.promote_types(q.dtype, torch.float32)
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(batch, v.shape[2], dk, v.shape[3], dtype=state_dtype)
+
+
+from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)
+
+
+def _gdn_chunked_reference(q, k, v, g, beta, initial_state):
+    return chunked_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
+
+
+register_reference_autograd(gdn_chunked, _gdn_chunked_reference)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 
 from qwen_mtp.engine.request import SpecStats
 from qwen_mtp.errors import QwenMTPError
+
+if TYPE_CHECKING:
+    from qwen_mtp.engine import Engine, Result
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -29,6 +32,9 @@ def _fail(err: Exception) -> None:
 def run(
     recipe: Annotated[Path, typer.Argument(help="YAML recipe (see recipes/)")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set mtp.k=4")] = None,
+    progress_every: Annotated[
+        float, typer.Option(help="off a terminal: seconds between progress lines on stderr (0: every step)")
+    ] = 5.0,
 ) -> None:
     """Load the recipe's model and generate greedily for its prompts; print text, tokens and speed."""
     from qwen_mtp.engine import Engine
@@ -43,9 +49,12 @@ def run(
             f"MTP head: {'yes' if engine.model.mtp is not None else 'no'}) "
             f"dtype {engine.recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
         )
+        mtp = engine.recipe.mtp
+        speculation = f"MTP k={mtp.k}, {mtp.draft} drafts" if mtp.enabled else "no MTP"
+        typer.echo(f"decode path: {_decode_path(engine)} on {engine.device} ({speculation})")
         prompts = [engine.encode(p) for p in engine.recipe.run.prompts]
         started = time.perf_counter()
-        results = engine.generate(prompts)
+        results = _generate(engine, prompts, progress_every)
         elapsed = time.perf_counter() - started
     except QwenMTPError as err:
         _fail(err)
@@ -60,12 +69,87 @@ def run(
             typer.echo(f"[{i}] MTP: {_acceptance(result.spec)}")
     total = sum(len(r.token_ids) for r in results)
     note = "prefill included"
-    if engine.recipe.mtp.enabled and engine.recipe.mtp.draft == "oracle":
+    if mtp.enabled and mtp.draft == "oracle":
         note += ", and the plain pass that computes the oracle continuations"
     typer.echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({note})")
     if engine.speculator is not None:
-        mtp = engine.recipe.mtp
         typer.echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
+
+
+def _decode_path(engine: Engine) -> str:
+    """The engine's own account (`Engine.decode_path`) or, from an engine that has none, the recipe's: such an
+    engine graphs the decode path only when `compile.cuda_graphs` is true."""
+    path = getattr(engine, "decode_path", None)
+    if path is not None:
+        return path
+    settings = engine.recipe.compile
+    graphs = settings.cuda_graphs is True
+    if settings.enabled:
+        return "torch.compile + CUDA graphs" if graphs else f"torch.compile ({settings.backend})"
+    return "CUDA graphs" if graphs else "eager"
+
+
+def _generate(engine: Engine, prompts: list[list[int]], progress_every: float) -> list[Result]:
+    """Every prompt as one continuous batch, reporting tokens generated / total as the steps run."""
+    run = engine.recipe.run
+    if engine.recipe.mtp.enabled and engine.recipe.mtp.draft == "oracle":
+        # Oracle drafts need each request's plain-greedy continuation first: only `generate` computes it.
+        typer.echo("oracle drafts: a plain pass computes the continuations first (no progress shown)", err=True)
+        return engine.generate(prompts)
+    ids = [engine.submit(p, max_new_tokens=run.max_new_tokens, ignore_eos=run.ignore_eos) for p in prompts]
+    generated = dict.fromkeys(ids, 0)
+    progress = TokenProgress(len(ids) * run.max_new_tokens, progress_every)
+    try:
+        while engine.has_unfinished():
+            updates = engine.step()
+            for update in updates:
+                generated[update.request_id] += len(update.new_token_ids)
+                if update.finished:  # stopped at EOS: it will not generate the rest of its tokens
+                    progress.total -= run.max_new_tokens - generated[update.request_id]
+            progress.update(sum(len(u.new_token_ids) for u in updates))
+    finally:
+        progress.close()
+    return [engine.result(i) for i in ids]
+
+
+class TokenProgress:
+    """Tokens generated / total on stderr while `qwen-mtp run` generates: a tqdm bar on a terminal, otherwise a
+    line when it starts and every `every` seconds, so a long run is never silent in a log."""
+
+    def __init__(self, total: int, every: float, stream: TextIO | None = None):
+        self.stream = stream or sys.stderr
+        self.total, self.done, self.reported, self.every = total, 0, 0, every
+        self.started = self.printed = time.perf_counter()
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="generating", unit="tok", file=self.stream, leave=False)
+        else:
+            self._print(f"generating up to {total} tokens")
+
+    def update(self, tokens: int) -> None:
+        self.done += tokens
+        now = time.perf_counter()
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.update(tokens)
+        elif now - self.printed >= self.every:
+            self._report(now)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.done != self.reported:
+            self._report(time.perf_counter())
+
+    def _report(self, now: float) -> None:
+        rate = self.done / max(now - self.started, 1e-9)
+        self._print(f"generated {self.done}/{self.total} tokens ({rate:.1f} tokens/s)")
+        self.printed, self.reported = now, self.done
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
 
 
 def _acceptance(spec: SpecStats) -> str:

@@ -8,6 +8,7 @@ Reads the Qwen3.5 VLM wrapper (`qwen3_5`, the text model under `text_config`) an
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,24 +70,21 @@ class ModelConfig:
         """Read `config.json` (and `generation_config.json` for stop tokens) from a checkpoint directory."""
         path = Path(path)
         config_file = path / "config.json"
-        try:
-            raw = json.loads(config_file.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{config_file} not found: is {path} a Hugging Face checkpoint directory?") from None
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"cannot read {config_file}: {err}") from None
-        generation = {}
+        if not config_file.exists():
+            raise ConfigError(f"{config_file} not found: is {path} a Hugging Face checkpoint directory?")
         gen_file = path / "generation_config.json"
-        if gen_file.exists():
-            try:
-                generation = json.loads(gen_file.read_text())
-            except (OSError, json.JSONDecodeError) as err:
-                raise ConfigError(f"cannot read {gen_file}: {err}") from None
-        return cls.from_dict(raw, generation)
+        return cls.from_dict(_read_json(config_file), _read_json(gen_file) if gen_file.exists() else None)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """Parse a `config.json` object; every missing, mistyped or out-of-range key is a `ConfigError` naming it."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must be a JSON object of settings, got {type(raw).__name__}")
+        if generation is not None and not isinstance(generation, dict):
+            raise ConfigError(f"generation_config.json must be a JSON object, got {type(generation).__name__}")
         model_type = raw.get("model_type")
+        if not isinstance(model_type, str):
+            raise ConfigError(f"config.json: model_type must be a string such as 'qwen3_5', got {model_type!r}")
         if model_type in MOE_TYPES:
             raise ConfigError(
                 f"model_type {model_type!r} (MoE) is recognised but not supported yet; "
@@ -94,99 +92,183 @@ class ModelConfig:
             )
         if model_type not in DENSE_TEXT_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; expected one of {sorted(DENSE_TEXT_TYPES)}")
-        text = raw.get("text_config", raw) if model_type == "qwen3_5" else raw
+        wrapped = model_type == "qwen3_5" and "text_config" in raw
+        text = raw["text_config"] if wrapped else raw
         if not isinstance(text, dict):
             raise ConfigError("config.json: text_config must be an object")
-        if text.get("model_type", "qwen3_5_text") in MOE_TYPES:
+        keys = _Keys(text, "text_config." if wrapped else "")
+        if keys.optional("model_type", str, "qwen3_5_text") in MOE_TYPES:
             raise ConfigError(f"text_config.model_type {text['model_type']!r} (MoE) is not supported yet")
-
-        def need(key: str) -> Any:
-            if key not in text:
-                raise ConfigError(f"config.json: missing required key {key!r}")
-            return text[key]
 
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (Qwen3.5 uses 'silu')")
-        num_layers = int(need("num_hidden_layers"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(text.get("num_key_value_heads", heads))
+        num_layers = keys.count("num_hidden_layers")
+        heads = keys.count("num_attention_heads")
+        kv_heads = keys.count("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        hk, hv = int(need("linear_num_key_heads")), int(need("linear_num_value_heads"))
+        hk, hv = keys.count("linear_num_key_heads"), keys.count("linear_num_value_heads")
         if hv % hk:
             raise ConfigError(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
-        hidden = int(need("hidden_size"))
-        rope_theta, partial = _rope(text, raw)
+        hidden = keys.count("hidden_size")
+        head_dim = keys.count("head_dim", hidden // heads)
+        rope_theta, partial = _rope(keys, _Keys(raw, ""))
+        if int(head_dim * partial) % 2:
+            raise ConfigError(
+                f"config.json: head_dim {head_dim} * partial_rotary_factor {partial} must give an even number of "
+                "rotary dimensions"
+            )
         quant = raw.get("quantization_config") or text.get("quantization_config")
         return cls(
             model_type=DENSE_TEXT_TYPES[model_type],
-            vocab_size=int(need("vocab_size")),
+            vocab_size=keys.count("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=keys.count("intermediate_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            head_dim=head_dim,
+            rms_norm_eps=keys.positive("rms_norm_eps", 1e-6),
+            max_position_embeddings=keys.count("max_position_embeddings", 32768),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
-            layer_types=_layer_types(text, num_layers),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-            linear_key_head_dim=int(need("linear_key_head_dim")),
-            linear_value_head_dim=int(need("linear_value_head_dim")),
+            layer_types=_layer_types(keys, num_layers),
+            linear_conv_kernel_dim=keys.count("linear_conv_kernel_dim", 4),
+            linear_key_head_dim=keys.count("linear_key_head_dim"),
+            linear_value_head_dim=keys.count("linear_value_head_dim"),
             linear_num_key_heads=hk,
             linear_num_value_heads=hv,
             # Tie if either level says so: the VLM class reads the top level, the text class text_config.
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 1)),
-            eos_token_ids=_eos_ids(text, raw, generation or {}),
+            tie_word_embeddings=_Keys(raw, "").optional("tie_word_embeddings", bool, False)
+            or keys.optional("tie_word_embeddings", bool, False),
+            mtp_num_hidden_layers=keys.count("mtp_num_hidden_layers", 1, minimum=0),
+            eos_token_ids=_eos_ids([_Keys(generation or {}, "", "generation_config.json"), keys, _Keys(raw, "")]),
             weight_block_size=_block_size(quant),
-            torch_dtype=text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype"),
+            torch_dtype=_torch_dtype(keys, _Keys(raw, "")),
         )
 
 
-def _rope(text: dict[str, Any], raw: dict[str, Any]) -> tuple[float, float]:
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+_REQUIRED = object()
+
+
+class _Keys:
+    """Typed reads of one JSON object (`config.json`, its `text_config`, `generation_config.json`): a key that is
+    missing, of the wrong type or out of range is a `ConfigError` naming the key and the value given. `null`
+    counts as absent, as Hugging Face reads it."""
+
+    def __init__(self, values: dict[str, Any], prefix: str, file: str = "config.json"):
+        self.values, self.prefix, self.file = values, prefix, file
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self.values.get(key)
+        if value is not None:
+            return value
+        if default is _REQUIRED:
+            raise ConfigError(f"{self.file}: missing required key {self.prefix + key!r}")
+        return default
+
+    def bad(self, key: str, wanted: str, value: Any) -> ConfigError:
+        return ConfigError(f"{self.file}: {self.prefix}{key} must be {wanted}, got {value!r}")
+
+    def count(self, key: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+        """An integer >= `minimum` (sizes, head counts, layer counts)."""
+        value = self.raw(key, default)
+        if not _is_int(value) or value < minimum:
+            raise self.bad(key, f"an integer >= {minimum}", value)
+        return value
+
+    def positive(self, key: str, default: Any = _REQUIRED) -> float:
+        value = self.raw(key, default)
+        if not _is_number(value) or not 0 < value < math.inf:  # also refuses JSON's NaN and Infinity
+            raise self.bad(key, "a positive number", value)
+        return float(value)
+
+    def optional(self, key: str, kind: type, default: Any) -> Any:
+        value = self.raw(key, default)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise self.bad(key, {bool: "true or false", str: "a string"}.get(kind, kind.__name__), value)
+        return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {file}: {err}") from None
+
+
+def _rope(text: _Keys, raw: _Keys) -> tuple[float, float]:
+    params = text.values.get("rope_parameters") or text.values.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise text.bad("rope_parameters", "an object", params)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise ConfigError(f"rope_type {rope_type!r} is not supported yet (only the default RoPE)")
-    theta = params.get("rope_theta", text.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    return float(theta), float(partial)
+    rope = _Keys(params, text.prefix + "rope_parameters.")
+    theta = rope.positive("rope_theta", text.positive("rope_theta", raw.positive("rope_theta", 10000.0)))
+    partial = rope.positive("partial_rotary_factor", text.positive("partial_rotary_factor", 0.25))
+    if partial > 1:
+        raise rope.bad("partial_rotary_factor", "in (0, 1]", partial)
+    return theta, partial
 
 
-def _layer_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
-    names = text.get("layer_types")
+def _layer_types(text: _Keys, num_layers: int) -> tuple[str, ...]:
+    names = text.values.get("layer_types")
     if names is None:
-        interval = int(text.get("full_attention_interval", 4))
+        interval = text.count("full_attention_interval", 4)
         names = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(names, list):
+        raise text.bad("layer_types", f"a list of {sorted(LAYER_KINDS)}", names)
     if len(names) != num_layers:
         raise ConfigError(f"layer_types has {len(names)} entries but num_hidden_layers is {num_layers}")
-    unknown = sorted(set(names) - set(LAYER_KINDS))
+    unknown = dict.fromkeys(repr(n) for n in names if not isinstance(n, str) or n not in LAYER_KINDS)
     if unknown:
-        raise ConfigError(f"unknown layer_types {unknown}; expected {sorted(LAYER_KINDS)}")
+        raise ConfigError(f"unknown layer_types {', '.join(unknown)}; expected {sorted(LAYER_KINDS)}")
     return tuple(LAYER_KINDS[n] for n in names)
 
 
-def _eos_ids(text: dict[str, Any], raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+def _eos_ids(sources: list[_Keys]) -> tuple[int, ...]:
     ids: list[int] = []
-    for source in (generation, text, raw):
-        value = source.get("eos_token_id")
+    for source in sources:
+        value = source.values.get("eos_token_id")
         for token in value if isinstance(value, list) else [value]:
-            if token is not None and int(token) not in ids:
-                ids.append(int(token))
+            if token is None:
+                continue
+            if not _is_int(token) or token < 0:
+                raise source.bad("eos_token_id", "a token id (an integer >= 0) or a list of them", value)
+            if token not in ids:
+                ids.append(token)
     return tuple(ids)
 
 
-def _block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
+def _torch_dtype(text: _Keys, raw: _Keys) -> str | None:
+    for source in (text, raw):
+        for key in ("dtype", "torch_dtype"):
+            if source.values.get(key) is not None:
+                return source.optional(key, str, None)
+    return None
+
+
+def _block_size(quant: Any) -> tuple[int, int] | None:
     if not quant:
         return None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"config.json: quantization_config must be an object, got {quant!r}")
     method = quant.get("quant_method")
     if method != "fp8":
         raise ConfigError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8' blocks)")
     block = quant.get("weight_block_size")
-    if not block or len(block) != 2:
-        raise ConfigError("fp8 quantization_config needs weight_block_size [rows, cols], e.g. [128, 128]")
-    return int(block[0]), int(block[1])
+    if not isinstance(block, list) or len(block) != 2 or not all(_is_int(b) and b > 0 for b in block):
+        raise ConfigError(
+            f"fp8 quantization_config needs weight_block_size [rows, cols], e.g. [128, 128], got {block!r}"
+        )
+    return block[0], block[1]

@@ -4,18 +4,19 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from qwen_mtp.dtypes import DtypeName, StateDtypeName
 from qwen_mtp.errors import RecipeError
 
-DTYPES = ("float32", "bfloat16", "float16")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass
@@ -24,9 +25,9 @@ class ModelSection:
     fixture: str | None = None  # or a tiny built-in preset ("tiny", ...), built on first use
     synthetic: str | None = None  # or random weights at real shapes on the device ("qwen3.5-27b", ...)
     seed: int = 0  # fixture / synthetic weights' seed
-    dtype: str = "bfloat16"
-    quant: str = "none"  # none | fp8-block
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: DtypeName = "bfloat16"
+    quant: Literal["none", "fp8-block"] = "none"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (checked in _validate)
 
 
 @dataclass
@@ -38,13 +39,13 @@ class ParallelSection:
 class MTPSection:
     enabled: bool = False
     k: int = 2
-    draft: str = "head"  # head | oracle
+    draft: Literal["head", "oracle"] = "head"
     oracle_accept: float = 1.0
 
 
 @dataclass
 class StateSection:
-    dtype: str = "float32"  # recurrent (SSM) state precision: float32 | bfloat16
+    dtype: StateDtypeName = "float32"  # recurrent (SSM) state precision
 
 
 @dataclass
@@ -60,9 +61,9 @@ class CacheSection:
 @dataclass
 class CompileSection:
     enabled: bool = False  # torch.compile(fullgraph=True) the decode, verify and draft steps
-    cuda_graphs: bool = False  # capture them in CUDA graphs, one per batch bucket (CUDA only)
+    cuda_graphs: bool | None = None  # capture them in CUDA graphs, one per batch bucket; None: on when on CUDA
     batch_sizes: list[int] = field(default_factory=list)  # buckets; empty: 1, 2, 4, ... up to cache.max_batch
-    backend: str = "inductor"  # torch.compile backend (aot_eager / eager: for debugging)
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # aot_eager / eager: for debugging
     prefill: bool = False  # with `enabled`: also compile prefill chunks (any length, no CUDA graphs)
 
 
@@ -109,9 +110,15 @@ def load_recipe(source: str | Path | dict[str, Any] | None = None, overrides: ty
     else:
         path = Path(source)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except FileNotFoundError:
             raise RecipeError(f"recipe file {path} not found") from None
+        except IsADirectoryError:
+            raise RecipeError(f"recipe {path} is a directory: give a YAML file (see recipes/)") from None
+        except UnicodeDecodeError as err:
+            raise RecipeError(f"recipe file {path} is not UTF-8 text: {err}") from None
+        except OSError as err:
+            raise RecipeError(f"cannot read recipe file {path}: {err}") from None
         except yaml.YAMLError as err:
             raise RecipeError(f"recipe file {path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -147,7 +154,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise RecipeError(f"{where} must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names, key=str)  # YAML keys may be numbers too
     if unknown:
         raise RecipeError(f"unknown key {prefix}{unknown[0]} (known in {where}: {', '.join(sorted(names))})")
     values = {}
@@ -168,6 +175,8 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
 
 def _matches(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
+    if origin is Literal:
+        return any(type(value) is type(allowed) and value == allowed for allowed in typing.get_args(hint))
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arm) for arm in typing.get_args(hint))
     if origin is list:
@@ -186,6 +195,9 @@ def _matches(value: Any, hint: Any) -> bool:
 
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
+    if origin is Literal:
+        *first, last = [str(allowed) for allowed in typing.get_args(hint)]
+        return f"one of {', '.join(first)} or {last}" if len(first) > 1 else " or ".join([*first, last])
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(arm) for arm in typing.get_args(hint))
     if origin is list:
@@ -212,19 +224,13 @@ def _validate(r: Recipe) -> None:
         from qwen_mtp.testing.synthetic import SYNTHETIC
 
         _require(m.synthetic in SYNTHETIC, f"model.synthetic must be one of {sorted(SYNTHETIC)}, got {m.synthetic!r}")
-    _require(m.dtype in DTYPES, f"model.dtype must be one of {list(DTYPES)}, got {m.dtype!r}")
-    _require(m.quant in ("none", "fp8-block"), f"model.quant must be none or fp8-block, got {m.quant!r}")
     _require(
-        m.device in ("auto", "cpu", "cuda") or m.device.startswith("cuda:"),
-        f"model.device must be auto, cpu, cuda or cuda:N, got {m.device!r}",
+        DEVICE.fullmatch(m.device) is not None,
+        f"model.device must be auto, cpu, cuda or cuda:N (N a GPU index: 0, 1, ...), got {m.device!r}",
     )
     _require(r.parallel.tp >= 1, f"parallel.tp must be >= 1, got {r.parallel.tp}")
     _require(1 <= r.mtp.k <= 4, f"mtp.k must be 1..4, got {r.mtp.k}")
-    _require(r.mtp.draft in ("head", "oracle"), f"mtp.draft must be head or oracle, got {r.mtp.draft!r}")
     _require(0.0 <= r.mtp.oracle_accept <= 1.0, f"mtp.oracle_accept must be in 0..1, got {r.mtp.oracle_accept}")
-    _require(
-        r.state.dtype in ("float32", "bfloat16"), f"state.dtype must be float32 or bfloat16, got {r.state.dtype!r}"
-    )
     c = r.cache
     for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows"):
         value = getattr(c, key)
@@ -232,10 +238,6 @@ def _validate(r: Recipe) -> None:
     _require(0.0 < c.memory_fraction <= 1.0, f"cache.memory_fraction must be in (0, 1], got {c.memory_fraction}")
     _require(
         all(b >= 1 for b in r.compile.batch_sizes), f"compile.batch_sizes must be positive, got {r.compile.batch_sizes}"
-    )
-    _require(
-        r.compile.backend in COMPILE_BACKENDS,
-        f"compile.backend must be one of {list(COMPILE_BACKENDS)}, got {r.compile.backend!r}",
     )
     _require(not r.compile.prefill or r.compile.enabled, "compile.prefill needs compile.enabled: true")
     b = r.bench

@@ -17,8 +17,55 @@ def test_run_default_recipe():
     proc = _run("run", "recipes/tiny.yaml", "--set", "run.max_new_tokens=6")
     assert proc.returncode == 0, proc.stderr
     assert "fixture tiny" in proc.stdout and "MTP head: yes" in proc.stdout
+    assert "decode path: eager on cpu (no MTP)" in proc.stdout
     assert proc.stdout.count("output (6 tokens, length)") == 3
     assert "tokens/s" in proc.stdout
+    assert "generating up to 18 tokens" in proc.stderr  # off a terminal: a line at the start, every 5 s, at the end
+    assert "generated 18/18 tokens" in proc.stderr
+
+
+def test_run_reports_progress_off_a_terminal():
+    """A log (no TTY) gets plain progress lines while the run generates, counting up to every token."""
+    proc = _run("run", "recipes/tiny.yaml", "--set", "run.max_new_tokens=5", "--progress-every", "0")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("generated ")]
+    counts = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert len(lines) >= 5 and counts == sorted(counts) and lines[-1].startswith("generated 15/15 tokens")
+
+
+def test_progress_on_a_terminal_is_a_bar():
+    import io
+
+    from qwen_mtp.cli import TokenProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = TokenProgress(12, every=5.0, stream=stream)
+    progress.update(4)
+    progress.total -= 2  # a request stopped at EOS
+    progress.update(6)
+    assert (progress.bar.n, progress.bar.total) == (10, 10)
+    progress.close()
+    assert "generating" in stream.getvalue() and "generated " not in stream.getvalue()  # a bar, no plain lines
+
+
+def test_decode_path_from_the_engine_or_the_recipe():
+    from types import SimpleNamespace
+
+    from qwen_mtp.cli import _decode_path
+    from qwen_mtp.recipe import load_recipe
+
+    def engine(*overrides, **attrs):
+        return SimpleNamespace(recipe=load_recipe({"model": {"fixture": "tiny"}}, overrides), **attrs)
+
+    assert _decode_path(engine(decode_path="CUDA graphs")) == "CUDA graphs"
+    assert _decode_path(engine()) == "eager"
+    assert _decode_path(engine("compile.cuda_graphs=true")) == "CUDA graphs"
+    assert _decode_path(engine("compile.cuda_graphs=true", "compile.enabled=true")) == "torch.compile + CUDA graphs"
+    assert _decode_path(engine("compile.enabled=true", "compile.backend=aot_eager")) == "torch.compile (aot_eager)"
 
 
 def test_run_reports_bad_recipe_cleanly(tmp_path):
@@ -27,6 +74,8 @@ def test_run_reports_bad_recipe_cleanly(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = _run("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "not found" in proc.stderr
+    proc = _run("run", str(tmp_path))
+    assert proc.returncode == 2 and "is a directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_run_with_mtp_prints_acceptance():

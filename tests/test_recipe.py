@@ -49,6 +49,25 @@ def test_float_field_accepts_int():
         ({"model": {"fixture": "tiny"}, "run": {"prompts": [[1, -2]]}}, r"run\.prompts\[0\]"),
         ({"model": {"fixture": "tiny"}, "mtp": 3}, r"mtp must be a mapping"),
         ({"model": {"fixture": "tiny"}, "mtp": {"oracle_accept": 1.5}}, r"mtp\.oracle_accept must be in 0\.\.1"),
+        ({"model": {"fixture": "tiny", "device": "cuda:abc"}}, r"model\.device must be auto, cpu, cuda or cuda:N"),
+        ({"model": {"fixture": "tiny", "device": "cuda:-1"}}, r"model\.device must be .*got 'cuda:-1'"),
+        ({"model": {"fixture": "tiny", "device": "gpu"}}, r"model\.device must be .*got 'gpu'"),
+        ({"model": {"fixture": "tiny", "device": 0}}, r"model\.device must be a string, got 0"),
+        (
+            {"model": {"fixture": "tiny", "dtype": "int8"}},
+            r"model\.dtype must be one of float32, bfloat16 or float16, got 'int8'",
+        ),
+        ({"model": {"fixture": "tiny", "quant": "fp4"}}, r"model\.quant must be none or fp8-block, got 'fp4'"),
+        ({"model": {"fixture": "tiny"}, "mtp": {"draft": "model"}}, r"mtp\.draft must be head or oracle, got 'model'"),
+        (
+            {"model": {"fixture": "tiny"}, "compile": {"backend": "cudagraphs"}},
+            r"compile\.backend must be one of inductor, aot_eager or eager, got 'cudagraphs'",
+        ),
+        (
+            {"model": {"fixture": "tiny"}, "compile": {"cuda_graphs": "auto"}},
+            r"compile\.cuda_graphs must be true/false or null, got 'auto'",
+        ),
+        ({"model": {"fixture": "tiny"}, 1: {}}, r"unknown key 1"),
     ],
 )
 def test_bad_values_name_the_key(raw, message):
@@ -69,3 +88,44 @@ def test_missing_and_invalid_yaml_files(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(bad)
+
+
+def test_allowed_values_are_the_literal_types():
+    """The values a Literal-typed key accepts are exactly those its type lists (the one dtype table included)."""
+    import typing
+
+    from qwen_mtp.dtypes import DTYPES, STATE_DTYPES
+    from qwen_mtp.recipe import CompileSection, ModelSection, MTPSection, StateSection
+
+    hints = {cls: typing.get_type_hints(cls) for cls in (ModelSection, StateSection, MTPSection, CompileSection)}
+    assert typing.get_args(hints[ModelSection]["dtype"]) == tuple(DTYPES)
+    assert typing.get_args(hints[StateSection]["dtype"]) == tuple(STATE_DTYPES)
+    for section, key, cls in [("model", "dtype", ModelSection), ("model", "quant", ModelSection),
+                              ("state", "dtype", StateSection), ("mtp", "draft", MTPSection),
+                              ("compile", "backend", CompileSection)]:  # fmt: skip
+        for value in typing.get_args(hints[cls][key]):
+            recipe = load_recipe({"model": {"fixture": "tiny"}}, [f"{section}.{key}={value}"])
+            assert getattr(getattr(recipe, section), key) == value
+
+
+def test_devices_accepted():
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
+        assert load_recipe({"model": {"fixture": "tiny", "device": device}}).model.device == device
+
+
+def test_cuda_graphs_default_is_unset():
+    """None: the engine turns CUDA graphs on when the model runs on CUDA; true/false force it."""
+    assert load_recipe({"model": {"fixture": "tiny"}}).compile.cuda_graphs is None
+    assert load_recipe({"model": {"fixture": "tiny"}}, ["compile.cuda_graphs=false"]).compile.cuda_graphs is False
+
+
+def test_recipe_path_that_is_a_directory(tmp_path):
+    with pytest.raises(RecipeError, match=f"recipe {tmp_path} is a directory"):
+        load_recipe(tmp_path)
+
+
+def test_recipe_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("model: {fixture: tiny}\nrun: {prompts: [caf\xe9]}\n".encode("latin-1"))
+    with pytest.raises(RecipeError, match=f"recipe file {path} is not UTF-8 text"):
+        load_recipe(path)

@@ -123,6 +123,13 @@ def test_inductor_compiled_prefill_writes_what_eager_writes(checkpoint):
     (_, eager_pools), (tokens, pools) = run(False, 2), run(True, 2)
     assert len(pools) == len(eager_pools) == 2
     for got, want in zip(pools, eager_pools, strict=True):
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        for pool, expected in zip(got, want, strict=True):  # KV pages, conv windows, SSM states
+            for layer, expected_layer in zip(pool, expected, strict=True):
+                # Inductor's C++ code sums fp32 in another order than eager (vectorised, FMA-contracted), so an
+                # entry may be a few dozen ulps of the layer's largest value off: measured up to 5e-6 of it on
+                # AVX-512 (1.9e-5 absolute). A layer's KV written into another layer's pages is off by the
+                # values themselves (the MTP layer's keys copied into layer 0: 4.7 off, 3.6e-4 allowed). So
+                # each layer is held to 1e-4 of its own magnitude.
+                scale = expected_layer.abs().max().item()
+                torch.testing.assert_close(layer, expected_layer, rtol=0, atol=1e-4 * scale)
     assert tokens == run(True, None)[0]

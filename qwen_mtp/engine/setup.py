@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qwen_mtp.errors import RecipeError
+from qwen_mtp.dtypes import torch_dtype
+from qwen_mtp.errors import CheckpointError, RecipeError
 from qwen_mtp.loader import load_model
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.recipe import Recipe
@@ -28,6 +30,8 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RecipeError(f"model.device is {name!r} but no CUDA device is available (use cpu or auto)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise RecipeError(f"model.device is {name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -42,12 +46,31 @@ def check_supported(recipe: Recipe) -> None:
             raise RecipeError(f"{key}: this feature is not available in this version of qwen-mtp yet")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def load_tokenizer(path: Path) -> Any | None:
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+    """The checkpoint's Hugging Face tokenizer, or None when it ships none (prompts are then token ids)."""
+    files = [path / name for name in TOKENIZER_FILES if (path / name).exists()]
+    if not files:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # tokenizers / transformers raise whatever their parsers trip over
+        raise CheckpointError(_tokenizer_problem(path, files, err)) from None
+
+
+def _tokenizer_problem(path: Path, files: list[Path], err: Exception) -> str:
+    """Name the file that is not JSON (garbage bytes, truncated), else say which files failed to load and how."""
+    for file in files:
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
+            return f"cannot read the tokenizer file {file}: {bad}"
+    names = " / ".join(file.name for file in files)
+    return f"cannot load the tokenizer ({names}) in {path}: {type(err).__name__}: {err}"
 
 
 def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
@@ -56,7 +79,7 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
     if recipe.model.synthetic is not None:
         from qwen_mtp.testing.synthetic import synthetic_model
 
-        model = synthetic_model(recipe.model.synthetic, getattr(torch, recipe.model.dtype), device, recipe.model.seed)
+        model = synthetic_model(recipe.model.synthetic, torch_dtype(recipe.model.dtype), device, recipe.model.seed)
         return LoadedModel(model, None, Path(f"synthetic:{recipe.model.synthetic}"), device)
     if recipe.model.fixture is not None:
         from qwen_mtp.testing import fixture_path
@@ -64,5 +87,5 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
         checkpoint = fixture_path(recipe.model.fixture, seed=recipe.model.seed)
     else:
         checkpoint = Path(recipe.model.path).expanduser()
-    model = load_model(checkpoint, dtype=recipe.model.dtype, device=device, progress=progress)
+    model = load_model(checkpoint, dtype=torch_dtype(recipe.model.dtype), device=device, progress=progress)
     return LoadedModel(model, load_tokenizer(checkpoint), checkpoint, device)

@@ -24,7 +24,7 @@ def test_fixture_recipe_runs_text_prompts(engine):
         ([], 4, "empty prompt"),
         ([1, 512], 4, r"outside the vocabulary \[0, 512\): \[512\]"),
         ([-1], 4, "outside the vocabulary"),
-        ([1, 2], 0, "max_new_tokens must be >= 1"),
+        ([1, 2], 0, "max_new_tokens must be an integer >= 1"),
         ([1] * 4000, 200, "exceeds the model's max_position_embeddings"),
     ],
 )

@@ -6,7 +6,7 @@ import random
 import pytest
 from helpers import random_prompt
 
-from qwen_mtp import Engine, RequestError
+from qwen_mtp import Engine, RequestError, SamplingParams
 
 
 def make_engine(path, **cache):
@@ -44,7 +44,7 @@ def solo(path, prompt, max_new, **cache):
 def test_cancel_mid_prefill_and_resubmit(path):
     engine = make_engine(path, prefill_chunk=8, page_size=8)
     prompt = random_prompt(40, seed=1)
-    rid = engine.submit(prompt, 10, ignore_eos=True)
+    rid = engine.submit(prompt, SamplingParams(10, ignore_eos=True))
     engine.step()
     engine.step()
     request = engine.requests[rid]
@@ -64,8 +64,8 @@ def test_cancel_mid_prefill_and_resubmit(path):
 def test_cancel_mid_decode_and_resubmit_gives_same_tokens(path):
     engine = make_engine(path, page_size=4)
     prompts = [random_prompt(n, seed=n) for n in (12, 5)]
-    first = engine.submit(prompts[0], 20, ignore_eos=True)
-    other = engine.submit(prompts[1], 20, ignore_eos=True)
+    first = engine.submit(prompts[0], SamplingParams(20, ignore_eos=True))
+    other = engine.submit(prompts[1], SamplingParams(20, ignore_eos=True))
     run_until(engine, lambda: len(engine.requests[first].output) >= 6)
     partial = list(engine.requests[first].output)
     engine.cancel(first)
@@ -81,7 +81,7 @@ def test_pressure_more_requests_than_pages_and_rows(path):
     """6 requests, room for 2 at a time: all complete, admitted in submission order, with solo tokens."""
     engine = make_engine(path, page_size=8, num_pages=8, num_state_rows=2, max_batch=4)
     prompts = [random_prompt(n, seed=n) for n in (20, 9, 25, 3, 14, 30)]
-    ids = [engine.submit(p, 8, ignore_eos=True) for p in prompts]
+    ids = [engine.submit(p, SamplingParams(8, ignore_eos=True)) for p in prompts]
     admitted = []
     while engine.has_unfinished():
         engine.step()
@@ -95,18 +95,18 @@ def test_pressure_more_requests_than_pages_and_rows(path):
 
 def test_bad_requests_are_refused_and_allocate_nothing(path):
     engine = make_engine(path, page_size=8, num_pages=4)
-    good = engine.submit(random_prompt(10, seed=0), 5, ignore_eos=True)
+    good = engine.submit(random_prompt(10, seed=0), SamplingParams(5, ignore_eos=True))
     engine.step()
     before = engine.stats()
     for prompt, max_new, message in [
         ([], 3, "empty prompt"),
         ([1, 99999], 3, "outside the vocabulary"),
-        ([1, 2], 0, "max_new_tokens must be >= 1"),
+        ([1, 2], 0, "max_new_tokens must be an integer >= 1"),
         ([1] * 30, 10, "needs 5 KV pages but the whole pool has 4"),
         ([1] * 4090, 10, "max_position_embeddings"),
     ]:
         with pytest.raises(RequestError, match=message):
-            engine.submit(prompt, max_new)
+            engine.submit(prompt, SamplingParams(max_new))
     assert engine.stats() == before
     run_until(engine, lambda: engine.requests[good].done)
     assert engine.result(good).token_ids == solo(path, random_prompt(10, seed=0), 5)
@@ -123,7 +123,7 @@ def test_randomized_lifecycle_no_leaks_and_solo_tokens(path):
         if steps < 300 and rng.random() < 0.3:
             prompt = random_prompt(rng.randint(1, 60), seed=rng.randint(0, 10**6))
             max_new = rng.randint(1, 20)
-            submitted[engine.submit(prompt, max_new, ignore_eos=True)] = (prompt, max_new)
+            submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
         live = [rid for rid in submitted if not engine.requests[rid].done]
         if live and rng.random() < 0.05:
             victim = rng.choice(live)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import hf_greedy, load_hf, random_prompt
 
-from qwen_mtp import Engine, RecipeError
+from qwen_mtp import Engine, RecipeError, SamplingParams
 
 MAX_NEW = 12
 
@@ -60,14 +60,13 @@ def test_oracle_drafts_match_plain(checkpoint, k, accept):
     prompts = batch_prompts(k)
     off = generate(make_engine(path), prompts)
     spec = make_engine(path, k=k, draft="oracle", accept=accept)
-    assert generate(spec, prompts) == off
+    results = spec.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert [r.token_ids for r in results] == off
     stats = spec.stats()
     if accept == 1.0:
         # every verify step not cut by max_new_tokens accepts all K drafts
-        for request in spec.requests.values():
-            if request.spec is None:
-                continue  # the plain pass that produced the oracle
-            lengths = request.spec.accept_lengths
+        for result in results:
+            lengths = result.spec.accept_lengths
             assert all(n == k + 1 for n in lengths[:-1]), lengths
             assert sum(lengths) >= MAX_NEW - 1
         assert stats["position_acceptance"][0] > 0.8
@@ -79,7 +78,8 @@ def test_oracle_drafts_match_plain(checkpoint, k, accept):
 def committed_states(engine, prompt, oracle=None):
     """Run one request alone; after every step, the committed (conv window, SSM state) of each GDN layer,
     keyed by the number of positions the target has consumed."""
-    rid = engine.submit(prompt, 30, ignore_eos=True, oracle=oracle)
+    params = SamplingParams(30, ignore_eos=True)
+    rid = engine.submit(prompt, params) if oracle is None else engine.submit_with_oracle(prompt, oracle, params)
     seen = {}
     while True:
         engine.step()
@@ -114,7 +114,7 @@ def test_mtp_kv_is_rebuilt_from_target_hidden_states(checkpoint):
     engine = make_engine(path, k=3, draft="oracle", accept=0.5)
     prompt = random_prompt(9, seed=3)
     oracle = generate(make_engine(path), [prompt])[0] + [0] * 8
-    rid = engine.submit(prompt, 20, ignore_eos=True, oracle=oracle)
+    rid = engine.submit_with_oracle(prompt, oracle, SamplingParams(20, ignore_eos=True))
     for _ in range(4):
         engine.step()
     request = engine.requests[rid]
@@ -150,7 +150,7 @@ def test_mtp_cancel_readmit_and_lifecycle(checkpoint):
         if rng.random() < 0.3:
             prompt = random_prompt(rng.randint(1, 40), seed=rng.randint(0, 10**6))
             max_new = rng.randint(1, 15)
-            submitted[engine.submit(prompt, max_new, ignore_eos=True)] = (prompt, max_new)
+            submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
         live = [r for r in submitted if not engine.requests[r].done]
         if live and rng.random() < 0.06:
             victim = rng.choice(live)
@@ -158,7 +158,7 @@ def test_mtp_cancel_readmit_and_lifecycle(checkpoint):
             cancelled.add(victim)
             # re-admission of a cancelled request gives the same tokens as its first (plain) run
             prompt, max_new = submitted[victim]
-            submitted[engine.submit(prompt, max_new, ignore_eos=True)] = (prompt, max_new)
+            submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
         engine.step()
     while engine.has_unfinished():
         engine.step()

@@ -31,21 +31,24 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set mtp.k=4")] = None,
 ) -> None:
     """Load the recipe's model and generate greedily for its prompts; print text, tokens and speed."""
-    from qwen_mtp.engine import Engine
+    from qwen_mtp.engine import Engine, SamplingParams
+    from qwen_mtp.recipe import load_recipe
 
     try:
         started = time.perf_counter()
-        engine = Engine.from_recipe(recipe, tuple(set_ or ()), progress=sys.stderr.isatty())
+        loaded_recipe = load_recipe(recipe, tuple(set_ or ()))
+        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
         cfg = engine.config
         typer.echo(
-            f"model: {engine.recipe.model.path or 'fixture ' + str(engine.recipe.model.fixture)} "
+            f"model: {loaded_recipe.model.path or 'fixture ' + str(loaded_recipe.model.fixture)} "
             f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
             f"MTP head: {'yes' if engine.model.mtp is not None else 'no'}) "
-            f"dtype {engine.recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
+            f"dtype {loaded_recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
         )
-        prompts = [engine.encode(p) for p in engine.recipe.run.prompts]
+        prompts = [engine.encode(p) for p in loaded_recipe.run.prompts]
+        params = SamplingParams(loaded_recipe.run.max_new_tokens, loaded_recipe.run.ignore_eos)  # run.* defaults
         started = time.perf_counter()
-        results = engine.generate(prompts)
+        results = engine.generate(prompts, params)
         elapsed = time.perf_counter() - started
     except QwenMTPError as err:
         _fail(err)
@@ -60,11 +63,11 @@ def run(
             typer.echo(f"[{i}] MTP: {_acceptance(result.spec)}")
     total = sum(len(r.token_ids) for r in results)
     note = "prefill included"
-    if engine.recipe.mtp.enabled and engine.recipe.mtp.draft == "oracle":
+    if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
         note += ", and the plain pass that computes the oracle continuations"
     typer.echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({note})")
     if engine.speculator is not None:
-        mtp = engine.recipe.mtp
+        mtp = loaded_recipe.mtp
         typer.echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
 
 

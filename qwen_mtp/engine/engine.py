@@ -30,7 +30,7 @@ from qwen_mtp.cache.state import StatePool
 from qwen_mtp.dtypes import STATE_DTYPES
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
-from qwen_mtp.engine.params import SamplingParams, is_token_id, token_ids
+from qwen_mtp.engine.params import SamplingParams, as_token_ids, is_token_id
 from qwen_mtp.engine.request import Request, SpecStats
 from qwen_mtp.engine.runner import Runner
 from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
@@ -198,7 +198,7 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError("this checkpoint has no tokenizer: give prompts as token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return token_ids(prompt)
+        return as_token_ids(prompt)
 
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
@@ -235,14 +235,14 @@ class Engine:
                 "mtp.draft is oracle: a request needs its plain-decoding continuation; use generate or stream, "
                 "which compute it (benchmarks and tests: submit_with_oracle)"
             )
-        return self._submit(token_ids(prompt_ids), self._params(params)).id
+        return self._submit(as_token_ids(prompt_ids), self._params(params)).id
 
     def submit_with_oracle(self, prompt_ids: Any, oracle: list[int], params: SamplingParams | None = None) -> int:
         """Benchmarks and tests: `submit` in `mtp.draft: oracle` mode, with the prompt's plain-decoding
         continuation `oracle` (the drafts replay it; see speculative.py)."""
         if self.speculator is None or not self.speculator.oracle:
             raise RequestError("submit_with_oracle needs mtp.enabled: true and mtp.draft: oracle")
-        return self._submit(token_ids(prompt_ids), self._params(params), oracle=list(oracle)).id
+        return self._submit(as_token_ids(prompt_ids), self._params(params), oracle=list(oracle)).id
 
     def _submit(
         self, prompt: list[int], params: SamplingParams, speculate: bool | None = None, oracle: list[int] | None = None
@@ -476,7 +476,7 @@ class Engine:
                 f"prompts must be a list of prompts, each a list of token ids; got a flat list ({prompts!r:.60}): "
                 "wrap one prompt as [[...]]"
             )
-        checked = [token_ids(p) for p in prompts]
+        checked = [as_token_ids(p) for p in prompts]
         for prompt in checked:
             self.check_request(prompt, params)
         return checked

@@ -41,7 +41,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
 
-def token_ids(prompt: Any) -> list[int]:
+def as_token_ids(prompt: Any) -> list[int]:
     """A prompt as a list of Python ints: a list or tuple of integers, a 1-D integer numpy array or tensor.
     Raises `RequestError` saying what was given otherwise (a str: encode it first; a float, None or a bool)."""
     if isinstance(prompt, str):

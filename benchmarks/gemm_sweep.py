@@ -22,7 +22,7 @@ from qwen_mtp.testing.synthetic import synthetic_config
 
 def decode_shapes(preset: str) -> dict[str, tuple[int, int]]:
     """(N, K) of every decode-path linear of a synthetic preset's config, as the CUDA engine runs them (input
-    projections fused, `model.fuse_projections`; lm_head excluded: it is wide enough for any plan)."""
+    projections fused, as the model's `MergedLinear`s hold them; lm_head excluded: it is wide enough for any plan)."""
     c = synthetic_config(preset)
     h, inter = c.hidden_size, c.intermediate_size
     attn_q, attn_kv = 2 * c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim

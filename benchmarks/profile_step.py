@@ -13,14 +13,14 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from qwen_mtp.engine.engine import Engine
+from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.recipe import load_recipe
 
 
 def decode_ms(engine: Engine, prompt: list[int], steps: int) -> float:
     """Wall ms per decode step after the prefill (prompt prefilled in the first step)."""
-    rid = engine.submit(prompt, steps + 2, ignore_eos=True)
+    rid = engine.submit(prompt, SamplingParams(steps + 2, ignore_eos=True))
     engine.step()
     engine.step()
     torch.cuda.synchronize()
@@ -50,10 +50,10 @@ def print_kernels(prof, steps: int, top: int) -> None:
 def profile_prefill(loaded, recipe, length: int, top: int) -> None:
     """Wall time of one `length`-token prefill (the step that consumes the prompt), then its kernels."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    engine = Engine(loaded, recipe, log=print)
+    engine = Engine.from_recipe(recipe, loaded=loaded, log=print)
     prompt = [100 + i % 1000 for i in range(length)]
     for attempt in range(3):  # the first run includes Triton JIT / caching allocator growth
-        engine.submit(prompt, 1, ignore_eos=True)
+        engine.submit(prompt, SamplingParams(1, ignore_eos=True))
         sync()
         start = time.perf_counter()
         engine.step()
@@ -61,7 +61,7 @@ def profile_prefill(loaded, recipe, length: int, top: int) -> None:
         print(f"prefill {length} tokens, run {attempt}: {1e3 * (time.perf_counter() - start):.1f} ms")
         while engine.has_unfinished():
             engine.step()
-    engine.submit(prompt, 1, ignore_eos=True)
+    engine.submit(prompt, SamplingParams(1, ignore_eos=True))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()
         sync()
@@ -83,9 +83,9 @@ def main() -> None:
     if args.prefill:
         profile_prefill(loaded, recipe, args.prefill, args.top)
         return
-    eager = Engine(loaded, recipe, log=print)
+    eager = Engine.from_recipe(recipe, loaded=loaded, log=print)
     print(f"eager decode: {decode_ms(eager, prompt, 16):.2f} ms/step")
-    eager.submit(prompt, args.steps + 2, ignore_eos=True)
+    eager.submit(prompt, SamplingParams(args.steps + 2, ignore_eos=True))
     eager.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -94,7 +94,8 @@ def main() -> None:
         torch.cuda.synchronize()
     print_kernels(prof, args.steps, args.top)
     del eager
-    graphed = Engine(loaded, load_recipe(args.recipe, ("compile.cuda_graphs=true", "cache.num_pages=64")), log=print)
+    graphed_recipe = load_recipe(args.recipe, ("compile.cuda_graphs=true", "cache.num_pages=64"))
+    graphed = Engine.from_recipe(graphed_recipe, loaded=loaded, log=print)
     graphed.warmup()
     print(f"CUDA-graph decode: {decode_ms(graphed, prompt, 32):.2f} ms/step")
 

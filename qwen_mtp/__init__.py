@@ -1,7 +1,7 @@
 """qwen-mtp: exact (lossless) MTP speculative decoding for Qwen3.5 hybrid models."""
 
 from qwen_mtp.config import ModelConfig
-from qwen_mtp.engine import Engine, Result
+from qwen_mtp.engine import Engine, Result, SamplingParams, Update
 from qwen_mtp.errors import CheckpointError, ConfigError, QwenMTPError, RecipeError, RequestError
 from qwen_mtp.loader import load_model
 
@@ -16,5 +16,7 @@ __all__ = [
     "RecipeError",
     "RequestError",
     "Result",
+    "SamplingParams",
+    "Update",
     "load_model",
 ]

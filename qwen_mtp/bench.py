@@ -3,7 +3,8 @@ head), in one process on one loaded model, with every MTP row checked token-for-
 
 Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acceptance length, step time split
 (verify / draft / host), peak device memory, and % of the HBM roofline: (weight bytes one step must read /
-copy bandwidth measured at start) / measured step time.
+copy bandwidth measured at start) / measured step time. `bench.out_dir` is checked before the first run, and the
+JSON and table are rewritten after every row, so a failure late in a run keeps the rows before it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 
 from qwen_mtp.cache.kv import pages_for
 from qwen_mtp.engine.engine import Engine
+from qwen_mtp.engine.params import SamplingParams
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
+from qwen_mtp.errors import RecipeError
 from qwen_mtp.recipe import Recipe
 
 
@@ -92,7 +95,8 @@ def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", acc
         recipe.cache,
         max_batch=batch,
         num_state_rows=batch,
-        num_pages=batch * pages_for(bench.prompt_len + bench.output_len + spec + 1, recipe.cache.page_size),
+        # a request's reservation: its tokens, and 2K positions a verify and its draft chain may write beyond
+        num_pages=batch * pages_for(bench.prompt_len + bench.output_len + 2 * spec, recipe.cache.page_size),
         prefill_chunk=max(recipe.cache.prefill_chunk, bench.prompt_len),
     )
     mtp = dataclasses.replace(recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept)
@@ -102,10 +106,11 @@ def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", acc
 def _run(engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None) -> dict[str, Any]:
     """Generate for all prompts as one batch; wall-clock figures and the tokens."""
     device = engine.device
-    ids = [
-        engine.submit(p, output_len, ignore_eos=True, oracle=None if oracles is None else oracles[i])
-        for i, p in enumerate(prompts)
-    ]
+    params = SamplingParams(output_len, ignore_eos=True)
+    if oracles is None:
+        ids = [engine.submit(p, params) for p in prompts]
+    else:
+        ids = [engine.submit_with_oracle(p, oracle, params) for p, oracle in zip(prompts, oracles, strict=True)]
     first: dict[int, float] = {}
     _sync(device)
     start = time.perf_counter()
@@ -117,12 +122,13 @@ def _run(engine: Engine, prompts: list[list[int]], output_len: int, oracles: lis
         steps += 1
     _sync(device)
     end = time.perf_counter()
+    results = [engine.result(i) for i in ids]
     decode_start = max(first.values())
     decode_steps = steps - 1  # the first step prefills every request (prefill_chunk >= prompt_len)
-    specs = [engine.requests[i].spec for i in ids if engine.requests[i].spec is not None]
+    specs = [r.spec for r in results if r.spec is not None]
     verify_steps = sum(s.verify_steps for s in specs)
     return {
-        "tokens": [engine.result(i).token_ids for i in ids],
+        "tokens": [r.token_ids for r in results],
         "acceptance_length": (sum(s.accepted for s in specs) + verify_steps) / verify_steps if specs else 1.0,
         "ttft": sum(first[i] - start for i in ids) / len(ids),
         "tpot": sum((end - first[i]) / (output_len - 1) for i in ids) / len(ids),
@@ -132,10 +138,25 @@ def _run(engine: Engine, prompts: list[list[int]], output_len: int, oracles: lis
     }
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """`bench.out_dir`, created, after checking that files can be written there (before any run)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".qwen-mtp-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise RecipeError(f"bench.out_dir {str(out)!r} is not writable: {err.strerror or err}") from None
+    return out
+
+
 def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any]:
+    """Every row of the recipe's bench; the JSON and table in `bench.out_dir` are rewritten after each row."""
     from tqdm import tqdm
 
     bench = recipe.bench
+    out = check_out_dir(bench.out_dir)
     plain_recipe = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, enabled=False))
     started = time.perf_counter()
     loaded = load_from_recipe(plain_recipe, progress=progress)
@@ -145,16 +166,20 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     sizes = weight_bytes(loaded)
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per step: target {sizes['target'] / 1e9:.2f} GB, "
         f"MTP draft step {sizes['mtp_step'] / 1e9:.2f} GB")  # fmt: skip
-    graphs = recipe.compile
-    log(f"decode path: torch.compile {'on (' + graphs.backend + ')' if graphs.enabled else 'off'}, "
-        f"CUDA graphs {'on' if graphs.cuda_graphs else 'off'}; prefill: "
-        f"{'compiled, any chunk length' if graphs.enabled and graphs.prefill else 'eager'}")  # fmt: skip
+    settings = recipe.compile
     configs: list[tuple[int | None, str, float]] = [(None, "-", 0.0)]
     for k in bench.ks:
         configs += [(k, "oracle", rate) for rate in bench.accept_rates]
         if bench.head:
             configs.append((k, "head", 0.0))
-    rows: list[Row] = []
+    report: dict[str, Any] = {
+        "recipe": recipe.to_dict(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "copy_bandwidth_tb_s": bandwidth / 1e12,
+        "weight_bytes": sizes,
+        "rows": [],
+    }
     gen = torch.Generator().manual_seed(recipe.model.seed)
     vocab = loaded.model.config.vocab_size
     bar = tqdm(total=len(bench.batch_sizes) * len(configs), desc="bench", disable=not progress)
@@ -163,7 +188,11 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
         plain_tokens, plain_tps = None, None
         for k, draft, rate in configs:
             # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
-            engine = Engine(loaded, _variant(recipe, batch, k, draft, rate), log=log if graphs.enabled else _quiet)
+            variant = _variant(recipe, batch, k, draft, rate)
+            engine = Engine.from_recipe(variant, loaded=loaded, log=log if settings.enabled else _quiet)
+            if not report["rows"]:
+                prefill = "compiled, any chunk length" if settings.enabled and settings.prefill else "eager"
+                log(f"decode path: {engine.decode_path}; prefill: {prefill}")
             engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
             _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]])  # warm-up
@@ -180,41 +209,34 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             forward = phases.get("verify", phases.get("decode", 0.0))
             step = result["decode_seconds"] / steps
             moved = sizes["target"] + (k or 0) * sizes["mtp_step"]
-            rows.append(
-                Row(
-                    batch=batch,
-                    mode="plain" if k is None else "mtp",
-                    k=k or 0,
-                    draft=draft,
-                    accept_rate=None if draft != "oracle" else rate,
-                    ttft_ms=1e3 * result["ttft"],
-                    tpot_ms=1e3 * result["tpot"],
-                    tokens_per_s=tps,
-                    speedup=tps / plain_tps,
-                    acceptance_length=result["acceptance_length"],
-                    step_ms=1e3 * step,
-                    verify_ms=1e3 * forward / steps,
-                    draft_ms=1e3 * phases.get("draft", 0.0) / steps,
-                    host_ms=1e3 * (step - (forward + phases.get("draft", 0.0)) / steps),
-                    peak_mem_gib=peak,
-                    roofline_pct=100.0 * (moved / bandwidth) / step,
-                    exact=result["tokens"] == plain_tokens,
-                )
+            row = Row(
+                batch=batch,
+                mode="plain" if k is None else "mtp",
+                k=k or 0,
+                draft=draft,
+                accept_rate=None if draft != "oracle" else rate,
+                ttft_ms=1e3 * result["ttft"],
+                tpot_ms=1e3 * result["tpot"],
+                tokens_per_s=tps,
+                speedup=tps / plain_tps,
+                acceptance_length=result["acceptance_length"],
+                step_ms=1e3 * step,
+                verify_ms=1e3 * forward / steps,
+                draft_ms=1e3 * phases.get("draft", 0.0) / steps,
+                host_ms=1e3 * (step - (forward + phases.get("draft", 0.0)) / steps),
+                peak_mem_gib=peak,
+                roofline_pct=100.0 * (moved / bandwidth) / step,
+                exact=result["tokens"] == plain_tokens,
             )
+            report["rows"].append(dataclasses.asdict(row))
+            write_outputs(report, out, plot=False)  # the rows so far survive a failure in a later row
             del engine
             gc.collect()  # the engine's CUDA graphs hold their memory pool until collected
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             bar.update(1)
     bar.close()
-    return {
-        "recipe": recipe.to_dict(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "copy_bandwidth_tb_s": bandwidth / 1e12,
-        "weight_bytes": sizes,
-        "rows": [dataclasses.asdict(r) for r in rows],
-    }
+    return report
 
 
 COLUMNS = [
@@ -237,20 +259,25 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def write_outputs(report: dict[str, Any], out_dir: str | Path, plot: bool = True) -> list[Path]:
+    """bench.json and bench.txt (and, with `plot`, bench.png) in `out_dir`; returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / "bench.json"]
+    written = [out / "bench.json", out / "bench.txt"]
     written[0].write_text(json.dumps(report, indent=2))
-    (out / "bench.txt").write_text(format_table(report) + "\n")
-    written.append(out / "bench.txt")
-    try:
-        import matplotlib
+    written[1].write_text(format_table(report) + "\n")
+    if plot:
+        written.append(write_plot(report, out / "bench.png"))
+    return written
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written  # the plot is optional: matplotlib is not a dependency
+
+def write_plot(report: dict[str, Any], path: Path) -> Path:
+    """Decode tokens/s against K, one line per (batch, draft kind), plain decode at K = 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = report["rows"]
     for batch in sorted({r["batch"] for r in rows}):
@@ -271,6 +298,6 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "bench.png", dpi=120)
-    written.append(out / "bench.png")
-    return written
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

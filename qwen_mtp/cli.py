@@ -13,7 +13,7 @@ from qwen_mtp.engine.request import SpecStats
 from qwen_mtp.errors import QwenMTPError
 
 if TYPE_CHECKING:
-    from qwen_mtp.engine import Engine, Result
+    from qwen_mtp.engine import Engine, Result, SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -37,24 +37,27 @@ def run(
     ] = 5.0,
 ) -> None:
     """Load the recipe's model and generate greedily for its prompts; print text, tokens and speed."""
-    from qwen_mtp.engine import Engine
+    from qwen_mtp.engine import Engine, SamplingParams
+    from qwen_mtp.recipe import load_recipe
 
     try:
         started = time.perf_counter()
-        engine = Engine.from_recipe(recipe, tuple(set_ or ()), progress=sys.stderr.isatty())
+        loaded_recipe = load_recipe(recipe, tuple(set_ or ()))
+        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
         cfg = engine.config
         typer.echo(
-            f"model: {engine.recipe.model.path or 'fixture ' + str(engine.recipe.model.fixture)} "
+            f"model: {loaded_recipe.model.path or 'fixture ' + str(loaded_recipe.model.fixture)} "
             f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
             f"MTP head: {'yes' if engine.model.mtp is not None else 'no'}) "
-            f"dtype {engine.recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
+            f"dtype {loaded_recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
         )
-        mtp = engine.recipe.mtp
+        mtp = loaded_recipe.mtp
         speculation = f"MTP k={mtp.k}, {mtp.draft} drafts" if mtp.enabled else "no MTP"
-        typer.echo(f"decode path: {_decode_path(engine)} on {engine.device} ({speculation})")
-        prompts = [engine.encode(p) for p in engine.recipe.run.prompts]
+        typer.echo(f"decode path: {engine.decode_path} on {engine.device} ({speculation})")
+        prompts = [engine.encode(p) for p in loaded_recipe.run.prompts]
+        params = SamplingParams(loaded_recipe.run.max_new_tokens, loaded_recipe.run.ignore_eos)  # run.* defaults
         started = time.perf_counter()
-        results = _generate(engine, prompts, progress_every)
+        results = _generate(engine, prompts, params, progress_every)
         elapsed = time.perf_counter() - started
     except QwenMTPError as err:
         _fail(err)
@@ -76,36 +79,22 @@ def run(
         typer.echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
 
 
-def _decode_path(engine: Engine) -> str:
-    """The engine's own account (`Engine.decode_path`) or, from an engine that has none, the recipe's: such an
-    engine graphs the decode path only when `compile.cuda_graphs` is true."""
-    path = getattr(engine, "decode_path", None)
-    if path is not None:
-        return path
-    settings = engine.recipe.compile
-    graphs = settings.cuda_graphs is True
-    if settings.enabled:
-        return "torch.compile + CUDA graphs" if graphs else f"torch.compile ({settings.backend})"
-    return "CUDA graphs" if graphs else "eager"
-
-
-def _generate(engine: Engine, prompts: list[list[int]], progress_every: float) -> list[Result]:
+def _generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, progress_every: float) -> list[Result]:
     """Every prompt as one continuous batch, reporting tokens generated / total as the steps run."""
-    run = engine.recipe.run
-    if engine.recipe.mtp.enabled and engine.recipe.mtp.draft == "oracle":
+    if engine.speculator is not None and engine.speculator.oracle:
         # Oracle drafts need each request's plain-greedy continuation first: only `generate` computes it.
         typer.echo("oracle drafts: a plain pass computes the continuations first (no progress shown)", err=True)
-        return engine.generate(prompts)
-    ids = [engine.submit(p, max_new_tokens=run.max_new_tokens, ignore_eos=run.ignore_eos) for p in prompts]
+        return engine.generate(prompts, params)
+    ids = [engine.submit(p, params) for p in prompts]
     generated = dict.fromkeys(ids, 0)
-    progress = TokenProgress(len(ids) * run.max_new_tokens, progress_every)
+    progress = TokenProgress(len(ids) * params.max_new_tokens, progress_every)
     try:
         while engine.has_unfinished():
             updates = engine.step()
             for update in updates:
                 generated[update.request_id] += len(update.new_token_ids)
                 if update.finished:  # stopped at EOS: it will not generate the rest of its tokens
-                    progress.total -= run.max_new_tokens - generated[update.request_id]
+                    progress.total -= params.max_new_tokens - generated[update.request_id]
             progress.update(sum(len(u.new_token_ids) for u in updates))
     finally:
         progress.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import hf_greedy, load_hf, random_prompt
 
-from qwen_mtp import Engine, RecipeError
+from qwen_mtp import Engine, RecipeError, SamplingParams
 
 MAX_NEW = 12
 
@@ -60,14 +60,13 @@ def test_oracle_drafts_match_plain(checkpoint, k, accept):
     prompts = batch_prompts(k)
     off = generate(make_engine(path), prompts)
     spec = make_engine(path, k=k, draft="oracle", accept=accept)
-    assert generate(spec, prompts) == off
+    results = spec.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert [r.token_ids for r in results] == off
     stats = spec.stats()
     if accept == 1.0:
         # every verify step not cut by max_new_tokens accepts all K drafts
-        for request in spec.requests.values():
-            if request.spec is None:
-                continue  # the plain pass that produced the oracle
-            lengths = request.spec.accept_lengths
+        for result in results:
+            lengths = result.spec.accept_lengths
             assert all(n == k + 1 for n in lengths[:-1]), lengths
             assert sum(lengths) >= MAX_NEW - 1
         assert stats["position_acceptance"][0] > 0.8
@@ -79,7 +78,8 @@ def test_oracle_drafts_match_plain(checkpoint, k, accept):
 def committed_states(engine, prompt, oracle=None):
     """Run one request alone; after every step, the committed (conv window, SSM state) of each GDN layer,
     keyed by the number of positions the target has consumed."""
-    rid = engine.submit(prompt, 30, ignore_eos=True, oracle=oracle)
+    params = SamplingParams(30, ignore_eos=True)
+    rid = engine.submit(prompt, params) if oracle is None else engine.submit_with_oracle(prompt, oracle, params)
     seen = {}
     while True:
         engine.step()
@@ -114,7 +114,7 @@ def test_mtp_kv_is_rebuilt_from_target_hidden_states(checkpoint):
     engine = make_engine(path, k=3, draft="oracle", accept=0.5)
     prompt = random_prompt(9, seed=3)
     oracle = generate(make_engine(path), [prompt])[0] + [0] * 8
-    rid = engine.submit(prompt, 20, ignore_eos=True, oracle=oracle)
+    rid = engine.submit_with_oracle(prompt, oracle, SamplingParams(20, ignore_eos=True))
     for _ in range(4):
         engine.step()
     request = engine.requests[rid]
@@ -150,7 +150,7 @@ def test_mtp_cancel_readmit_and_lifecycle(checkpoint):
         if rng.random() < 0.3:
             prompt = random_prompt(rng.randint(1, 40), seed=rng.randint(0, 10**6))
             max_new = rng.randint(1, 15)
-            submitted[engine.submit(prompt, max_new, ignore_eos=True)] = (prompt, max_new)
+            submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
         live = [r for r in submitted if not engine.requests[r].done]
         if live and rng.random() < 0.06:
             victim = rng.choice(live)
@@ -158,7 +158,7 @@ def test_mtp_cancel_readmit_and_lifecycle(checkpoint):
             cancelled.add(victim)
             # re-admission of a cancelled request gives the same tokens as its first (plain) run
             prompt, max_new = submitted[victim]
-            submitted[engine.submit(prompt, max_new, ignore_eos=True)] = (prompt, max_new)
+            submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
         engine.step()
     while engine.has_unfinished():
         engine.step()
@@ -195,3 +195,90 @@ def test_mtp_needs_an_mtp_head(checkpoint, tmp_path):
         make_engine(plain, k=2)
     with pytest.raises(RecipeError, match=r"mtp\.k must be 1\.\.4, got 5"):
         make_engine(plain, k=5)
+
+
+def test_stop_token_ids_cut_mtp_exactly_like_plain(checkpoint):
+    """A stop token ends a request where plain decoding stops (the token included), whichever verify step
+    emits it and however many drafts that step accepted; with ignore_eos too."""
+    path = checkpoint("tiny")
+    prompts = [random_prompt(n, seed=30 + n) for n in (6, 17)]
+    free = generate(make_engine(path), prompts)
+    stops = [free[0][5], free[1][2]]
+    params = SamplingParams(MAX_NEW, ignore_eos=True, stop_token_ids=stops)
+    expected = make_engine(path).generate(prompts, params)
+    for result, tokens in zip(expected, free, strict=True):
+        cut = min(tokens.index(s) for s in stops if s in tokens) + 1
+        assert result.finish_reason == "stop" and result.token_ids == tokens[:cut]
+    for k, draft in ((2, "oracle"), (4, "oracle"), (3, "head")):
+        got = make_engine(path, k=k, draft=draft, accept=1.0).generate(prompts, params)
+        assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in expected]
+
+
+def test_one_read_back_per_step(checkpoint, monkeypatch):
+    """Verify -> accept -> commit -> draft read nothing on the host: each step's results (first tokens, accepted
+    counts, chosen tokens, next drafts) come back through one `Runner.read_back` call, and no other tensor is
+    read on the host during the step, except inside the ops' CPU references (which read lengths; on CUDA the
+    kernels run instead, and tests/gpu/test_host_syncs.py counts the synchronisations)."""
+    import traceback
+
+    path = checkpoint("tiny")
+    engine = make_engine(path, k=3, draft="oracle", accept=0.6, prefill_chunk=16)
+    prompts = [random_prompt(n, seed=n) for n in (5, 40, 12)]
+    oracles = generate(make_engine(path), prompts)
+    params = SamplingParams(MAX_NEW, ignore_eos=True)
+    ids = [engine.submit_with_oracle(p, o, params) for p, o in zip(prompts, oracles, strict=True)]
+    reads = {"read_back": 0, "host": 0}
+    read_back = engine.runner.read_back
+
+    def counted_read_back(parts):
+        reads["read_back"] += 1
+        reads["host"] -= 1  # its own tolist
+        return read_back(parts)
+
+    def host_read(original):
+        def read(self, *args, **kwargs):
+            if not any("/qwen_mtp/ops/" in frame.filename for frame in traceback.extract_stack()):
+                reads["host"] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    engine.runner.read_back = counted_read_back
+    steps = 0
+    with monkeypatch.context() as patch:
+        for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+            patch.setattr(torch.Tensor, name, host_read(getattr(torch.Tensor, name)))
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            assert reads == {"read_back": steps, "host": 0}, steps
+    assert [engine.result(i).token_ids for i in ids] == oracles
+    assert engine.stats()["verify_steps"] > steps - 4  # most steps verified (the first ones prefill)
+
+
+def test_a_failing_mtp_step_ends_only_its_requests(checkpoint):
+    """A draft step that raises after its verify committed ends the requests verified in it (finish_reason
+    "error", pages and rows back); a request in prefill in the same step goes on to MTP-off's tokens."""
+    path = checkpoint("tiny")
+    engine = make_engine(path, k=2, prefill_chunk=8, page_size=8)
+    prompts = [random_prompt(n, seed=90 + n) for n in (5, 30)]
+    params = SamplingParams(MAX_NEW, ignore_eos=True)
+    verifying = engine.submit(prompts[0], params)
+    while engine.requests[verifying].spec.verify_steps < 2:
+        engine.step()
+    prefilling = engine.submit(prompts[1], params)
+    propose, fault = engine.speculator.propose, RuntimeError("injected fault")
+
+    def failing_propose(requests, verified):
+        raise fault
+
+    engine.speculator.propose = failing_propose
+    engine.step()
+    engine.speculator.propose = propose
+    failed = engine.result(verifying)
+    assert failed.finish_reason == "error" and failed.error is fault
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.result(prefilling).token_ids == generate(make_engine(path), [prompts[1]])[0]
+    assert_reclaimed(engine)
+    assert engine.requests == {}

@@ -11,7 +11,7 @@ def _rand(*shape, seed, scale=1.0):
 
 def _fused_op_cases():
     from qwen_mtp.ops.gdn import chunked_gated_delta_rule
-    from qwen_mtp.ops.gdn_prefill import gdn_chunked
+    from qwen_mtp.ops.gdn.chunked import gdn_chunked
     from qwen_mtp.ops.norm import add_rms_norm, add_rms_norm_reference
     from qwen_mtp.ops.rope import qk_norm_rope, qk_norm_rope_reference
     from qwen_mtp.ops.swiglu import swiglu, swiglu_reference

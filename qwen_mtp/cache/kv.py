@@ -1,9 +1,11 @@
 """Paged KV cache: every full-attention layer (and the MTP block's layer) stores keys/values in fixed-size
 pages from one shared pool; each request owns a page table that grows as its sequence grows.
 
-Admission *reserves* a request's worst-case page count up front and pages are taken from that reservation as
-the sequence grows, so a running request never runs out of pages (no preemption, no recomputation, which
-would break exactness). Finishing or cancelling returns both the pages and the unused reservation at once.
+Admission *reserves* a request's worst-case page count up front and the scheduler takes pages from that
+reservation before each step, for every position the step may write, so a running request never runs out of
+pages (no preemption, no recomputation, which would break exactness). Finishing or cancelling returns both the
+pages and the unused reservation at once. The pool is host bookkeeping plus one device tensor; page tables
+reach the device through the runner's pinned staging.
 """
 
 from __future__ import annotations
@@ -84,13 +86,13 @@ class PagePool:
         """The layer's cache memory [2 (k, v), pages, page_size, KV, D] (a contiguous view)."""
         return self.storage[self.layer_index[layer]]
 
-    def block_table(self, requests: list[int]) -> torch.Tensor:
-        """Page tables of `requests` as one [B, max pages] int32 tensor (padded with the scratch page, never
-        read)."""
+    def block_rows(self, requests: list[int]) -> list[list[int]]:
+        """Page tables of `requests`, each padded to the longest with the scratch page (never read): the rows of
+        a step's [B, max pages] table."""
         width = max(len(self.tables[r]) for r in requests)
-        rows = [self.tables[r] + [self.scratch_page] * (width - len(self.tables[r])) for r in requests]
-        return torch.tensor(rows, dtype=torch.int32, device=self.storage.device)
+        return [self.tables[r] + [self.scratch_page] * (width - len(self.tables[r])) for r in requests]
 
     def read(self, layer: str, request: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, length): each [length, KV, D]."""
-        return gather_kv(self.layer_kv(layer), self.block_table([request])[0], length)
+        """Keys and values of positions [0, length): each [length, KV, D] (for tests and tools)."""
+        table = torch.tensor(self.tables[request], dtype=torch.int32, device=self.storage.device)
+        return gather_kv(self.layer_kv(layer), table, length)

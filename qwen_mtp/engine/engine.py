@@ -1,12 +1,23 @@
-"""The public `Engine`: submit requests, step the continuous batch, stream or collect greedy tokens.
+"""The public `Engine`: submit requests, step the continuous batch, stream or collect their tokens.
 
-One step = the scheduler's choice (admissions, prefill chunks, one decode batch) run by the runner; finished
-or cancelled requests give back their KV pages and state row at once.
+One step: take what other threads submitted or cancelled (the inbox), let the scheduler choose (admissions,
+prefill chunks, one decode batch, one verify batch) and grow the pages they write, launch them through the
+runner, read the results back in one device->host copy, and let `update.py` write them into the requests.
+Finished or cancelled requests give back their KV pages and state row at once.
+
+Threads: `submit` and `cancel` may be called from any thread; they go through the inbox (a cancel applies at
+once when no step is running). Steps are serialized by one lock; `generate` and `stream` step the engine until
+their own requests end, reading their tokens from the requests (each stream keeps a cursor per request), so
+several threads can generate on one engine at once, whoever happens to run a step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import queue
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,65 +29,92 @@ from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.dtypes import STATE_DTYPES
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
-from qwen_mtp.engine.request import Request, SpecStats, Status
-from qwen_mtp.engine.runner import Runner, StepKind
+from qwen_mtp.engine.paged_cache import StepKind
+from qwen_mtp.engine.params import SamplingParams, as_token_ids, is_token_id
+from qwen_mtp.engine.request import Request, SpecStats
+from qwen_mtp.engine.runner import Runner
 from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, size_pools
 from qwen_mtp.engine.speculative import Speculator
 from qwen_mtp.engine.timing import PhaseTimer
+from qwen_mtp.engine.update import Outcome, RequestUpdater, Update
 from qwen_mtp.errors import RecipeError, RequestError
-from qwen_mtp.recipe import Recipe, load_recipe
+from qwen_mtp.recipe import CacheSection, CompileSection, MTPSection, Recipe, StateSection, load_recipe
 
 
 @dataclass
 class Result:
     token_ids: list[int]  # new tokens only
-    finish_reason: str  # "stop" (an EOS token, included in token_ids) | "length" | "cancelled"
+    finish_reason: str  # "stop" (an EOS or stop token, included in token_ids) | "length" | "cancelled" | "error"
     prompt_len: int
     spec: SpecStats | None = None  # speculation figures (drafted, accepted, acceptance length, per position)
+    error: BaseException | None = None  # what the failed step raised (finish_reason "error")
 
 
 @dataclass
-class Update:
-    request_id: int
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
+class _Launched:
+    """One launched part of a step (a prefill chunk, the decode batch, the verify batch): its requests, the
+    device results to read back, and how those values become outcomes; or the error it raised."""
+
+    requests: list[Request]
+    parts: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    outcomes: Callable[[list[list[int]]], list[Outcome]] | None = None
+    error: BaseException | None = None
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, recipe: Recipe, log: Callable[[str], None] | None = None):
-        if recipe.mtp.enabled and loaded.model.mtp is None:
+    """Generation over one loaded model. Takes only the recipe sections it needs (`from_recipe` reads them
+    from a recipe); `seed` seeds the oracle drafts' choices (`mtp.draft: oracle`)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        mtp: MTPSection | None = None,
+        state: StateSection | None = None,
+        cache: CacheSection | None = None,
+        compile: CompileSection | None = None,
+        seed: int = 0,
+        log: Callable[[str], None] | None = None,
+    ):
+        mtp, state, cache = mtp or MTPSection(), state or StateSection(), cache or CacheSection()
+        compile, log = compile or CompileSection(), log or _stderr
+        if mtp.enabled and loaded.model.mtp is None:
             raise RecipeError(f"mtp.enabled: checkpoint {loaded.checkpoint} has no mtp.* weights (no MTP head)")
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
-        self.recipe = recipe
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
-        self.spec_tokens = recipe.mtp.k if recipe.mtp.enabled else 0
-        sizes = size_pools(self.config, recipe, self.device, self.spec_tokens)
-        self.pages, self.states = self._build_pools(sizes)
-        self.scheduler = Scheduler(
-            self.pages, self.states, recipe.cache.max_batch, recipe.cache.prefill_chunk, lookahead=self.spec_tokens
-        )
+        self.spec_tokens = mtp.k if mtp.enabled else 0
+        dtype = self.model.lm_head_weight.dtype
+        sizes = size_pools(self.config, cache, dtype, state.dtype, self.device, self.spec_tokens)
+        self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
+        self.scheduler = Scheduler(self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens)
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
-        if recipe.compile.enabled or recipe.compile.cuda_graphs:
-            self.runner.graphs = self._build_graphs(log or _stderr)
-        if recipe.compile.enabled and recipe.compile.prefill:
-            self.runner.compile_prefill(recipe.compile.backend, log or _stderr)  # compiles on the first chunk
+        graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
+        if compile.enabled or graphs:
+            self.runner.graphs = self._build_graphs(compile, graphs, cache.max_batch, log)
+        compiled = "torch.compile" + (" + CUDA graphs" if graphs else "")
+        # what the decode path runs: "eager", "CUDA graphs", "torch.compile" or "torch.compile + CUDA graphs"
+        self.decode_path = compiled if compile.enabled else "CUDA graphs" if graphs else "eager"
+        if compile.enabled and compile.prefill:
+            self.runner.compile_prefill(compile.backend, log)  # compiles on the first chunk
         self.speculator = None
-        if recipe.mtp.enabled:
-            mtp = recipe.mtp
-            self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=recipe.model.seed)
-        self.requests: dict[int, Request] = {}
-        self._next_id = 0
+        if mtp.enabled:
+            self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed)
+        self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance)
+        self.requests: dict[int, Request] = {}  # submitted and not yet read back (see `result`)
         self.timer = PhaseTimer(device=self.device)  # enable to split step time by phase (benchmarks)
-        (log or _stderr)(sizes.describe(self.pages.bytes, self.states.bytes))
+        self._ids = itertools.count()
+        self._submitted: queue.SimpleQueue[Request] = queue.SimpleQueue()  # the inbox (put is reentrant)
+        self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # held for a whole step: steps never overlap
+        log(sizes.describe(self.pages.bytes, self.states.bytes))
 
-    def _build_pools(self, sizes: PoolSizes) -> tuple[PagePool, StatePool]:
-        shapes, dtype = self.model.shapes, self.model.lm_head_weight.dtype
+    def _build_pools(self, sizes: PoolSizes, dtype: torch.dtype, state_dtype: str) -> tuple[PagePool, StatePool]:
+        shapes = self.model.shapes
         pages = PagePool(
             self.model.attention_cache_layers,
             sizes.num_pages,
@@ -96,29 +134,31 @@ class Engine:
             shapes.gdn_value_head_dim,
             self.spec_tokens,
             conv_dtype=dtype,
-            state_dtype=STATE_DTYPES[self.recipe.state.dtype],
+            state_dtype=STATE_DTYPES[state_dtype],
             device=self.device,
         )
         return pages, states
 
-    def _build_graphs(self, log: Callable[[str], None]) -> StepGraphs:
-        settings = self.recipe.compile
-        if settings.cuda_graphs and self.device.type != "cuda":
+    def _build_graphs(
+        self, settings: CompileSection, capture: bool, max_batch: int, log: Callable[[str], None]
+    ) -> StepGraphs:
+        if capture and self.device.type != "cuda":
             raise RecipeError(f"compile.cuda_graphs needs a CUDA device, the model is on {self.device}")
-        sizes = bucket_sizes(settings.batch_sizes, self.recipe.cache.max_batch)
-        if sizes[-1] < self.recipe.cache.max_batch:
+        sizes = bucket_sizes(settings.batch_sizes, max_batch)
+        if sizes[-1] < max_batch:
             raise RecipeError(
-                f"compile.batch_sizes {sizes} must cover cache.max_batch ({self.recipe.cache.max_batch}): a request "
+                f"compile.batch_sizes {sizes} must cover cache.max_batch ({max_batch}): a request "
                 "must never switch between graphed and eager steps"
             )
         pool_tokens = self.pages.num_pages * self.pages.page_size
-        longest = min(self.config.max_position_embeddings + self.spec_tokens, pool_tokens)  # one request, at most
+        # one request's table at most: its verify and draft chain write up to 2K positions past its tokens
+        longest = min(self.config.max_position_embeddings + 2 * self.spec_tokens, pool_tokens)
         return StepGraphs(
             self.runner.steps,
             sizes,
             pages_for(longest, self.pages.page_size),
             compile=settings.enabled,
-            capture=settings.cuda_graphs,
+            capture=capture,
             backend=settings.backend,
             log=log,
         )
@@ -128,7 +168,8 @@ class Engine:
         """Compile and capture every decode-path step now (otherwise each is built the first time it runs)."""
         if self.runner.graphs is not None:
             spec = self.spec_tokens + 1 if self.speculator is not None else None
-            self.runner.graphs.warmup([1] + ([spec] if spec else []), spec)
+            with self._lock:
+                self.runner.graphs.warmup([1] + ([spec] if spec else []), spec)
 
     @classmethod
     def from_recipe(
@@ -137,195 +178,328 @@ class Engine:
         overrides: tuple[str, ...] = (),
         progress: bool = False,
         log: Callable[[str], None] | None = None,
+        loaded: LoadedModel | None = None,
     ) -> Engine:
+        """An engine for a recipe (a path, a dict, a `Recipe`); `loaded` reuses a model already loaded."""
         recipe = source if isinstance(source, Recipe) else load_recipe(source, overrides)
-        return cls(load_from_recipe(recipe, progress=progress), recipe, log=log)
+        loaded = loaded or load_from_recipe(recipe, progress=progress)
+        sections = {"mtp": recipe.mtp, "state": recipe.state, "cache": recipe.cache, "compile": recipe.compile}
+        return cls(loaded, **sections, seed=recipe.model.seed, log=log)
 
     # ---- text <-> tokens -------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text through the checkpoint's tokenizer; token ids pass through."""
+        """Text through the checkpoint's tokenizer; token ids pass through (checked)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this checkpoint has no tokenizer: give prompts as token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return list(prompt)
+        return as_token_ids(prompt)
 
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams, speculative: bool | None = None) -> None:
         """Raise `RequestError` for a request that can never run. Nothing is allocated."""
         if not prompt:
             raise RequestError("empty prompt: give at least one token")
         vocab = self.config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:10]}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
-        limit = self.config.max_position_embeddings
-        if len(prompt) + max_new_tokens > limit:
+        max_new, limit = params.max_new_tokens, self.config.max_position_embeddings
+        if len(prompt) + max_new > limit:
             raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"max_position_embeddings ({limit})"
             )
-        need = pages_for(len(prompt) + max_new_tokens + self.spec_tokens, self.pages.page_size)
+        speculative = self.speculator is not None if speculative is None else speculative
+        need = pages_for(self.scheduler.positions_reserved(len(prompt) + max_new, speculative), self.pages.page_size)
         if need > self.pages.num_pages:
             raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) needs {need} KV pages but the "
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} KV pages but the "
                 f"whole pool has {self.pages.num_pages}; raise cache.num_pages or cache.memory_fraction"
             )
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int | None = None,
-        ignore_eos: bool | None = None,
-        speculate: bool | None = None,
-        oracle: list[int] | None = None,
-    ) -> int:
-        """Queue a request; returns its id. It runs as soon as pages, a state row and a batch place are free.
+    def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> int:
+        """Queue a request (token ids: a list of ints, a 1-D integer numpy array or tensor); returns its id. It
+        runs as soon as pages, a state row and a batch place are free, speculatively when `mtp.enabled`. Safe
+        from any thread."""
+        if self.speculator is not None and self.speculator.oracle:
+            raise RequestError(
+                "mtp.draft is oracle: a request needs its plain-decoding continuation; use generate or stream, "
+                "which compute it (benchmarks and tests: submit_with_oracle)"
+            )
+        return self._submit(as_token_ids(prompt_ids), self._params(params)).id
 
-        `speculate` (default: `mtp.enabled`) decodes it with MTP drafts; `oracle` is its plain-greedy
-        continuation, required for `mtp.draft: oracle` (`generate` and `stream` compute it themselves)."""
-        prompt = list(prompt_ids)
-        max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
-        self.check_request(prompt, max_new)
+    def submit_with_oracle(self, prompt_ids: Any, oracle: list[int], params: SamplingParams | None = None) -> int:
+        """Benchmarks and tests: `submit` in `mtp.draft: oracle` mode, with the prompt's plain-decoding
+        continuation `oracle` (the drafts replay it; see speculative.py)."""
+        if self.speculator is None or not self.speculator.oracle:
+            raise RequestError("submit_with_oracle needs mtp.enabled: true and mtp.draft: oracle")
+        return self._submit(as_token_ids(prompt_ids), self._params(params), oracle=list(oracle)).id
+
+    def _submit(
+        self, prompt: list[int], params: SamplingParams, speculate: bool | None = None, oracle: list[int] | None = None
+    ) -> Request:
         speculate = self.speculator is not None if speculate is None else speculate
-        if speculate and self.speculator is None:
-            raise RequestError("speculate=True needs mtp.enabled: true in the recipe")
-        if speculate and self.recipe.mtp.draft == "oracle" and oracle is None:
-            raise RequestError("mtp.draft is oracle: pass the plain-greedy continuation as oracle=[...]")
-        request = Request(
-            self._next_id, prompt, max_new, self.recipe.run.ignore_eos if ignore_eos is None else ignore_eos
-        )
-        request.oracle = oracle
+        self.check_request(prompt, params, speculate)
+        request = Request(next(self._ids), prompt, params)
         if speculate:
-            self.speculator.start(request)
-        self._next_id += 1
+            self.speculator.start(request, oracle)
         self.requests[request.id] = request
-        self.scheduler.add(request)
-        return request.id
+        self._submitted.put(request)
+        return request
 
     def cancel(self, request_id: int) -> bool:
-        """Stop a request now and reclaim its pages and state row; False if it had already ended."""
-        request = self.requests[request_id]
+        """Stop a request and reclaim its pages and state row; False if it had already ended. Safe from any
+        thread: applied at once unless a step is running, else as the next step starts."""
+        return self._cancel(self._request(request_id))
+
+    def _cancel(self, request: Request) -> bool:
         if request.done:
             return False
-        self._release(request)
-        request.status, request.finish_reason = Status.CANCELLED, "cancelled"
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+                if not request.done:
+                    self.updater.finish(request, "cancelled")
+            finally:
+                self._lock.release()
+        else:  # a step is running (in another thread, or this one is being finalised inside it)
+            self._cancelled.put(request)
         return True
+
+    def result(self, request_id: int) -> Result:
+        """The request's tokens so far and how it ended. A finished request's result is read once: the engine
+        forgets the request then (`requests` keeps only requests whose result is still to be read)."""
+        request = self._request(request_id)
+        if request.done:
+            self.requests.pop(request_id, None)
+        return Result(request.output, request.finish_reason or "", len(request.prompt), request.spec, request.error)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or not self._submitted.empty())
+
+    def _request(self, request_id: int) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise RequestError(f"no request {request_id!r}: never submitted, or its result was already read")
+        return request
+
+    def _params(
+        self, params: SamplingParams | None, max_new_tokens: int | None = None, ignore_eos: bool | None = None
+    ) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a qwen_mtp.SamplingParams, got {type(params).__name__} {params!r}")
+        given = {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+        changes = {key: value for key, value in given.items() if value is not None}
+        return dataclasses.replace(params, **changes) if changes else params
 
     def _release(self, request: Request) -> None:
         self.scheduler.remove(request)
         if self.speculator is not None:
             self.speculator.forget(request)
 
-    def result(self, request_id: int) -> Result:
-        request = self.requests[request_id]
-        return Result(list(request.output), request.finish_reason or "", len(request.prompt), request.spec)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+    def _record_acceptance(self, request: Request, accepted: int) -> None:
+        self.speculator.record(request, accepted)
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[Update]:
         """Run one engine step; returns the new tokens of every request that got some, and who finished."""
+        with self._lock:
+            return self._step()
+
+    def _drain(self) -> None:
+        """Take in what other threads submitted and cancelled (under the step lock)."""
+        while not self._submitted.empty():
+            request = self._submitted.get()
+            if not request.done:  # a request cancelled before its first step never enters the queues
+                self.scheduler.add(request)
+        while not self._cancelled.empty():
+            request = self._cancelled.get()
+            if not request.done:
+                self.updater.finish(request, "cancelled")
+
+    @torch.inference_mode()
+    def _step(self) -> list[Update]:
+        self._drain()
         plan = self.scheduler.schedule()
         if plan.empty and self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
+        launched = []
         with self.timer("prefill"):
-            updates = [u for chunk in plan.prefills if (u := self._prefill(chunk)) is not None]
-        plain = [r for r in plan.decodes if r.spec is None]
-        speculative = [r for r in plan.decodes if r.spec is not None]
-        if plain:
+            launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
+        if plan.decodes:
             with self.timer("decode"):
-                updates += self._decode(plain)
-        if speculative:
-            with self.timer("verify"):
-                gained, verified = self.speculator.verify(speculative)
-                updates += [self._accept(r, tokens) for r, tokens in zip(speculative, gained, strict=True)]
-            with self.timer("draft"):
-                self.speculator.propose(verified, [r for r in speculative if not r.done])
-        return updates
+                launched.append(self._guard(plan.decodes, self._launch_decode, plan.decodes))
+        if plan.verifies:
+            launched.append(self._guard(plan.verifies, self._launch_verify, plan.verifies))
+        try:
+            values = self.runner.read_back([part for item in launched for part in item.parts])
+        except Exception as err:  # the device failed: no result of this step can be trusted
+            launched, values = [_Launched(item.requests, error=err) for item in launched], []
+        outcomes, offset = [], 0
+        for item in launched:
+            if item.error is not None:
+                outcomes += [Outcome(request, error=item.error) for request in item.requests]
+                continue
+            outcomes += item.outcomes(values[offset : offset + len(item.parts)])
+            offset += len(item.parts)
+        return self.updater.apply(outcomes)
 
-    def _prefill(self, chunk: PrefillChunk) -> Update | None:
-        request = chunk.request
-        tokens = request.prompt[chunk.start : chunk.start + chunk.length]
-        batch = self.runner.batch(StepKind.PREFILL, [request], [tokens], [chunk.start])
+    @staticmethod
+    def _guard(requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
+        """Launch one part of the step; if it raises, only its requests end (finish_reason "error")."""
+        try:
+            return launch(*args)
+        except Exception as err:
+            return _Launched(requests, error=err)
+
+    def _launch_prefill(self, chunk: PrefillChunk) -> _Launched:
+        request, start, length = chunk.request, chunk.start, chunk.length
+        batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
         hidden = self.runner.prefill(batch)
-        request.num_computed += chunk.length
-        update = None
-        if not request.in_prefill:
-            update = self._accept(request, [int(self.runner.greedy(hidden[:, -1])[0])])
-        if request.spec is not None and not request.done:
-            first = request.output[0] if update is not None else None
-            self.speculator.prefill_chunk(request, chunk.start, hidden, first)
-        return update
+        speculative = request.spec is not None and (chunk.drafts or not chunk.last)
+        if not chunk.last:
+            if speculative:
+                self.speculator.prefill_chunk(request, start, hidden, None)
+            return _Launched([request], [], lambda values: [Outcome(request, computed=length)])
+        parts = [self.runner.choose(hidden[:, -1])]  # the first output token [1]
+        if speculative:
+            parts.append(self.speculator.prefill_chunk(request, start, hidden, parts[0]))  # drafts [1, K]
 
-    def _decode(self, requests: list[Request]) -> list[Update]:
-        """Plain greedy decode: one token per request."""
+        def outcomes(values: list[list[int]]) -> list[Outcome]:
+            return [Outcome(request, length, values[0], drafts=values[1] if speculative else None)]
+
+        return _Launched([request], parts, outcomes)
+
+    def _launch_decode(self, requests: list[Request]) -> _Launched:
+        """Plain decode: one token per request."""
         tokens = [[r.tokens[r.num_computed]] for r in requests]
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
-        next_tokens = self.runner.decode(batch)[1][:, -1].tolist()
-        updates = []
-        for request, token in zip(requests, next_tokens, strict=True):
-            request.num_computed += 1
-            updates.append(self._accept(request, [token]))
-        return updates
+        chosen = self.runner.decode(batch)[1][:, -1]
 
-    def _accept(self, request: Request, tokens: list[int]) -> Update:
-        """Append tokens, cutting exactly where plain greedy decoding would stop (EOS or max_new_tokens)."""
-        new = []
-        for token in tokens:
-            new.append(token)
-            request.output.append(token)
-            if token in self.eos_ids and not request.ignore_eos:
-                request.finish_reason = "stop"
-            elif len(request.output) >= request.max_new_tokens:
-                request.finish_reason = "length"
-            if request.finish_reason:
-                request.status = Status.FINISHED
-                self._release(request)
-                break
-        return Update(request.id, new, request.done, request.finish_reason)
+        def outcomes(values: list[list[int]]) -> list[Outcome]:
+            return [Outcome(r, 1, [token]) for r, token in zip(requests, values[0], strict=True)]
+
+        return _Launched(requests, [chosen], outcomes)
+
+    def _launch_verify(self, requests: list[Request]) -> _Launched:
+        """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
+        next drafts with the rest of the step."""
+        with self.timer("verify"):
+            verified = self.speculator.verify(requests)
+        with self.timer("draft"):
+            drafts = self.speculator.propose(requests, verified)
+        k = self.spec_tokens
+
+        def outcomes(values: list[list[int]]) -> list[Outcome]:
+            accepted, chosen, proposed = values
+            result = []
+            for b, (request, j) in enumerate(zip(requests, accepted, strict=True)):
+                emitted = chosen[b * (k + 1) : b * (k + 1) + j + 1]
+                result.append(Outcome(request, j + 1, emitted, proposed[b * k : (b + 1) * k], accepted=j))
+            return result
+
+        return _Launched(requests, [verified.accepted, verified.chosen, drafts], outcomes)
+
+    # ---- whole generations -----------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Any,
+        params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        ignore_eos: bool | None = None,
+    ) -> list[Result]:
+        """Greedy continuation of each prompt (token ids), generated as one continuous batch (with whatever else
+        runs); results in prompt order. `max_new_tokens` / `ignore_eos` override those of `params`."""
+        params = self._params(params, max_new_tokens, ignore_eos)
+        requests = self._submit_all(self._check_prompts(prompts, params), params)
+        try:
+            self._run_until_done(requests)
+        finally:
+            self._abandon([r for r in requests if not r.done])  # interrupted, or a step failed as a whole
+        return [self.result(r.id) for r in requests]
 
     def stream(
-        self, prompts: list[list[int]], max_new_tokens: int | None = None, ignore_eos: bool | None = None
+        self,
+        prompts: Any,
+        params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        ignore_eos: bool | None = None,
     ) -> Iterator[Update]:
-        """Submit the prompts and yield their updates as they come (other requests keep running too)."""
-        ids = self._submit_all(prompts, max_new_tokens, ignore_eos)
-        mine = set(ids)
-        while any(not self.requests[i].done for i in ids):
-            for update in self.step():
-                if update.request_id in mine:
-                    yield update
+        """Submit the prompts and yield their updates as they come (other requests keep running too). Closing
+        or dropping the iterator before the end cancels the requests still running."""
+        params = self._params(params, max_new_tokens, ignore_eos)
+        return self._stream(self._check_prompts(prompts, params), params)
 
-    def generate(
-        self, prompts: list[list[int]], max_new_tokens: int | None = None, ignore_eos: bool | None = None
-    ) -> list[Result]:
-        """Greedy continuation of each prompt (token ids), generated as one continuous batch; prompt order."""
-        ids = self._submit_all(prompts, max_new_tokens, ignore_eos)
-        self._run_until_done(ids)
-        return [self.result(i) for i in ids]
+    def _stream(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[Update]:
+        requests = self._submit_all(prompts, params)  # here, so a stream never started holds nothing
+        sent = {r.id: 0 for r in requests}  # tokens already yielded, per request
+        live = list(requests)
+        try:
+            while live:
+                with self._lock:
+                    if any(not r.done for r in live):
+                        self._step()
+                    updates = []
+                    for r in live:
+                        new = r.tokens[len(r.prompt) + sent[r.id] :]
+                        if new or r.done:
+                            sent[r.id] += len(new)
+                            updates.append(Update(r.id, new, r.done, r.finish_reason))
+                    live = [r for r in live if not r.done]
+                yield from updates
+        finally:
+            self._abandon(requests)
 
-    def _run_until_done(self, ids: list[int]) -> None:
-        while any(not self.requests[i].done for i in ids):
-            self.step()
+    def _check_prompts(self, prompts: Any, params: SamplingParams) -> list[list[int]]:
+        """A list of prompts as token-id lists, every one checked before any is queued."""
+        if isinstance(prompts, torch.Tensor) or type(prompts).__name__ == "ndarray":
+            if prompts.ndim != 2:
+                raise RequestError(f"prompts as one array must be 2-D [prompts, tokens], got {prompts.ndim}-D")
+            prompts = list(prompts)
+        if not isinstance(prompts, list | tuple):
+            raise RequestError(f"prompts must be a list of prompts (each a list of token ids), got {prompts!r:.60}")
+        if prompts and is_token_id(prompts[0]):
+            raise RequestError(
+                f"prompts must be a list of prompts, each a list of token ids; got a flat list ({prompts!r:.60}): "
+                "wrap one prompt as [[...]]"
+            )
+        checked = [as_token_ids(p) for p in prompts]
+        for prompt in checked:
+            self.check_request(prompt, params)
+        return checked
 
-    def _submit_all(self, prompts, max_new_tokens, ignore_eos) -> list[int]:
-        max_new = self.recipe.run.max_new_tokens if max_new_tokens is None else max_new_tokens
-        for prompt in prompts:  # validate all first: a bad prompt must not leave the others queued
-            self.check_request(list(prompt), max_new)
-        oracles = [None] * len(prompts)
-        if self.speculator is not None and self.recipe.mtp.draft == "oracle":
-            # Oracle drafts replay each request's plain-greedy continuation: compute it first, without MTP.
-            plain = [self.submit(p, max_new, ignore_eos, speculate=False) for p in prompts]
-            self._run_until_done(plain)
-            oracles = [self.requests[i].output for i in plain]
-        return [self.submit(p, max_new, ignore_eos, oracle=o) for p, o in zip(prompts, oracles, strict=True)]
+    def _submit_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        oracles: list[list[int] | None] = [None] * len(prompts)
+        if self.speculator is not None and self.speculator.oracle:
+            # Oracle drafts replay each request's plain-decoding continuation: compute it first, without MTP.
+            plain = [self._submit(p, params, speculate=False) for p in prompts]
+            try:
+                self._run_until_done(plain)
+            finally:
+                self._abandon(plain)
+            oracles = [r.output for r in plain]
+        return [self._submit(p, params, oracle=o) for p, o in zip(prompts, oracles, strict=True)]
+
+    def _run_until_done(self, requests: list[Request]) -> None:
+        while True:
+            with self._lock:
+                if all(r.done for r in requests):
+                    return
+                self._step()
+
+    def _abandon(self, requests: list[Request]) -> None:
+        """Cancel whichever of `requests` still run and forget them all: nobody will read their results."""
+        for request in requests:
+            self._cancel(request)
+            self.requests.pop(request.id, None)
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -334,7 +508,7 @@ class Engine:
             "total_state_rows": self.states.num_rows,
             "free_state_rows": self.states.free_rows,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
         }
         if self.speculator is not None:
             totals = self.speculator.totals

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from qwen_mtp.engine.params import SamplingParams
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -45,23 +47,34 @@ class SpecStats:
         return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.position_accepted]
 
 
-@dataclass
 class Request:
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    ignore_eos: bool
-    status: Status = Status.WAITING
-    output: list[int] = field(default_factory=list)
-    num_computed: int = 0  # leading tokens of prompt + output whose KV and state are in the cache
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
-    spec: SpecStats | None = None  # set when the request decodes speculatively
-    drafts: list[int] = field(default_factory=list)  # the next verify's draft tokens d1..dK
-    oracle: list[int] | None = None  # plain-greedy continuation, for oracle drafts
+    """A request's tokens and progress. Only the scheduler (admission) and `update.py` (everything a step or a
+    cancellation changes) write these fields; the runner and the speculator only read them."""
+
+    def __init__(self, id: int, prompt: list[int], params: SamplingParams):
+        self.id = id
+        self.prompt = prompt
+        self.params = params
+        self.tokens = list(prompt)  # prompt + output, appended to as tokens are emitted (never rebuilt)
+        self.status = Status.WAITING
+        self.num_computed = 0  # leading tokens whose KV and state are in the cache
+        self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+        self.error: BaseException | None = None  # what a failed step raised
+        self.spec: SpecStats | None = None  # set when the request decodes speculatively
+        self.drafts: list[int] = []  # the next verify's draft tokens d1..dK
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def output(self) -> list[int]:
+        """The generated tokens (a copy: read it for results, not on the step path)."""
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
 
     @property
     def in_prefill(self) -> bool:
@@ -69,8 +82,8 @@ class Request:
 
     @property
     def max_len(self) -> int:
-        """Most positions this request can ever occupy in the cache."""
-        return len(self.prompt) + self.max_new_tokens
+        """Most tokens this request can ever hold (prompt + max_new_tokens)."""
+        return len(self.prompt) + self.params.max_new_tokens
 
     @property
     def done(self) -> bool:

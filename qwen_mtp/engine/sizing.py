@@ -1,4 +1,4 @@
-"""How big the KV page pool and the state pool are: explicit counts from the recipe, or (GPU) a share of the
+"""How big the KV page pool and the state pool are: explicit counts from `cache.*`, or (GPU) a share of the
 free memory after the model is loaded, or (CPU) enough for `max_batch` sequences of up to 4096 tokens."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from qwen_mtp.cache.kv import pages_for
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.errors import RecipeError
-from qwen_mtp.recipe import Recipe
+from qwen_mtp.recipe import CacheSection
 
 CPU_DEFAULT_TOKENS = 4096
 MiB = 1 << 20
@@ -53,16 +53,22 @@ def state_row_bytes(config: ModelConfig, spec_tokens: int, dtype: torch.dtype, s
     return gdn_layers * (conv + ssm)
 
 
-def size_pools(config: ModelConfig, recipe: Recipe, device: torch.device, spec_tokens: int) -> PoolSizes:
-    cache = recipe.cache
-    dtype = getattr(torch, recipe.model.dtype)
+def size_pools(
+    config: ModelConfig,
+    cache: CacheSection,
+    dtype: torch.dtype,
+    state_dtype: str,
+    device: torch.device,
+    spec_tokens: int,
+) -> PoolSizes:
+    """Pool sizes for a model of `config` in `dtype` (KV and conv windows) with SSM states in `state_dtype`."""
     rows = cache.num_state_rows or cache.max_batch
     attention_layers = config.layer_types.count("attn") + config.mtp_num_hidden_layers
     if cache.num_pages is not None:
         pages = cache.num_pages
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cache.memory_fraction - rows * state_row_bytes(config, spec_tokens, dtype, recipe.state.dtype)
+        budget = free * cache.memory_fraction - rows * state_row_bytes(config, spec_tokens, dtype, state_dtype)
         pages = int(budget // page_bytes(config, attention_layers, cache.page_size, dtype))
         if pages < 1:
             raise RecipeError(
@@ -71,4 +77,4 @@ def size_pools(config: ModelConfig, recipe: Recipe, device: torch.device, spec_t
             )
     else:
         pages = rows * pages_for(min(config.max_position_embeddings, CPU_DEFAULT_TOKENS), cache.page_size)
-    return PoolSizes(pages, cache.page_size, rows, spec_tokens, recipe.state.dtype)
+    return PoolSizes(pages, cache.page_size, rows, spec_tokens, state_dtype)

@@ -1,30 +1,49 @@
 """Greedy MTP speculation: draft K tokens with the model's MTP head, verify them in one packed target forward,
-accept the longest matching prefix plus a bonus token, and commit the GDN state by index.
+accept the longest matching prefix plus a bonus token, and commit the GDN state by index, all on the device.
 
 Per running request, between steps: `num_computed = n` target positions are cached, the last emitted token
 `t_n` is not yet consumed, and `drafts = [d1..dK]` guess the tokens at n+1..n+K.
 
-    verify   target over [t_n, d1..dK] at positions n..n+K   -> hidden H_0..H_K, argmax a_0..a_K
-    accept   j = longest prefix with d_i == a_{i-1}; emit d1..dj and the bonus a_j
+    verify   target over [t_n, d1..dK] at positions n..n+K   -> hidden H_0..H_K, chosen c_0..c_K
+    accept   j = longest prefix with d_i == c_{i-1} (`sampling.accept`); the request emits c_0..c_j
     commit   SSM slot j and conv offset j (written by the verify itself); attention KV rolls back by length
-    catch-up MTP over positions n..n+K with (a_i, H_i): rewrites the MTP KV of the accepted positions from the
+    catch-up MTP over positions n..n+K with (c_i, H_i): rewrites the MTP KV of the accepted positions from the
              target's hidden states (draft-chain entries there were provisional); its output at index j drafts
              d1 of the next step
     chain    d_k (k >= 2) from the MTP's own post-norm output and d_{k-1}, one position further each time
 
-The emitted tokens are always the target's argmax, so the output equals plain greedy decoding whenever the
-verify computes each position as a 1-token decode does (batch-invariant ops; see runner.py).
+`j` stays on the device from the verify to the commit and the draft: the host learns it, with the chosen
+tokens and the next drafts, in the step's one read-back. The emitted tokens are always the target's choice, so
+the output equals plain decoding whenever the verify computes each position as a 1-token decode does
+(batch-invariant ops).
+
+Oracle drafts (`mtp.draft: oracle`, for benchmarks and tests) replace the head's proposal for output index i
+with the plain-decoding token there when a seeded draw for (seed, request, i) falls under `oracle_accept`, so
+they never depend on the batch. Since j is not known on the host, each step passes the oracle tokens for every
+possible j (a window of 2K output indices) and the device picks by j.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from qwen_mtp.engine import sampling
+from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request, SpecStats
-from qwen_mtp.engine.runner import Runner, StepBatch, StepKind
+from qwen_mtp.engine.runner import Runner
+
+
+@dataclass
+class Verified:
+    """A verify step's device results, for the draft step and the read-back."""
+
+    batch: StepBatch
+    hidden: torch.Tensor  # target hidden [B, K+1, H]
+    chosen: torch.Tensor  # chosen tokens [B, K+1]
+    accepted: torch.Tensor  # drafts accepted per request [B] (j)
 
 
 class Speculator:
@@ -32,103 +51,81 @@ class Speculator:
         self.runner, self.k = runner, k
         self.draft_mode, self.oracle_accept, self.seed = draft, oracle_accept, seed
         self.totals = SpecStats(k)  # every verify step of every request, for Engine.stats()
-        self._rngs: dict[int, random.Random] = {}
+        self._oracles: dict[int, tuple[list[int], list[bool]]] = {}  # request -> (tokens, use) per output index
 
-    def start(self, request: Request) -> None:
+    @property
+    def oracle(self) -> bool:
+        return self.draft_mode == "oracle"
+
+    def start(self, request: Request, oracle: list[int] | None = None) -> None:
+        """Decode `request` speculatively; in oracle mode `oracle` is its plain-decoding continuation."""
         request.spec = SpecStats(self.k)
-        # Oracle choices are seeded per request, so they never depend on the batch.
-        self._rngs[request.id] = random.Random(f"{self.seed}:{request.id}")
+        if self.oracle:
+            draw = random.Random(f"{self.seed}:{request.id}")
+            tokens = list(oracle or [])
+            self._oracles[request.id] = (tokens, [draw.random() < self.oracle_accept for _ in tokens])
 
     def forget(self, request: Request) -> None:
-        self._rngs.pop(request.id, None)
+        self._oracles.pop(request.id, None)
 
     # ---- prefill -------------------------------------------------------------------------------------------
-    def prefill_chunk(self, request: Request, start: int, hidden: torch.Tensor, first_token: int | None) -> None:
-        """Fill the MTP KV for a prompt chunk's positions from the target's hidden states [1, T, H]. On the
-        last chunk (`first_token` given, the request still running) also draft for the first verify."""
+    def prefill_chunk(
+        self, request: Request, start: int, hidden: torch.Tensor, first: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Fill the MTP KV for a prompt chunk's positions from the target's hidden states [1, T, H]. With the
+        prompt's first output token (`first` [1], on the device) also draft for the first verify: drafts [1, K]."""
         length = hidden.shape[1]
-        following = request.prompt[start + 1 : start + length + 1]
-        if first_token is not None:
-            following = following + [first_token]
-        batch = self.runner.batch(StepKind.PREFILL, [request], [following], [start])
+        end = start + length
+        following = self.runner.tensor([request.prompt[start + 1 : end + 1]])  # token i+1 at position i
+        if first is not None:
+            following = torch.cat([following, first[:, None]], dim=1)
+        batch = self.runner.batch(StepKind.PREFILL, [request], following, [start])
         mtp_hidden = self.runner.prefill_mtp(batch, hidden)
-        if first_token is not None:
-            chain = self._chain_batch([request], StepKind.PREFILL)
-            first = torch.tensor([request.num_computed], device=hidden.device)
-            drafts = self.runner.chain(chain, mtp_hidden[:, -1], first, *self._overrides([request], hidden.device))
-            request.drafts = drafts.tolist()[0]
+        if first is None:
+            return None
+        accepted = torch.zeros(1, dtype=torch.long, device=hidden.device)
+        override, use = self._overrides([request], [1], accepted)  # d1 is output index 1
+        return self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def verify(self, requests: list[Request]) -> tuple[list[list[int]], _Verified]:
-        """One packed target forward over [t_n, d1..dK] per request; commits each request's state at its
-        accepted boundary. Returns the tokens each request gains (accepted drafts + bonus), uncut by EOS or
-        max_new_tokens, and what `propose` needs."""
-        starts = [r.num_computed for r in requests]
+    def verify(self, requests: list[Request]) -> Verified:
+        """One packed target forward over [t_n, d1..dK] per request, acceptance, and the commit of each
+        request's state at its accepted boundary."""
         tokens = [[r.tokens[r.num_computed]] + r.drafts for r in requests]
-        batch = self.runner.batch(StepKind.DECODE, requests, tokens, starts)
-        hidden, argmax = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
-        argmax = argmax.tolist()  # the verify's one host sync
-        gained, accepted = [], []
-        for request, row in zip(requests, argmax, strict=True):
-            j = 0
-            while j < self.k and request.drafts[j] == row[j]:
-                j += 1
-            gained.append(request.drafts[:j] + [row[j]])
-            accepted.append(j)
-            request.num_computed += j + 1
-            request.spec.record(j)
-            self.totals.record(j)
-        self.runner.states.commit(batch.state_rows, torch.tensor(accepted, device=batch.state_rows.device))
-        return gained, _Verified(requests, starts, hidden, argmax, accepted)
+        batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
+        hidden, chosen = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
+        accepted = sampling.accept(batch.token_ids[:, 1:], chosen)
+        self.runner.states.commit(batch.state_rows, accepted)
+        return Verified(batch, hidden, chosen, accepted)
 
-    def propose(self, verified: _Verified, live: list[Request]) -> None:
-        """MTP catch-up over the verified positions, then the draft chain, for the requests still running."""
-        if not live:
-            return
-        keep = [i for i, r in enumerate(verified.requests) if r in live]
-        self._chain_batch(live, StepKind.DECODE)  # grows the pages the chain writes
-        batch = self.runner.batch(
-            StepKind.DECODE,
-            live,
-            [verified.argmax[i] for i in keep],
-            [verified.starts[i] for i in keep],
-        )
-        device = verified.hidden.device
-        accepted = torch.tensor([verified.accepted[i] for i in keep], device=device)
-        hidden = verified.hidden[torch.tensor(keep, device=device)]
-        drafts = self.runner.draft(batch, hidden, accepted, *self._overrides(live, device)).tolist()
-        for request, proposal in zip(live, drafts, strict=True):
-            request.drafts = proposal
+    def propose(self, requests: list[Request], verified: Verified) -> torch.Tensor:
+        """MTP catch-up over the verified positions, then the draft chain: the next drafts [B, K]."""
+        batch = replace(verified.batch, token_ids=verified.chosen)
+        # the next step's d1 is output index n + j + 2 - prompt length
+        firsts = [r.num_computed + 2 - len(r.prompt) for r in requests]
+        override, use = self._overrides(requests, firsts, verified.accepted)
+        return self.runner.draft(batch, verified.hidden, verified.accepted, override, use)
 
-    def _chain_batch(self, requests: list[Request], kind: StepKind) -> StepBatch:
-        """The pages (and a batch for) the draft chain: steps 2..K sit at positions n'..n'+K-2, where n' =
-        `num_computed` after the step."""
-        last = max(self.k - 1, 1)
-        return self.runner.batch(kind, requests, [[0] * last for _ in requests], [r.num_computed for r in requests])
+    def record(self, request: Request, accepted: int) -> None:
+        request.spec.record(accepted)
+        self.totals.record(accepted)
 
-    def _overrides(self, requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Oracle mode: the plain-greedy tokens that replace the head's proposals ([B, K]) and where ([B, K]
-        bool), each draft replaced with probability `oracle_accept` (seeded per request). The head still runs,
-        so a step costs the same."""
-        override = [[0] * self.k for _ in requests]
-        use = [[False] * self.k for _ in requests]
-        if self.draft_mode == "oracle":
-            for i, request in enumerate(requests):
-                for step in range(self.k):
-                    index = request.num_computed + 1 + step - len(request.prompt)  # output index of this draft
-                    if request.oracle is None or index >= len(request.oracle):
-                        continue
-                    if self._rngs[request.id].random() < self.oracle_accept:
-                        override[i][step], use[i][step] = request.oracle[index], True
-        return torch.tensor(override, device=device), torch.tensor(use, device=device)
-
-
-@dataclass
-class _Verified:
-    """What a verify step leaves for the MTP catch-up."""
-
-    requests: list[Request]
-    starts: list[int]  # each request's first verified position (n)
-    hidden: torch.Tensor  # target hidden [B, K+1, H]
-    argmax: list[list[int]]  # target argmax [B][K+1]
-    accepted: list[int]  # drafts accepted per request (j)
+    def _overrides(
+        self, requests: list[Request], firsts: list[int], accepted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The oracle tokens that replace the head's proposals ([B, K]) and where ([B, K] bool). Request b's
+        draft i sits at output index `firsts[b] + accepted[b] + i`; the host stages indices firsts[b] .. +2K-1
+        and the device gathers by `accepted`. The head still runs, so a step costs the same."""
+        count, device = len(requests), self.runner.device
+        if not self.oracle:
+            zeros = torch.zeros(count, self.k, dtype=torch.long, device=device)
+            return zeros, zeros.bool()
+        tokens, use = [], []
+        for request, first in zip(requests, firsts, strict=True):
+            oracle, draws = self._oracles[request.id]
+            window = range(first, first + 2 * self.k)
+            tokens.append([oracle[i] if i < len(oracle) else 0 for i in window])
+            use.append([i < len(oracle) and draws[i] for i in window])
+        index = accepted[:, None] + torch.arange(self.k, device=device)
+        override = torch.gather(self.runner.tensor(tokens), 1, index)
+        return override, torch.gather(self.runner.tensor(use, torch.bool), 1, index)

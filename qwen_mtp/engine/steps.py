@@ -3,7 +3,8 @@ objects. That is what lets `graphs.py` compile them with `torch.compile(fullgrap
 decode path, run them on static buffers in CUDA graphs); eagerly they are the same code.
 
 `DecodeSteps`, shapes fixed per batch bucket:
-- `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and its argmax.
+- `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and the tokens it
+            chooses (`sampling.choose`).
 - `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
             accepted position (see speculative.py for the algorithm).
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
@@ -21,6 +22,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine import sampling
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.model import QwenHybridForCausalLM
 
@@ -34,8 +36,7 @@ class DecodeSteps:
         return PagedStepCache(batch, self.pages, self.states)
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Argmax of fp32 logits picks the first maximal index, as Hugging Face's greedy search does.
-        return self.model.logits(hidden, invariant=True).float().argmax(dim=-1)
+        return sampling.choose(self.model.logits(hidden, invariant=True))
 
     def target(
         self,
@@ -45,18 +46,18 @@ class DecodeSteps:
         tables: torch.Tensor,  # [B, W] int32: page tables
         lens: torch.Tensor,  # [B] int32: positions cached after the step
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-norm hidden states [B, T, H] and their greedy tokens [B, T]."""
+        """Post-norm hidden states [B, T, H] and the tokens chosen from them [B, T]."""
         cache = self._cache(tokens, positions, rows, tables, lens)
         hidden = self.model.hidden_states(tokens, positions, cache)
         return hidden, self._argmax(hidden)
 
     def draft(
         self,
-        tokens: torch.Tensor,  # [B, K+1] the verify's argmax a_0..a_K (token i+1 of position i)
+        tokens: torch.Tensor,  # [B, K+1] the verify's chosen tokens c_0..c_K (token i+1 of position i)
         hidden: torch.Tensor,  # [B, K+1, H] the verify's target hidden states
         positions: torch.Tensor,  # [B, K+1] the verified positions n..n+K
         rows: torch.Tensor,
-        tables: torch.Tensor,  # pages must cover n + j + K positions
+        tables: torch.Tensor,  # pages must cover n + j + K positions (the scheduler grows them to n + 2K)
         lens: torch.Tensor,  # [B] n + K + 1
         accepted: torch.Tensor,  # [B] long: drafts accepted by the verify (j)
         override: torch.Tensor,  # [B, K] long: oracle tokens

@@ -8,11 +8,12 @@ import pytest
 import torch
 from helpers import load_hf, random_prompt
 
-from qwen_mtp import Engine, load_model
+from qwen_mtp import Engine, SamplingParams, load_model
 from qwen_mtp.ops.backend import reference_ops
 
-MODES = {  # eager kernels, CUDA graphs of them, or torch.compile (inductor) + CUDA graphs + compiled prefill
-    "eager": {},
+MODES = {  # eager kernels, CUDA graphs of them (the default on CUDA), or torch.compile (inductor) + CUDA graphs +
+    # compiled prefill
+    "eager": {"cuda_graphs": False},
     "graphs": {"cuda_graphs": True},
     "compiled": {"cuda_graphs": True, "enabled": True, "prefill": True},
 }
@@ -113,7 +114,7 @@ def test_stress_changing_batch_mix(k, mode):
     spec = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=64, prefill_chunk=512, mode=mode)
     ids = []
     for i, prompt in enumerate(prompts):  # staggered arrivals: the batch mix changes every few steps
-        ids.append(spec.submit(prompt, 256, ignore_eos=True, oracle=expected[i]))
+        ids.append(spec.submit_with_oracle(prompt, expected[i], SamplingParams(256, ignore_eos=True)))
         if i % 3 == 0:
             spec.step()
     while spec.has_unfinished():

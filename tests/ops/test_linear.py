@@ -1,5 +1,5 @@
-"""The batch-invariant GEMM (`qwen_mtp::linear` with `invariant=True`): equal to a plain product, and a row's result never
-depends on the other rows or on how many there are."""
+"""The batch-invariant GEMM (`qwen_mtp::linear` with `invariant=True`): equal to a plain product, and a row's
+result never depends on the other rows or on how many there are."""
 
 import pytest
 import torch

@@ -1,0 +1,77 @@
+"""What a request asks of generation: `SamplingParams`, checked when made, and the check of prompt token ids.
+Both raise `RequestError` with what was given, so a bad request fails at submit and allocates nothing."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qwen_mtp.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates. Greedy for now (temperature and the rest arrive with sampling).
+
+    - `max_new_tokens`: the most tokens to generate (the request ends with finish_reason "length");
+    - `ignore_eos`: keep going past the model's EOS tokens;
+    - `stop_token_ids`: more tokens that end the request as EOS does (finish_reason "stop", the token included
+      in the output), whether or not `ignore_eos` is set.
+    """
+
+    max_new_tokens: int = 32
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not is_token_id(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an integer >= 1, got {_given(self.max_new_tokens)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {_given(self.ignore_eos)}")
+        stops = self.stop_token_ids
+        if isinstance(stops, str | bytes) or not isinstance(stops, list | tuple | set | frozenset):
+            raise RequestError(f"stop_token_ids must be a list of token ids, got {_given(stops)}")
+        bad = [t for t in stops if not is_token_id(t) or t < 0]
+        if bad:
+            raise RequestError(f"stop_token_ids must be token ids (integers >= 0), got {_given(bad[0])}")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+def as_token_ids(prompt: Any) -> list[int]:
+    """A prompt as a list of Python ints: a list or tuple of integers, a 1-D integer numpy array or tensor.
+    Raises `RequestError` saying what was given otherwise (a str: encode it first; a float, None or a bool)."""
+    if isinstance(prompt, str):
+        raise RequestError(f"a prompt must be token ids, got a str {prompt[:40]!r}: encode text first (engine.encode)")
+    if isinstance(prompt, torch.Tensor) or _is_numpy_array(prompt):
+        kind = "tensor" if isinstance(prompt, torch.Tensor) else "numpy array"
+        if kind == "tensor":
+            integral = not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
+        else:
+            integral = prompt.dtype.kind in "iu"
+        if prompt.ndim != 1 or not integral:
+            raise RequestError(f"a prompt {kind} must be 1-D integer token ids, got {prompt.ndim}-D {prompt.dtype}")
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, list | tuple):
+        raise RequestError(f"a prompt must be a list of token ids, got {_given(prompt)}")
+    for i, token in enumerate(prompt):
+        if not is_token_id(token):
+            raise RequestError(f"token ids must be integers, got {_given(token)} at index {i}")
+    return [int(t) for t in prompt]
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer that is not a bool (numpy integers included): what a token id can be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_numpy_array(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
+
+
+def _given(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:40]}{'...' if len(text) > 40 else ''} ({type(value).__name__})"

@@ -1,0 +1,84 @@
+"""The one writer of request state. After a step's results are read back, `RequestUpdater.apply` is the only
+code that advances `num_computed`, appends output tokens, stores the next drafts, and finishes requests (EOS,
+a stop token or `max_new_tokens`, cut exactly where plain decoding stops; or the error a step raised); `finish`
+(called by it and by `Engine.cancel`) is the only code that ends a request and gives back its pages and row.
+The scheduler's one write is admission (waiting -> running); the runner and the speculator write nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qwen_mtp.engine.request import Request, Status
+
+
+@dataclass
+class Update:
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Outcome:
+    """What one step did for one request, as read back from the device."""
+
+    request: Request
+    computed: int = 0  # positions the target consumed
+    tokens: tuple[int, ...] | list[int] = ()  # tokens emitted, before any cut
+    drafts: list[int] | None = None  # the next verify's drafts
+    accepted: int | None = None  # drafts the verify accepted
+    error: BaseException | None = None  # the step raised: the request ends with finish_reason "error"
+
+
+class RequestUpdater:
+    def __init__(
+        self,
+        eos_ids: Callable[[], set[int]],
+        release: Callable[[Request], None],
+        record_acceptance: Callable[[Request, int], None],
+    ):
+        self.eos_ids, self.release, self.record_acceptance = eos_ids, release, record_acceptance
+
+    def apply(self, outcomes: list[Outcome]) -> list[Update]:
+        """Write each outcome into its request; returns the new tokens of every request that got some or ended."""
+        eos = self.eos_ids()
+        updates = []
+        for outcome in outcomes:
+            request = outcome.request
+            if request.done:
+                continue  # cancelled while its step ran
+            if outcome.error is not None:
+                self.finish(request, "error", outcome.error)
+                updates.append(Update(request.id, [], True, "error"))
+                continue
+            request.num_computed += outcome.computed
+            if outcome.accepted is not None:
+                self.record_acceptance(request, outcome.accepted)
+            new = self._append(request, outcome.tokens, eos)
+            if outcome.drafts is not None:
+                request.drafts = outcome.drafts
+            if new or request.done:
+                updates.append(Update(request.id, new, request.done, request.finish_reason))
+        return updates
+
+    def _append(self, request: Request, tokens, eos: set[int]) -> list[int]:
+        """Append tokens, cutting exactly where plain decoding would stop."""
+        params, new = request.params, []
+        for token in tokens:
+            new.append(token)
+            request.tokens.append(token)
+            if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                self.finish(request, "stop")
+            elif request.num_output >= params.max_new_tokens:
+                self.finish(request, "length")
+            if request.done:
+                break
+        return new
+
+    def finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
+        """End a request ("stop" | "length" | "cancelled" | "error") and give back its pages and state row."""
+        request.status = Status.CANCELLED if reason == "cancelled" else Status.FINISHED
+        request.finish_reason, request.error = reason, error
+        self.release(request)

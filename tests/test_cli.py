@@ -52,22 +52,6 @@ def test_progress_on_a_terminal_is_a_bar():
     assert "generating" in stream.getvalue() and "generated " not in stream.getvalue()  # a bar, no plain lines
 
 
-def test_decode_path_from_the_engine_or_the_recipe():
-    from types import SimpleNamespace
-
-    from qwen_mtp.cli import _decode_path
-    from qwen_mtp.recipe import load_recipe
-
-    def engine(*overrides, **attrs):
-        return SimpleNamespace(recipe=load_recipe({"model": {"fixture": "tiny"}}, overrides), **attrs)
-
-    assert _decode_path(engine(decode_path="CUDA graphs")) == "CUDA graphs"
-    assert _decode_path(engine()) == "eager"
-    assert _decode_path(engine("compile.cuda_graphs=true")) == "CUDA graphs"
-    assert _decode_path(engine("compile.cuda_graphs=true", "compile.enabled=true")) == "torch.compile + CUDA graphs"
-    assert _decode_path(engine("compile.enabled=true", "compile.backend=aot_eager")) == "torch.compile (aot_eager)"
-
-
 def test_run_reports_bad_recipe_cleanly(tmp_path):
     proc = _run("run", "recipes/tiny.yaml", "--set", "mtp.k=9")
     assert proc.returncode == 2 and "mtp.k must be 1..4, got 9" in proc.stderr

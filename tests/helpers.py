@@ -59,13 +59,21 @@ def assert_greedy_matches_hf(
     machine. Callers assert a minimum over their prompts, so the comparison cannot silently shrink to nothing."""
     if model.dtype == torch.float32:
         expected = hf_greedy(model, prompt, max_new_tokens, eos_ids)
-        assert ours == expected, f"prompt of {len(prompt)} tokens: ours {ours} != HF {expected}"
-        return len(expected)
+        return assert_matches_reference(ours, expected, None, f"prompt of {len(prompt)} tokens")
     expected, margins = hf_greedy_with_margins(model, prompt, max_new_tokens, eos_ids)
+    return assert_matches_reference(ours, expected, margins, f"prompt of {len(prompt)} tokens")
+
+
+def assert_matches_reference(ours: list[int], expected: list[int], margins: list[float] | None, what: str) -> int:
+    """`assert_greedy_matches_hf` on HF's tokens already computed: `margins` None compares every token (fp32);
+    otherwise only those before HF's first near-tie. Returns how many were compared."""
+    if margins is None:
+        assert ours == expected, f"{what}: ours {ours} != HF {expected}"
+        return len(expected)
     trusted = next((i for i, margin in enumerate(margins) if margin < NEAR_TIE_ULPS), len(expected))
     got = ours if trusted == len(expected) else ours[:trusted]
     assert got == expected[:trusted], (
-        f"prompt of {len(prompt)} tokens: ours {ours} != HF {expected} within the {trusted} tokens before HF's "
+        f"{what}: ours {ours} != HF {expected} within the {trusted} tokens before HF's "
         f"first near-tie (margins in ulps: {[round(m, 1) for m in margins]})"
     )
     return trusted

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import hf_greedy, load_hf, random_prompt
+from helpers import assert_greedy_matches_hf, hf_greedy, load_hf, random_prompt
 
 from qwen_mtp import Engine
 
@@ -25,9 +25,10 @@ def test_greedy_tokens_match_hf(checkpoint, preset, layout, dtype):
     engine = Engine.from_recipe({"model": {"path": str(path), "dtype": dtype, "device": "cpu"}})
     results = engine.generate(PROMPTS, max_new_tokens=16, ignore_eos=True)
     hf = load_hf(path, getattr(torch, dtype))
-    for prompt, result in zip(PROMPTS, results, strict=True):
-        assert result.token_ids == hf_greedy(hf, prompt, 16, eos_ids=None), f"prompt length {len(prompt)}"
-        assert result.finish_reason == "length"
+    compared = sum(assert_greedy_matches_hf(r.token_ids, hf, p, 16) for p, r in zip(PROMPTS, results, strict=True))
+    # fp32: every token. bf16: the tokens before HF's own near-ties (tests/helpers.py), a third at least.
+    assert compared == 16 * len(PROMPTS) if dtype == "float32" else compared >= 16 * len(PROMPTS) // 3
+    assert all(r.finish_reason == "length" for r in results)
 
 
 def test_stops_at_eos_like_hf(checkpoint):

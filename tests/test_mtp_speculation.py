@@ -5,7 +5,7 @@ import functools
 
 import pytest
 import torch
-from helpers import hf_greedy, load_hf, random_prompt
+from helpers import assert_matches_reference, hf_greedy_with_margins, load_hf, random_prompt
 
 from qwen_mtp import Engine, RecipeError, SamplingParams
 
@@ -25,8 +25,10 @@ def batch_prompts(k):
 
 
 @functools.cache
-def hf_tokens(path, dtype, prompt):
-    return hf_greedy(load_hf(path, getattr(torch, dtype)), list(prompt), MAX_NEW, eos_ids=None)
+def hf_reference(path, dtype, prompt):
+    """HF's greedy tokens and their top-2 margins (None in fp32: every token is compared)."""
+    tokens, margins = hf_greedy_with_margins(load_hf(path, getattr(torch, dtype)), list(prompt), MAX_NEW, eos_ids=None)
+    return tokens, None if dtype == "float32" else margins
 
 
 def generate(engine, prompts):
@@ -48,7 +50,12 @@ def test_mtp_matches_plain_and_hf_batch1_and_batch8(checkpoint, k, dtype):
     off = generate(plain, prompts)
     assert generate(spec, prompts) == off  # batch 8
     assert [generate(spec, [p])[0] for p in prompts[:3]] == off[:3]  # batch 1
-    assert off == [hf_tokens(path, dtype, tuple(p)) for p in prompts]
+    compared = sum(
+        assert_matches_reference(ours, *hf_reference(path, dtype, tuple(p)), f"prompt of {len(p)} tokens")
+        for ours, p in zip(off, prompts, strict=True)
+    )
+    # fp32: every token. bf16: the tokens before HF's own near-ties (tests/helpers.py), a third at least.
+    assert compared == MAX_NEW * len(prompts) if dtype == "float32" else compared >= MAX_NEW * len(prompts) // 3
     assert spec.stats()["verify_steps"] > 0
     assert_reclaimed(spec)
 

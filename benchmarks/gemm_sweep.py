@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.ops.linear import GemmPlan, gemm_plan, invariant_matmul_triton
 from qwen_mtp.testing.synthetic import synthetic_config
 
@@ -24,11 +25,12 @@ def decode_shapes(preset: str) -> dict[str, tuple[int, int]]:
     """(N, K) of every decode-path linear of a synthetic preset's config, as the CUDA engine runs them (input
     projections fused, as the model's `MergedLinear`s hold them; lm_head excluded: it is wide enough for any plan)."""
     c = synthetic_config(preset)
+    s = RankShapes.of(c)
     h, inter = c.hidden_size, c.intermediate_size
     attn_q, attn_kv = 2 * c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return {
-        "gdn in_proj (fused)": (c.gdn_conv_dim + c.gdn_value_dim + 2 * c.linear_num_value_heads, h),
-        "gdn out_proj": (h, c.gdn_value_dim),
+        "gdn in_proj (fused)": (s.gdn_conv_dim + s.gdn_value_dim + 2 * s.gdn_value_heads, h),
+        "gdn out_proj": (h, s.gdn_value_dim),
         "attn qkv (fused)": (attn_q + 2 * attn_kv, h), "attn o_proj": (h, c.num_attention_heads * c.head_dim),
         "mlp gate_up (fused)": (2 * inter, h), "mlp down": (h, inter), "mtp fc": (h, 2 * h),
     }  # fmt: skip

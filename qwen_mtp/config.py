@@ -52,19 +52,6 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
-    @property
-    def gdn_key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def gdn_value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def gdn_conv_dim(self) -> int:
-        """Channels of the depthwise conv: `[q | k | v]` before the split."""
-        return 2 * self.gdn_key_dim + self.gdn_value_dim
-
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` (and `generation_config.json` for stop tokens) from a checkpoint directory."""

@@ -89,7 +89,7 @@ class Engine:
         self.eos_ids = set(self.config.eos_token_ids)
         self.spec_tokens = mtp.k if mtp.enabled else 0
         dtype = self.model.lm_head_weight.dtype
-        sizes = size_pools(self.config, cache, dtype, state.dtype, self.device, self.spec_tokens)
+        sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.scheduler = Scheduler(self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens)
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)

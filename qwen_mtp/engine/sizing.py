@@ -9,7 +9,9 @@ import torch
 
 from qwen_mtp.cache.kv import pages_for
 from qwen_mtp.config import ModelConfig
+from qwen_mtp.dtypes import torch_dtype
 from qwen_mtp.errors import RecipeError
+from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.recipe import CacheSection
 
 CPU_DEFAULT_TOKENS = 4096
@@ -33,43 +35,42 @@ class PoolSizes:
 
 
 def _element_size(dtype: str | torch.dtype) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
+    return torch.empty(0, dtype=torch_dtype(dtype)).element_size()
 
 
-def page_bytes(config: ModelConfig, num_attention_layers: int, page_size: int, dtype: torch.dtype) -> int:
-    return num_attention_layers * 2 * page_size * config.num_key_value_heads * config.head_dim * _element_size(dtype)
+def page_bytes(shapes: RankShapes, num_attention_layers: int, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV page on this rank: keys and values of every attention layer."""
+    return num_attention_layers * 2 * page_size * shapes.kv_heads * shapes.head_dim * _element_size(dtype)
 
 
-def state_row_bytes(config: ModelConfig, spec_tokens: int, dtype: torch.dtype, state_dtype: str) -> int:
-    gdn_layers = config.layer_types.count("gdn")
-    conv = config.gdn_conv_dim * (config.linear_conv_kernel_dim - 1 + spec_tokens) * _element_size(dtype)
-    ssm = (
-        (1 + spec_tokens)
-        * config.linear_num_value_heads
-        * config.linear_key_head_dim
-        * config.linear_value_head_dim
-        * _element_size(state_dtype)
-    )
-    return gdn_layers * (conv + ssm)
+def state_row_bytes(shapes: RankShapes, gdn_layers: int, spec_tokens: int, dtype: torch.dtype, state_dtype: str) -> int:
+    """Bytes of one state-pool row on this rank: every GDN layer's conv window and 1 + K SSM slots."""
+    conv = shapes.gdn_conv_dim * (shapes.conv_kernel - 1 + spec_tokens) * _element_size(dtype)
+    ssm_slot = shapes.gdn_value_heads * shapes.gdn_key_head_dim * shapes.gdn_value_head_dim
+    return gdn_layers * (conv + (1 + spec_tokens) * ssm_slot * _element_size(state_dtype))
 
 
 def size_pools(
     config: ModelConfig,
+    shapes: RankShapes,
     cache: CacheSection,
     dtype: torch.dtype,
     state_dtype: str,
     device: torch.device,
     spec_tokens: int,
 ) -> PoolSizes:
-    """Pool sizes for a model of `config` in `dtype` (KV and conv windows) with SSM states in `state_dtype`."""
+    """Pool sizes for a model of `config` (`shapes` on this rank) in `dtype` (KV and conv windows) with SSM states
+    in `state_dtype`."""
     rows = cache.num_state_rows or cache.max_batch
     attention_layers = config.layer_types.count("attn") + config.mtp_num_hidden_layers
     if cache.num_pages is not None:
         pages = cache.num_pages
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cache.memory_fraction - rows * state_row_bytes(config, spec_tokens, dtype, state_dtype)
-        pages = int(budget // page_bytes(config, attention_layers, cache.page_size, dtype))
+        budget = free * cache.memory_fraction - rows * state_row_bytes(
+            shapes, config.layer_types.count("gdn"), spec_tokens, dtype, state_dtype
+        )
+        pages = int(budget // page_bytes(shapes, attention_layers, cache.page_size, dtype))
         if pages < 1:
             raise RecipeError(
                 f"cache.memory_fraction={cache.memory_fraction} leaves no GPU memory for KV pages after "

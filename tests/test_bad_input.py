@@ -84,14 +84,14 @@ def test_device_that_is_no_device_name(device):
         Engine.from_recipe({"model": {"fixture": "tiny", "device": device}})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_device_without_cuda():
-    with pytest.raises(RecipeError, match="no CUDA device is available"):
+def test_cuda_device_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RecipeError, match="model.device: .*no CUDA device is available"):
         Engine.from_recipe({"model": {"fixture": "tiny", "device": "cuda:0"}})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_index_past_the_last_gpu():
-    device = f"cuda:{torch.cuda.device_count()}"
-    with pytest.raises(RecipeError, match=f"model.device is '{device}' but this machine has"):
-        Engine.from_recipe({"model": {"fixture": "tiny", "device": device}})
+def test_cuda_index_past_the_last_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RecipeError, match=r"model.device: .*'cuda:2'.* only 2 CUDA device\(s\) are visible"):
+        Engine.from_recipe({"model": {"fixture": "tiny", "device": "cuda:2"}})

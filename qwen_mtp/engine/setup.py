@@ -11,7 +11,7 @@ import torch
 
 from qwen_mtp.dtypes import torch_dtype
 from qwen_mtp.errors import CheckpointError, RecipeError
-from qwen_mtp.loader import load_model
+from qwen_mtp.loader import check_device, load_model
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.recipe import Recipe
 
@@ -25,14 +25,13 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    """`model.device` as a torch device (`auto`: CUDA when there is one); a RecipeError for one this machine lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(f"model.device is {name!r} but no CUDA device is available (use cpu or auto)")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise RecipeError(f"model.device is {name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
+    try:
+        return check_device(name)
+    except CheckpointError as err:
+        raise RecipeError(f"model.device: {err}") from None
 
 
 def check_supported(recipe: Recipe) -> None:

@@ -18,11 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from qwen_mtp.config import ModelConfig
+from qwen_mtp.dtypes import DTYPES
 from qwen_mtp.errors import CheckpointError
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.quant.fp8 import dequantize_fp8_block
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = tuple(DTYPES.values())  # the checkpoint dtypes loaded as they are (fp8 is dequantized)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
 SCALE_SUFFIX = "_scale_inv"
 
@@ -96,10 +97,9 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype or config.torch_dtype or "bfloat16"
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise CheckpointError(f"unsupported dtype {name!r}; use one of {sorted(table)}")
-    return table[name]
+    if name not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def check_device(device: torch.device | str) -> torch.device:

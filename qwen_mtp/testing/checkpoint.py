@@ -19,9 +19,11 @@ import torch
 from safetensors.torch import save_file
 
 from qwen_mtp.config import ModelConfig
+from qwen_mtp.dtypes import torch_dtype
 from qwen_mtp.quant.fp8 import quantize_fp8_block
 from qwen_mtp.testing.tokenizer import build_tokenizer
 
+FIXTURE_DTYPES = ("float32", "bfloat16")  # what the fixtures are written in
 FIXTURE_VERSION = 1  # bump when the builder's output changes, so cached fixtures are rebuilt
 
 _TINY: dict[str, Any] = {
@@ -155,8 +157,8 @@ def build_checkpoint(
     """
     if layout not in ("text", "vlm"):
         raise ValueError(f"layout must be 'text' or 'vlm', got {layout!r}")
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if dtype not in FIXTURE_DTYPES:
+        raise ValueError(f"dtype must be one of {list(FIXTURE_DTYPES)}, got {dtype!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     text = preset_text_config(preset, **config_overrides)
@@ -175,16 +177,16 @@ def build_checkpoint(
         config = {"architectures": ["Qwen3_5ForCausalLM"], **text}
     model_config = ModelConfig.from_dict(config)
 
-    torch_dtype = getattr(torch, dtype)
+    dtype_of_tensors = torch_dtype(dtype)
     tensors: dict[str, torch.Tensor] = {}
     for name, value in random_weights(model_config, seed).items():
         disk = _disk_name(name, layout)
         if fp8 and value.ndim == 2 and name.endswith(FP8_SUFFIXES):
             tensors[disk], tensors[disk + "_scale_inv"] = quantize_fp8_block(value)
         else:
-            tensors[disk] = value.to(torch_dtype).contiguous()
+            tensors[disk] = value.to(dtype_of_tensors).contiguous()
     if layout == "vlm":
-        tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=torch_dtype)
+        tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=dtype_of_tensors)
     if fp8:
         kept = sorted({n.rsplit(".", 1)[0] for n in tensors if not n.endswith(FP8_SUFFIXES + ("_scale_inv",))})
         config["quantization_config"] = {

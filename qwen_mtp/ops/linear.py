@@ -178,8 +178,8 @@ def _stream_kernel():
     Why a row's result never depends on M: every `tl.dot` has the same shape (whatever the tile count, hence the
     same MMA instruction and warp layout), a row only ever meets its own accumulator, its K blocks are added in
     one order (k_start upwards), the K splits are a function of (N, K) and their partials are added in split
-    order 0, 1, ... by the N tile's last program, and one binary serves every M (M is not specialised). Absent
-    rows are zero-padded tiles that only their own accumulator sees.
+    order 0, 1, ... (by whichever split program finishes a row group last), and one binary serves every M (M is
+    not specialised). Absent rows are zero-padded tiles that only their own accumulator sees.
     """
     import triton
     import triton.language as tl
@@ -232,21 +232,22 @@ def _stream_kernel():
                             tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
                         else:
                             tl.store(part + ms[:, None] * N + ns[None, :], acc, mask=mask)
-        if SPLITS > 1:
-            # As in the grid family: the N tile's last split to finish adds the partials in split order.
-            tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
-            counter = count_ptr + pid_n
-            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                for row0 in range(0, M, BLOCK_M):
-                    ms = (row0 + rows).to(tl.int64)
-                    mask = (ms[:, None] < M) & (ns[None, :] < N)
-                    tile = ms[:, None] * N + ns[None, :]
-                    total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, SPLITS):
-                        total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                    out = total.to(out_ptr.dtype.element_ty)
-                    tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
-                tl.atomic_xchg(counter, 0, sem="relaxed")
+            if SPLITS > 1:
+                # As in the grid family, the last of the SPLITS programs to finish this group's partial sums
+                # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
+                tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
+                counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
+                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                    for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
+                        ms = (r0 + rows).to(tl.int64)
+                        mask = (ms[:, None] < M) & (ns[None, :] < N)
+                        tile = ms[:, None] * N + ns[None, :]
+                        total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        for s in range(1, SPLITS):
+                            total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        out = total.to(out_ptr.dtype.element_ty)
+                        tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
 
     return kernel
 
@@ -279,11 +280,13 @@ def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPla
     n_tiles = triton.cdiv(n, plan.block_n)
     if plan.family == "grid":
         kernel, grid, extra = _matmul_kernel(), (triton.cdiv(m, plan.block_m), n_tiles, splits), {}
+        sums = grid[0] * n_tiles  # one split counter per output tile
     else:
         kernel, grid = _stream_kernel(), (n_tiles, splits)
         extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab}
+        sums = n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m)  # one per (N tile, row group)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    counters = _tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else out
+    counters = _tile_counters(x.device, sums) if splits > 1 else out
     kernel[grid](
         x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,

@@ -105,6 +105,10 @@ def shapes(preset: str, only: str = "") -> dict[str, tuple[int, int]]:
 _WORKER_WEIGHTS: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
 def _compile(task: tuple[int, int, GemmPlan]) -> str | None:
     """Worker: launch the plan once on a shape (compiling it into Triton's disk cache); the error, if any."""
     n, k, plan = task
@@ -115,19 +119,20 @@ def _compile(task: tuple[int, int, GemmPlan]) -> str | None:
         invariant_matmul_triton(torch.zeros(1, k, device=DEVICE, dtype=DTYPE), w, plan)
         torch.cuda.synchronize()
         return None
-    except Exception as err:  # a plan the compiler cannot build (shared memory, registers): reported, skipped
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    except Exception as err:  # a plan the compiler cannot build (shared memory, registers)
+        return _error(err)
 
 
-def precompile(tasks: list[tuple[int, int, GemmPlan]], jobs: int) -> dict[tuple[int, int, GemmPlan], str | None]:
-    """Compile every plan in `jobs` processes at once; the main process then loads them from the disk cache."""
-    if jobs > 1:
-        try:
-            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                return dict(zip(tasks, pool.map(_compile, tasks), strict=True))
-        except Exception as err:  # a worker died (e.g. a launch broke its CUDA context): compile here instead
-            print(f"parallel compile failed ({type(err).__name__}: {err}); compiling in this process", flush=True)
-    return {task: _compile(task) for task in tasks}
+def precompile(tasks: list[tuple[int, int, GemmPlan]], jobs: int) -> list[str]:
+    """Compile every plan in `jobs` processes at once, so that the measuring process loads them from Triton's disk
+    cache; the workers' errors (the measuring process tries those plans again and reports what fails there)."""
+    if jobs <= 1:
+        return []
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return [err for err in pool.map(_compile, tasks) if err]
+    except Exception as err:  # a worker died (e.g. a launch broke its CUDA context): compile while measuring
+        return [f"parallel compile failed: {type(err).__name__}: {err}"]
 
 
 def graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], min_ms: float = 15.0) -> float:
@@ -210,7 +215,7 @@ def best_plan(results: dict[str, dict], cublas: dict[int, float]) -> str | None:
     return min(ok, key=score) if ok else None
 
 
-def measure_shape(n: int, k: int, plans: dict[str, GemmPlan], errors: dict) -> dict:
+def measure_shape(n: int, k: int, plans: dict[str, GemmPlan]) -> dict:
     """Every plan of one weight shape: decode-size timings and invariance, then the best at prefill sizes."""
     copies = max(1, _cdiv(ROTATION_BYTES, n * k * 2))
     ws = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k**0.5 for _ in range(copies)]
@@ -219,18 +224,19 @@ def measure_shape(n: int, k: int, plans: dict[str, GemmPlan], errors: dict) -> d
     entry["cublas_invariance_failures"] = invariance_failures(F.linear, x, ws[0])
     results, skipped = {}, {}
     for label, plan in plans.items():
-        if errors.get((n, k, plan)):
-            skipped[label] = errors[n, k, plan]
-            continue
 
         def fn(a, w, p=plan):
             return invariant_matmul_triton(a, w, p)
 
         cache = _binaries(plan)
         before = len(cache) if cache is not None else 0
-        fails = invariance_failures(fn, x, ws[0])
+        try:
+            fails = invariance_failures(fn, x, ws[0])
+            us = {m: graph_us(fn, x[:m], ws) for m in DECODE_M}
+        except Exception as err:  # a plan the compiler cannot build (shared memory, registers): reported, skipped
+            skipped[label] = _error(err)
+            continue
         info = binary_info(plan, n, k, cache, before)
-        us = {m: graph_us(fn, x[:m], ws) for m in DECODE_M}
         results[label] = dict(plan=dataclasses.asdict(plan), splits=plan.splits(k), us=us, invariance_failures=fails,
                               **info)  # fmt: skip
     entry.update(plans=results, skipped=skipped, best=best_plan(results, entry["cublas_us"]))
@@ -314,10 +320,12 @@ def run(preset: str, only: str, out_path: str | None, jobs: int) -> None:
     todo = {name: (nk, candidate_plans(*nk, props.multi_processor_count)) for name, nk in shapes(preset, only).items()}
     tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
     errors = precompile(tasks, jobs)
-    print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes)", flush=True)
+    print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errors)} errors)")
+    for err in sorted(set(errors))[:5]:
+        print(f"  {err}")
     report = {}
     for name, ((n, k), plans) in todo.items():
-        report[name] = measure_shape(n, k, plans, errors)
+        report[name] = measure_shape(n, k, plans)
         print_shape(name, report[name])
     print_summary(report)
     print(f"{time.time() - t0:.0f} s in all")

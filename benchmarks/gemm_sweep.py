@@ -2,11 +2,14 @@
 (BLOCK_N, BLOCK_K, K splits, pipeline stages), checks each is still batch-invariant (M = 1 rows equal the
 M = 16 rows bitwise), and prints the fastest per shape for M = 1 and M = 8, against the current plan and
 cuBLAS, plus a `TUNED` table to paste into ops/linear.py. Writes gemm_sweep.json to $OUT or cwd.
-Usage (GPU box): python3 benchmarks/gemm_sweep.py [qwen3.5-27b] [name filter, e.g. fused]
+`--family`: instead, every kernel variant against cuBLAS at M = 1 .. 256 and prefill sizes, with a bitwise
+invariance check across M, lm_head included (benchmarks/gemm_family.py; about 2-3 minutes on an H200).
+Usage (GPU box): python3 benchmarks/gemm_sweep.py [qwen3.5-27b] [name filter, e.g. fused] [--family] [--out PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -21,9 +24,10 @@ from qwen_mtp.ops.linear import GemmPlan, gemm_plan, invariant_matmul_triton
 from qwen_mtp.testing.synthetic import synthetic_config
 
 
-def decode_shapes(preset: str) -> dict[str, tuple[int, int]]:
+def decode_shapes(preset: str, lm_head: bool = False) -> dict[str, tuple[int, int]]:
     """(N, K) of every decode-path linear of a synthetic preset's config, as the CUDA engine runs them (input
-    projections fused, as the model's `MergedLinear`s hold them; lm_head excluded: it is wide enough for any plan)."""
+    projections fused, as the model's `MergedLinear`s hold them); `lm_head` adds it (the plan search leaves it out:
+    it is wide enough for any plan, and 2.5 GB per copy at 27B)."""
     c = synthetic_config(preset)
     s = RankShapes.of(c)
     h, inter = c.hidden_size, c.intermediate_size
@@ -33,7 +37,7 @@ def decode_shapes(preset: str) -> dict[str, tuple[int, int]]:
         "gdn out_proj": (h, s.gdn_value_dim),
         "attn qkv (fused)": (attn_q + 2 * attn_kv, h), "attn o_proj": (h, c.num_attention_heads * c.head_dim),
         "mlp gate_up (fused)": (2 * inter, h), "mlp down": (h, inter), "mtp fc": (h, 2 * h),
-    }  # fmt: skip
+    } | ({"lm_head": (c.vocab_size, h)} if lm_head else {})  # fmt: skip
 
 
 def timed(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
@@ -54,8 +58,19 @@ def plans(n: int, k: int):
 
 
 def main() -> None:
-    preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-27b"
-    only = sys.argv[2] if len(sys.argv) > 2 else ""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("preset", nargs="?", default="qwen3.5-27b")
+    parser.add_argument("only", nargs="?", default="", help="only the shapes whose name contains this")
+    parser.add_argument("--family", action="store_true", help="time the kernel variants at M = 1 .. 8192 instead")
+    parser.add_argument("--out", help="JSON path (default: $OUT or cwd)")
+    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
+    args = parser.parse_args()
+    if args.family:
+        import gemm_family
+
+        gemm_family.run(args.preset, args.only, args.out, args.jobs)
+        return
+    preset, only = args.preset, args.only
     torch.manual_seed(0)
     report, tuned = [], {}
     for name, (n, k) in decode_shapes(preset).items():
@@ -94,7 +109,7 @@ def main() -> None:
     for (n, k), p in tuned.items():
         print(f"    ({n}, {k}): GemmPlan({p.block_n}, {p.block_k}, {p.k_per_split}, {p.num_warps}, {p.num_stages}),")
     print("}")
-    with open(os.path.join(os.environ.get("OUT", "."), "gemm_sweep.json"), "w") as f:
+    with open(args.out or os.path.join(os.environ.get("OUT", "."), "gemm_sweep.json"), "w") as f:
         json.dump(report, f, indent=2)
 
 

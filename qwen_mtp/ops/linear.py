@@ -8,10 +8,13 @@ cuBLAS likewise picks kernels (and split-K) by M. Greedy decoding must give a re
 else shares its batch, so on that path every row's reduction order must not depend on the row count:
 - CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product, `bmm` over
   [rows, 1, K] x [rows, K, N] (weight broadcast, not copied);
-- CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only, and the split
-  partial sums are added in one fixed order (never accumulated with atomics), so a row's result is the same
-  for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few output tiles (tall K like `down_proj`,
-  tiny N like `in_proj_a`), where one program per tile would leave most SMs idle.
+- CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only (a `GemmPlan`),
+  the split partial sums are added in one fixed order (never accumulated with atomics), and one binary serves
+  every M, so a row's result is the same for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few
+  output tiles (tall K like `down_proj`, tiny N like `in_proj_a`), where one program per tile would leave most
+  SMs idle. Two kernel families, picked by the plan: "grid" (the default today: a program per 16-row tile, so
+  the weight is read again for every 16 rows) and "stream" (a program per weight slice that runs up to
+  `row_tiles x block_m` rows through each weight block it loads; see `_stream_kernel`).
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
 """
@@ -28,19 +31,41 @@ from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.triton_utils import INTERPRET
 
-BLOCK_M = 16  # rows per program: tl.dot's minimum; never depends on M
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
+FAMILIES = ("grid", "stream")
+MAX_ROW_TILES = 8  # a stream plan compiles one K loop per live row-tile count 1..row_tiles: code grows as its square
 
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """How one [N, K] weight is tiled: a function of the weight's shape only, never of M (batch invariance)."""
+    """How one [N, K] weight is tiled: a function of the weight's shape only, never of M (batch invariance).
+
+    `family` picks the kernel. "grid": a program per (row tile, N tile, K split); every `block_m` rows read the
+    weight again (from L2 at best, since a weight tile's row tiles are neighbours in launch order). "stream": a
+    program per (N tile, K split) runs all the rows through its weight slice, `row_tiles` tiles of `block_m`
+    rows sharing every weight block it loads (see `_stream_kernel`). `block_m` is the row count of every
+    `tl.dot`, which fixes the MMA instruction (on Hopper: mma.sync below 64 rows, wgmma from 64).
+    """
 
     block_n: int
     block_k: int
     k_per_split: int  # K blocks per split: the K loop is cut into ceil(K blocks / k_per_split) splits
     num_warps: int = 4
     num_stages: int = 3
+    family: str = "grid"
+    block_m: int = 16  # rows per tl.dot (16 is tl.dot's minimum)
+    row_tiles: int = 1  # "stream": row tiles sharing each weight block (rows per weight pass: row_tiles x block_m)
+    swap_ab: bool = False  # "stream": the weight block is the MMA's row side (A) and the rows its column side
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"GemmPlan.family must be one of {FAMILIES}, got {self.family!r}")
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"GemmPlan.block_m must be a power of two >= 16, got {self.block_m}")
+        if not 1 <= self.row_tiles <= (MAX_ROW_TILES if self.family == "stream" else 1):
+            raise ValueError(f"GemmPlan.row_tiles must be 1 for 'grid', 1..{MAX_ROW_TILES} for 'stream'")
+        if self.swap_ab and self.family != "stream":
+            raise ValueError("GemmPlan.swap_ab is a 'stream' option")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -83,6 +108,7 @@ def gemm_plan(n: int, k: int) -> GemmPlan:
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _matmul_kernel():
+    """The "grid" family: a program per (row tile, N tile, K split)."""
     import triton
     import triton.language as tl
 
@@ -132,6 +158,100 @@ def _matmul_kernel():
     return kernel
 
 
+@functools.cache
+def _stream_kernel():
+    """The "stream" family: a program per (N tile, K split) that reads its weight slice from HBM once for every
+    `row_tiles x block_m` rows, instead of once per `block_m` rows.
+
+    The program walks the rows in groups of up to ROW_TILES tiles of BLOCK_M rows. For a group it runs its K
+    range once: each weight block [BLOCK_N, BLOCK_K] is loaded once and multiplied into the accumulator of
+    every tile of the group (one `tl.dot` of [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] per tile). A group holding
+    fewer tiles (the last, or the only one at small M) runs a loop compiled for exactly that many tiles (chosen
+    at run time from the ROW_TILES loops in the one binary), so one row does not pay for the MMAs of absent
+    tiles. Rows past one group re-read the weight slice (from L2 while it fits there); ROW_TILES comes from the
+    plan, so the number of rows that share a read is a function of (N, K), like everything else.
+
+    SWAP_AB computes each tile transposed, [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight block is the MMA's
+    row side (64 rows fill a Hopper wgmma) and the rows its column side, which wgmma allows as narrow as 8, so a
+    16-row tile does not pay for 64 rows of MMA work at M = 1 as the unswapped 64-row tile does.
+
+    Why a row's result never depends on M: every `tl.dot` has the same shape (whatever the tile count, hence the
+    same MMA instruction and warp layout), a row only ever meets its own accumulator, its K blocks are added in
+    one order (k_start upwards), the K splits are a function of (N, K) and their partials are added in split
+    order 0, 1, ... (by whichever split program finishes a row group last), and one binary serves every M (M is
+    not specialised). Absent rows are zero-padded tiles that only their own accumulator sees.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
+    def kernel(
+        x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        sx_m, sw_n, so_m, k_per_split,
+        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        pid_n, split = tl.program_id(0), tl.program_id(1)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
+        k_start = split * k_per_split * BLOCK_K
+        k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
+        plane = M.to(tl.int64) * N  # elements of one split's partial sums [M, N] (SPLITS > 1)
+        part = part_ptr + split * plane
+        for row0 in range(0, M, ROW_TILES * BLOCK_M):
+            live = tl.minimum(tl.cdiv(M - row0, BLOCK_M), ROW_TILES)  # row tiles of this group holding rows
+            for tiles in tl.static_range(1, ROW_TILES + 1):
+                if live == tiles:
+                    acc0 = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    accs = (acc0,) * tiles
+                    for k0 in range(k_start, k_end, BLOCK_K):
+                        kmask = (k0 + ks) < k_end
+                        w = tl.load(
+                            w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :],
+                            mask=(ns[:, None] < N) & kmask[None, :], other=0.0,
+                        )  # fmt: skip
+                        updated = ()
+                        for t in tl.static_range(tiles):
+                            ms = row0 + t * BLOCK_M + rows
+                            x = tl.load(
+                                x_ptr + ms[:, None] * sx_m + (k0 + ks)[None, :],
+                                mask=(ms[:, None] < M) & kmask[None, :], other=0.0,
+                            )  # fmt: skip
+                            if SWAP_AB:
+                                prod = triton_utils.dot(w, tl.trans(x), INTERPRETED, PRECISION)  # [BLOCK_N, BLOCK_M]
+                            else:
+                                prod = triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)  # [BLOCK_M, BLOCK_N]
+                            updated = updated + (accs[t] + prod,)
+                        accs = updated
+                    for t in tl.static_range(tiles):
+                        acc = tl.trans(accs[t]) if SWAP_AB else accs[t]  # [BLOCK_M, BLOCK_N]
+                        ms = (row0 + t * BLOCK_M + rows).to(tl.int64)
+                        mask = (ms[:, None] < M) & (ns[None, :] < N)
+                        if SPLITS == 1:
+                            out = acc.to(out_ptr.dtype.element_ty)
+                            tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                        else:
+                            tl.store(part + ms[:, None] * N + ns[None, :], acc, mask=mask)
+            if SPLITS > 1:
+                # As in the grid family, the last of the SPLITS programs to finish this group's partial sums
+                # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
+                tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
+                counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
+                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                    for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
+                        ms = (r0 + rows).to(tl.int64)
+                        mask = (ms[:, None] < M) & (ns[None, :] < N)
+                        tile = ms[:, None] * N + ns[None, :]
+                        total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        for s in range(1, SPLITS):
+                            total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        out = total.to(out_ptr.dtype.element_ty)
+                        tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
+
+    return kernel
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed split counters, re-armed by the kernel
 
 
@@ -144,7 +264,8 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation)."""
+    """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation), by the plan's
+    kernel family (default: the shape's `gemm_plan`)."""
     import triton
 
     m, k = x.shape
@@ -153,13 +274,22 @@ def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPla
     assert weight.stride(1) == 1
     plan = plan or gemm_plan(n, k)
     splits = plan.splits(k)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, plan.block_n), splits)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    n_tiles = triton.cdiv(n, plan.block_n)
+    if plan.family == "grid":
+        kernel, grid, extra = _matmul_kernel(), (triton.cdiv(m, plan.block_m), n_tiles, splits), {}
+        sums = grid[0] * n_tiles  # one split counter per output tile
+    else:
+        kernel, grid = _stream_kernel(), (n_tiles, splits)
+        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab}
+        sums = n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m)  # one per (N tile, row group)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    counters = _tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else out
-    _matmul_kernel()[grid](
+    counters = _tile_counters(x.device, sums) if splits > 1 else out
+    kernel[grid](
         x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.k_per_split,
-        SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
         INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip

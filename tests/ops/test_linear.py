@@ -1,5 +1,7 @@
 """The batch-invariant GEMM (`qwen_mtp::linear` with `invariant=True`): equal to a plain product, and a row's
-result never depends on the other rows or on how many there are."""
+result never depends on the other rows or on how many there are, in every kernel family and variant."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -40,6 +42,54 @@ def test_gemm_rows_invariant_real_shapes():
     full = invariant_matmul_triton(x, weight)
     for rows in (slice(0, 1), slice(3, 11), slice(5, 21)):
         assert torch.equal(invariant_matmul_triton(x[rows], weight), full[rows])
+
+
+# One plan of each kernel variant the GPU sweep (benchmarks/gemm_family.py) times, at tiny tiles. On CPU N = 24
+# and K = 144 leave partial tiles in both (masked loads) and several K blocks per split (a K order that changed
+# with M would show); each variant runs with one K split and with three.
+VARIANTS = {
+    "grid 16-row tiles": GemmPlan(16, 32, 3),
+    "grid 64-row tiles": GemmPlan(16, 32, 3, family="grid", block_m=64),
+    "stream 64-row tile": GemmPlan(16, 32, 3, family="stream", block_m=64),
+    "stream 3 x 16-row tiles": GemmPlan(16, 32, 3, family="stream", block_m=16, row_tiles=3),
+    "stream 2 x 64-row tiles": GemmPlan(32, 32, 3, family="stream", block_m=64, row_tiles=2),
+    "stream swapped 2 x 16 rows": GemmPlan(16, 32, 3, family="stream", block_m=16, row_tiles=2, swap_ab=True),
+    "stream swapped 3 x 32 rows": GemmPlan(32, 16, 5, family="stream", block_m=32, row_tiles=3, swap_ab=True),
+}
+ROW_COUNTS = (1, 2, 15, 16, 17, 63, 64, 65, 130, 256)  # tile edges of 16 and 64 rows, groups of 2 and 3 tiles
+N_TEST, K_TEST = (3584, 1024) if REAL else (24, 144)
+
+
+def _variant_plans():
+    for name, plan in VARIANTS.items():
+        for splits in (1, 3):
+            k_blocks = -(-K_TEST // plan.block_k)
+            split_plan = dataclasses.replace(plan, k_per_split=-(-k_blocks // splits))
+            if split_plan.splits(K_TEST) == splits:
+                yield pytest.param(split_plan, id=f"{name}-splits{splits}")
+
+
+@pytest.mark.parametrize("plan", list(_variant_plans()))
+def test_gemm_variant_matches_and_rows_never_depend_on_m(plan):
+    weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=1), rand(256, K_TEST, dtype=VERIFY_DTYPE, seed=2)
+    full = invariant_matmul_triton(x, weight, plan)
+    tol = 1e-4 if VERIFY_DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), x.float() @ weight.float().T, rtol=tol, atol=tol)
+    for m in ROW_COUNTS:
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, plan), full[:m]), f"rows differ at M={m}"
+    for i in (5, 70, 255):  # a row alone (slot 0) equals itself in slot i of 256
+        assert torch.equal(invariant_matmul_triton(x[i : i + 1], weight, plan), full[i : i + 1])
+    if plan.splits(K_TEST) > 1:  # the last split of each tile re-armed its counter for the next launch
+        assert not linear._COUNTERS[x.device].any()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(family="tiles"), dict(block_m=48), dict(row_tiles=2), dict(family="stream", row_tiles=9), dict(swap_ab=True)],
+)
+def test_gemm_plan_rejects_what_no_kernel_runs(fields):
+    with pytest.raises(ValueError, match="GemmPlan"):
+        GemmPlan(16, 32, 1, **fields)
 
 
 @pytest.mark.parametrize("invariant", [True, False])

@@ -1,0 +1,337 @@
+"""The batch-invariant GEMM families (ops/linear.py) against cuBLAS at every decode row count, in one GPU run:
+for each decode weight shape of a preset (lm_head and MTP fc included), microseconds per call at M = 1 .. 256 for
+cuBLAS (`F.linear`), the current plan (`gemm_plan`) and a few candidate plans of each kernel variant; a bitwise
+check that each plan's rows do not depend on M; the best invariant plan per shape as a ratio to cuBLAS; that
+plan against cuBLAS at prefill sizes (M = 512, 2048, 8192); a `TUNED` table of the winners. Writes JSON.
+
+Timing: a CUDA graph of several calls, each on the next of enough weight copies (>= 256 MB together) that L2
+never holds the weight a call reads; microseconds are graph replay time / calls. Plans are compiled first by
+parallel worker processes into Triton's disk cache (compiling is most of the run otherwise).
+Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_sweep.py qwen3.5-27b --family [name filter]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+from qwen_mtp.ops import linear
+from qwen_mtp.ops.linear import GemmPlan, gemm_plan, invariant_matmul_triton
+
+DECODE_M = (1, 8, 16, 32, 64, 96, 128, 256)
+PREFILL_M = (512, 2048, 8192)
+CHECK_M = sorted({*DECODE_M, 2, 15, 17, 63, 65, 130, 255})  # plus the 16- and 64-row tile edges
+ALONE_ROWS = (1, 17, 100, 255)  # rows also computed alone (slot 0) and compared with their slot in M = 256
+ROTATION_BYTES = 256 << 20  # weight copies per shape: together >= 4x the H200's L2
+SMEM_BYTES = 227 << 10  # shared memory a Hopper SM gives its programs
+MOST_SPLITS = 8
+DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU dry run of this script (TRITON_INTERPRET=1) sets "cpu", fp32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _with_splits(plan: GemmPlan, k: int, splits: int) -> GemmPlan:
+    return dataclasses.replace(plan, k_per_split=_cdiv(_cdiv(k, plan.block_k), splits))
+
+
+def split_choices(plan: GemmPlan, n: int, k: int, sms: int) -> list[int]:
+    """K split counts worth timing for a tile shape: the fewest that give every SM a program, and the fewest (up
+    to 4) whose last wave of programs is nearly full (a memory-bound kernel loses the idle SMs of a short last
+    wave; every split adds partial sums of M x N floats to write and read back). Occupancy from shared memory."""
+    stage = (plan.block_n + plan.row_tiles * plan.block_m) * plan.block_k * 2  # bf16 weight + row blocks
+    slots = sms * max(1, min(2, SMEM_BYTES // (plan.num_stages * stage)))
+    tiles, most = _cdiv(n, plan.block_n), min(MOST_SPLITS, _cdiv(k, plan.block_k))
+    fill = min(most, _cdiv(slots, tiles))
+
+    def wave_use(s: int) -> float:
+        return tiles * s / (_cdiv(tiles * s, slots) * slots)
+
+    top = max(wave_use(s) for s in range(1, min(4, most) + 1))
+    balanced = min(s for s in range(1, min(4, most) + 1) if wave_use(s) >= top - 0.05)
+    return sorted({fill, balanced})
+
+
+# The variants timed against each other: name -> tile shape (K split chosen per weight shape).
+#  grid64: the grid family with 64-row (wgmma) tiles: a row tile per program, weight re-read per 64 rows via L2.
+#  a: stream, one 64-row tile per weight pass (wgmma); rows past 64 re-read the weight slice (from L2 if it fits).
+#  b: stream, eight resident 16-row tiles (mma.sync): 128 rows share each weight block.
+#  c: stream, two or four resident 64-row tiles (wgmma): 128 or 256 rows share each weight block.
+#  d: stream, swapped (weight rows are wgmma's 64-row side, the rows its 16- or 32-wide side), resident tiles
+#     of 16 or 32 rows: 128 or 256 rows share each weight block.
+VARIANTS: dict[str, GemmPlan] = {
+    "grid64": GemmPlan(128, 64, 1, 4, 4, family="grid", block_m=64),
+    "a 64x1": GemmPlan(128, 64, 1, 4, 4, family="stream", block_m=64),
+    "b 16x8": GemmPlan(64, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8),
+    "c 64x2": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=64, row_tiles=2),
+    "c 64x4": GemmPlan(64, 64, 1, 8, 4, family="stream", block_m=64, row_tiles=4),
+    "d swap16x8": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=16, row_tiles=8, swap_ab=True),
+    "d swap32x4": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "d swap32x8": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=32, row_tiles=8, swap_ab=True),
+}
+
+
+def candidate_plans(n: int, k: int, sms: int) -> dict[str, GemmPlan]:
+    """The plans timed for one weight shape: the current one, then each variant at its split choices."""
+    plans = {"current": gemm_plan(n, k)}
+    for name, tile in VARIANTS.items():
+        for splits in split_choices(tile, n, k, sms)[: 1 if tile.family == "grid" else 2]:
+            plan = _with_splits(tile, k, splits)
+            plans.setdefault(f"{name} s{plan.splits(k)}", plan)
+    return plans
+
+
+def shapes(preset: str, only: str = "") -> dict[str, tuple[int, int]]:
+    """(N, K) per decode weight shape, each shape once under the names of its linears (e.g. "gdn out_proj / attn
+    o_proj"), lm_head last; `only`: the shapes one of whose names contains it."""
+    from gemm_sweep import decode_shapes
+
+    names: dict[tuple[int, int], list[str]] = {}
+    for name, nk in decode_shapes(preset, lm_head=True).items():
+        names.setdefault(nk, []).append(name)
+    return {" / ".join(ns): nk for nk, ns in names.items() if any(only in name for name in ns)}
+
+
+_WORKER_WEIGHTS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
+def _compile(task: tuple[int, int, GemmPlan]) -> str | None:
+    """Worker: launch the plan once on a shape (compiling it into Triton's disk cache); the error, if any."""
+    n, k, plan = task
+    try:
+        w = _WORKER_WEIGHTS.get((n, k))
+        if w is None:
+            w = _WORKER_WEIGHTS[n, k] = torch.zeros(n, k, device=DEVICE, dtype=DTYPE)
+        invariant_matmul_triton(torch.zeros(1, k, device=DEVICE, dtype=DTYPE), w, plan)
+        torch.cuda.synchronize()
+        return None
+    except Exception as err:  # a plan the compiler cannot build (shared memory, registers)
+        return _error(err)
+
+
+def precompile(tasks: list[tuple[int, int, GemmPlan]], jobs: int) -> list[str]:
+    """Compile every plan in `jobs` processes at once, so that the measuring process loads them from Triton's disk
+    cache; the workers' errors (the measuring process tries those plans again and reports what fails there)."""
+    if jobs <= 1:
+        return []
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return [err for err in pool.map(_compile, tasks) if err]
+    except Exception as err:  # a worker died (e.g. a launch broke its CUDA context): compile while measuring
+        return [f"parallel compile failed: {type(err).__name__}: {err}"]
+
+
+def graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], min_ms: float = 15.0) -> float:
+    """Microseconds per call of fn(x, w): a CUDA graph of calls rotating over `weights`, replayed."""
+    fn(x, weights[0])  # compiles, allocates the split counters (before capture, at a fixed address)
+    torch.cuda.synchronize()
+    calls = max(4 if x.shape[0] <= 256 else 2, len(weights))  # few at prefill sizes: each output is large
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(x, weights[i % len(weights)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    reps = max(2, min(100, math.ceil(min_ms / max(start.elapsed_time(end), 1e-3))))
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    us = start.elapsed_time(end) * 1e3 / (reps * calls)
+    del graph
+    return us
+
+
+def invariance_failures(fn, x: torch.Tensor, w: torch.Tensor) -> list[str]:
+    """Where fn's rows depend on M: each M of CHECK_M against the first M rows of M = 256, the 256 rows
+    permuted, and single rows alone. Empty when every comparison is bitwise equal."""
+    full = fn(x[:256], w)
+    failures = [f"M={m}" for m in CHECK_M if not torch.equal(fn(x[:m], w), full[:m])]
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(0)).to(x.device)
+    if not torch.equal(fn(x[:256][perm], w), full[perm]):
+        failures.append("permuted")
+    failures += [f"row {i} alone" for i in ALONE_ROWS if not torch.equal(fn(x[i : i + 1], w), full[i : i + 1])]
+    return failures
+
+
+def _binaries(plan: GemmPlan) -> dict | None:
+    """Triton's in-memory cache of the plan family's compiled kernels (None where a Triton version keeps it
+    elsewhere: the MMA and register columns then stay empty)."""
+    kernel = linear._matmul_kernel() if plan.family == "grid" else linear._stream_kernel()
+    try:
+        return kernel.device_caches[torch.cuda.current_device()][0]
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
+_BINARY_INFO: dict[tuple, dict] = {}  # a plan's binary is shared by shapes of the same divisibility
+
+
+def binary_info(plan: GemmPlan, n: int, k: int, cache: dict | None, before: int) -> dict:
+    """MMA kind, registers and spills of the binary the plan's first launch added to `cache` (`before`: its size
+    before that launch)."""
+    key = (plan, n % 16, k % 16)
+    if cache is not None and len(cache) > before:
+        compiled = list(cache.values())[-1]
+        ptx = compiled.asm.get("ptx", "")
+        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
+        _BINARY_INFO[key] = dict(
+            mma=mma, regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None)
+        )
+    return _BINARY_INFO.get(key, {})
+
+
+def ratios(times: dict[int, float], base: dict[int, float]) -> list[float]:
+    return [times[m] / base[m] for m in DECODE_M]
+
+
+def best_plan(results: dict[str, dict], cublas: dict[int, float]) -> str | None:
+    """The invariant plan with the lowest worst ratio to cuBLAS up to M = 128 (ties: lowest mean ratio)."""
+
+    def score(label: str):
+        r = ratios(results[label]["us"], cublas)
+        return max(r[: DECODE_M.index(128) + 1]), sum(r) / len(r)
+
+    ok = [label for label, res in results.items() if not res["invariance_failures"]]
+    return min(ok, key=score) if ok else None
+
+
+def measure_shape(n: int, k: int, plans: dict[str, GemmPlan]) -> dict:
+    """Every plan of one weight shape: decode-size timings and invariance, then the best at prefill sizes."""
+    copies = max(1, _cdiv(ROTATION_BYTES, n * k * 2))
+    ws = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+    x = torch.randn(max(PREFILL_M), k, device=DEVICE, dtype=DTYPE)
+    entry = dict(n=n, k=k, cublas_us={m: graph_us(F.linear, x[:m], ws) for m in DECODE_M})
+    entry["cublas_invariance_failures"] = invariance_failures(F.linear, x, ws[0])
+    results, skipped = {}, {}
+    for label, plan in plans.items():
+
+        def fn(a, w, p=plan):
+            return invariant_matmul_triton(a, w, p)
+
+        cache = _binaries(plan)
+        before = len(cache) if cache is not None else 0
+        try:
+            fails = invariance_failures(fn, x, ws[0])
+            us = {m: graph_us(fn, x[:m], ws) for m in DECODE_M}
+        except Exception as err:  # a plan the compiler cannot build (shared memory, registers): reported, skipped
+            skipped[label] = _error(err)
+            continue
+        info = binary_info(plan, n, k, cache, before)
+        results[label] = dict(plan=dataclasses.asdict(plan), splits=plan.splits(k), us=us, invariance_failures=fails,
+                              **info)  # fmt: skip
+    entry.update(plans=results, skipped=skipped, best=best_plan(results, entry["cublas_us"]))
+    if entry["best"] is not None:
+        plan = plans[entry["best"]]
+
+        def fn(a, w, p=plan):
+            return invariant_matmul_triton(a, w, p)
+
+        rows = fn(x[:256], ws[0])
+        entry["prefill"] = {
+            m: dict(ours_us=graph_us(fn, x[:m], ws[:1]), cublas_us=graph_us(F.linear, x[:m], ws[:1]),
+                    rows_equal_m256=torch.equal(fn(x[:m], ws[0])[:256], rows))
+            for m in PREFILL_M
+        }  # fmt: skip
+    del ws, x
+    torch.cuda.empty_cache()
+    return entry
+
+
+def print_shape(name: str, e: dict) -> None:
+    """One shape's table: a row per plan (* the best), us per call at each M, invariance, MMA kind, registers."""
+    n, k = e["n"], e["k"]
+    print(f"\n{name} {n}x{k} ({n * k * 2 / 1e6:.0f} MB bf16): us per call", flush=True)
+    print(f"  {'plan':16s} {'sp':>2s} " + " ".join(f"{'M=' + str(m):>7s}" for m in DECODE_M) + "  invariant")
+    fails = e["cublas_invariance_failures"]
+    cells = " ".join(f"{e['cublas_us'][m]:7.1f}" for m in DECODE_M)
+    print(f"  {'cuBLAS':16s} {'':>2s} {cells}  {'yes' if not fails else 'NO: ' + ', '.join(fails[:4])}")
+    for label, r in e["plans"].items():
+        fails = r["invariance_failures"]
+        binary = f" {r['mma']} {r['regs']} regs" if "mma" in r else ""
+        binary += f" SPILLS {r['spills']}" if r.get("spills") else ""
+        cells = " ".join(f"{r['us'][m]:7.1f}" for m in DECODE_M)
+        inv = "yes" if not fails else "NO: " + ", ".join(fails[:4])
+        print(f"{'*' if label == e['best'] else ' '} {label:16s} {r['splits']:2d} {cells}  {inv}{binary}")
+    for label, err in e["skipped"].items():
+        print(f"  {label:16s} skipped: {err}")
+
+
+def print_summary(report: dict[str, dict]) -> None:
+    """The compact tables: best plan per shape as ratios to cuBLAS, the prefill sizes, a TUNED table."""
+    print("\nBest invariant plan per shape: its time / cuBLAS's (same run); 'now' = its time / the current plan's,")
+    print("worst of M = 1, 8, 16 (the issue asks <= 1.1 vs cuBLAS up to M = 128 and <= 1.0 vs now)")
+    print(f"  {'shape':26s} {'best plan':16s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M) + "    now")
+    for name, e in report.items():
+        if e["best"] is None:
+            print(f"  {name:26s} no invariant plan")
+            continue
+        us = e["plans"][e["best"]]["us"]
+        cells = " ".join(f"{r:6.2f}" for r in ratios(us, e["cublas_us"]))
+        now = e["plans"].get("current", {}).get("us")
+        vs_now = f"{max(us[m] / now[m] for m in (1, 8, 16)):6.2f}" if now else "     -"
+        print(f"  {name:26s} {e['best']:16s} {cells} {vs_now}")
+    print("\nPrefill sizes, the best plan against cuBLAS: ours / cuBLAS us (ratio); ROWS DIFFER: its first 256 rows")
+    print("are not those of its M = 256 call (the issue: within 1.15x to serve prefill too)")
+    for name, e in report.items():
+        cells = "  ".join(
+            f"M={m}: {p['ours_us']:.0f}/{p['cublas_us']:.0f} ({p['ours_us'] / p['cublas_us']:.2f})"
+            + ("" if p["rows_equal_m256"] else " ROWS DIFFER")
+            for m, p in e.get("prefill", {}).items()
+        )
+        print(f"  {name:26s} {cells}")
+    print("\nTUNED = {  # the best plans, for qwen_mtp/ops/linear.py")
+    for name, e in report.items():
+        if e["best"] is not None:
+            print(f"    ({e['n']}, {e['k']}): {GemmPlan(**e['plans'][e['best']]['plan'])!r},  # {name}")
+    print("}")
+    fails = [
+        f"{name}: {label}" for name, e in report.items() for label, r in e["plans"].items() if r["invariance_failures"]
+    ]
+    print(f"invariance failures of our plans: {', '.join(fails) if fails else 'none'}")
+
+
+def run(preset: str, only: str, out_path: str | None, jobs: int) -> None:
+    import triton
+
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    t0 = time.time()
+    todo = {name: (nk, candidate_plans(*nk, props.multi_processor_count)) for name, nk in shapes(preset, only).items()}
+    tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
+    errors = precompile(tasks, jobs)
+    print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errors)} errors)")
+    for err in sorted(set(errors))[:5]:
+        print(f"  {err}")
+    report = {}
+    for name, ((n, k), plans) in todo.items():
+        report[name] = measure_shape(n, k, plans)
+        print_shape(name, report[name])
+    print_summary(report)
+    print(f"{time.time() - t0:.0f} s in all")
+    path = out_path or os.path.join(os.environ.get("OUT", "."), "gemm_family.json")
+    with open(path, "w") as f:
+        meta = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, preset=preset)
+        json.dump(dict(meta, shapes=report), f, indent=1)
+    print(f"wrote {path}")
+    sys.stdout.flush()

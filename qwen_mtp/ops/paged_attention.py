@@ -324,7 +324,7 @@ def split_kv_attention_triton(
 
 
 # The op's CUDA kernel: unsplit until split-KV is measured on the GPU (benchmarks/decode_attention.py). Read at
-# each call, so CUDA graphs and compiled steps keep the kernel they were built with.
+# each call (a CUDA graph keeps the kernel it captured).
 SPLIT_KV = False
 
 

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import statistics
+import time
 from dataclasses import asdict
 
 import torch
@@ -48,6 +49,7 @@ PLANS = [
     SplitKvPlan(split=512, block_n=64, warps=4),
     SplitKvPlan(split=512, block_n=64, warps=8),
     SplitKvPlan(split=256, programs=528),
+    SplitKvPlan(split=256, merge=64),
 ]
 COLD_BYTES = 256 * 2**20  # KV one timed replay walks through: ~5x the H200's L2
 CHECK_CONTEXTS = [511, 512, 513, 1027, 4096, 8191, 100, 20001]
@@ -92,7 +94,8 @@ def cache(contexts: list[int], copies: int, width: int, gen: torch.Generator):
 
 def graph_us(call, copies: int) -> float:
     """Microseconds per call: a CUDA graph of `copies` calls (copy i reads table i), median of timed replays."""
-    call(0)  # compile outside the capture
+    for i in range(copies):  # compile outside the capture (tables at other alignments may get their own binary)
+        call(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -223,6 +226,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    started = time.perf_counter()
     exact = checks()
     report = sweep(args.contexts)
     table(report)
@@ -231,7 +235,7 @@ def main() -> None:
     out = args.out or os.path.join(os.environ.get("OUT", "."), "decode_attention.json")
     with open(out, "w") as f:
         json.dump(dict(checks=exact, timings=report), f, indent=2)
-    print("wrote", out)
+    print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ class SplitKvPlan:
     block_n: int = 32  # keys per block inside a chunk, in position order
     warps: int = 4
     programs: int = 264  # chunk programs per launch, about 2 per SM of a 132-SM H200
-    merge: int = 16  # partials the merge loads at once (its lanes)
+    merge: int = 16  # partials the merge loads at once (its lanes; its warps follow from merge x head dim)
 
     def __post_init__(self):
         if self.split % self.block_n:
@@ -318,7 +318,7 @@ def split_kv_attention_triton(
     )  # fmt: skip
     merge[(rows, heads)](
         m, denom, acc, context_lens, out, length, heads, chunks, q.stride(0), q.stride(1), q.stride(2),
-        D=dim, SPLIT=plan.split, MERGE=plan.merge,
+        D=dim, SPLIT=plan.split, MERGE=plan.merge, num_warps=min(16, max(4, plan.merge * dim // 1024)),
     )  # fmt: skip
     return out
 

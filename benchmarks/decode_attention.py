@@ -67,7 +67,7 @@ def name(plan: SplitKvPlan | None) -> str:
     if plan is None:
         return "unsplit"
     mark = "*" if plan == SPLIT_KV_PLAN else ""
-    return f"split {plan.split}/{plan.block_n}/w{plan.warps}/p{plan.programs}{mark}"
+    return f"split {plan.split}/{plan.block_n}/w{plan.warps}/p{plan.programs}/m{plan.merge}{mark}"
 
 
 def attend(plan: SplitKvPlan | None, q, kv, tables, lens):
@@ -124,7 +124,7 @@ def time_kernels(q, kv, tables, lens) -> list[dict]:
         base = records[0]["us"] if records else us
         gbs = kv_bytes(batch, context) / us / 1e3
         print(
-            f"B={batch} T={length} ctx={context:6d} {name(plan):30s} {us:9.1f} us  {gbs:6.0f} GB/s  "
+            f"B={batch} T={length} ctx={context:6d} {name(plan):34s} {us:9.1f} us  {gbs:6.0f} GB/s  "
             f"speedup {base / us:5.2f}x",
             flush=True,
         )
@@ -191,7 +191,7 @@ def checks() -> list[dict]:
         unsplit_diff = (verify.float() - unsplit.float()).abs().max().item()
         ok = decode and alone and shuffled and widened and replay
         print(
-            f"check {name(plan):30s} decode==verify {decode}  alone==batch {alone}  shuffled {shuffled}  "
+            f"check {name(plan):34s} decode==verify {decode}  alone==batch {alone}  shuffled {shuffled}  "
             f"wide==tight {widened}  graph replay {replay}  max|diff| ref {ref_diff:.3g} unsplit {unsplit_diff:.3g}"
             f"  {'OK' if ok else 'FAILED'}",
             flush=True,
@@ -206,7 +206,7 @@ def checks() -> list[dict]:
 def table(report: list[dict]) -> None:
     """One line per (B, T, context): unsplit, the engine's plan, the fastest plan."""
     print(f"\n{'B':>2} {'T':>2} {'context':>7} | {'unsplit us':>10} {'GB/s':>5} | {'plan* us':>9} {'GB/s':>5} "
-          f"{'x':>6} | {'fastest plan':30s} {'us':>8} {'x':>6}")  # fmt: skip
+          f"{'x':>6} | {'fastest plan':34s} {'us':>8} {'x':>6}")  # fmt: skip
     cases = sorted({(r["batch"], r["length"], r["context"]) for r in report})
     for case in cases:
         rows = [r for r in report if (r["batch"], r["length"], r["context"]) == case]
@@ -215,7 +215,7 @@ def table(report: list[dict]) -> None:
         best = min((r for r in rows if r["plan"] is not None), key=lambda r: r["us"])
         print(
             f"{case[0]:2d} {case[1]:2d} {case[2]:7d} | {unsplit['us']:10.1f} {unsplit['kv_gb_s']:5.0f} | "
-            f"{ours['us']:9.1f} {ours['kv_gb_s']:5.0f} {ours['speedup']:5.2f}x | {best['kernel']:30s} "
+            f"{ours['us']:9.1f} {ours['kv_gb_s']:5.0f} {ours['speedup']:5.2f}x | {best['kernel']:34s} "
             f"{best['us']:8.1f} {best['speedup']:5.2f}x"
         )
 

@@ -15,8 +15,9 @@ batch; a shuffled batch; the engine-wide table == the tight one; a captured grap
 lengths == eager; and the largest difference from the reference and from the unsplit kernel.
 
 Usage (GPU box, from the repo root; about 2 minutes on an H200):
-    python3 benchmarks/decode_attention.py [--out PATH] [--contexts 128 2048 ...]
-Writes JSON to PATH, else $OUT/decode_attention.json, else ./decode_attention.json.
+    PYTHONPATH=. python3 benchmarks/decode_attention.py [--out PATH] [--contexts 128 2048 ...]
+Writes JSON to PATH, else $OUT/decode_attention.json, else ./decode_attention.json; exits 1 if a bitwise check
+failed.
 """
 
 import argparse
@@ -236,6 +237,8 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(dict(checks=exact, timings=report), f, indent=2)
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

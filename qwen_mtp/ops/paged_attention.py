@@ -4,6 +4,14 @@ Each request's T new positions (T = 1 for decode, K+1 for verify) are written in
 attends to keys 0..(context_len - T + t): causal inside the verify block. Every (request, query) is computed
 on its own with a fixed key-block order, so a position's result is the same in a 1-token decode and in a
 (K+1)-token verify, whatever the batch: the batch invariance MTP-on == MTP-off needs.
+
+Two CUDA kernels compute that, `SPLIT_KV` picks the op's:
+- unsplit: one program per (request row x query position, KV head) walks all visible keys in blocks of 32;
+- split-KV (flash-decoding): the visible keys of each (row, position, KV head) are cut into chunks of
+  `SplitKvPlan.split` positions counted from position 0, so a chunk's keys depend on the position alone, never
+  on the batch, T or the launch. Programs compute chunk partials (running max, sum of exponentials, weighted
+  values; same block loop as unsplit), then a second kernel merges each position's partials in a fixed order.
+  A few programs per key head would leave most of a GPU idle at batch 1; chunks fill it.
 Cache layout per layer: kv [2, pages, page_size, KV, D]; block_tables [B, max_pages] (int32).
 """
 
@@ -11,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -146,10 +155,10 @@ def _paged_attention_kernel():
     return kernel
 
 
-def paged_attention_triton(
+def unsplit_attention_triton(
     q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Triton version of `paged_attention_reference`."""
+    """Triton version of `paged_attention_reference`: one program per (row x position, KV head)."""
     import triton
 
     batch, length, heads, dim = q.shape
@@ -167,6 +176,164 @@ def paged_attention_triton(
         INTERPRETED=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class SplitKvPlan:
+    """How split-KV attention cuts the work. `split` and `block_n` fix which keys a partial sums and in what
+    order, `merge` the order partials are merged in: a plan's numbers depend on them, so one plan serves every
+    decode and verify step. `programs` only spreads chunks over programs and never changes a result."""
+
+    split: int = 512  # keys per chunk, counted from position 0; a multiple of block_n
+    block_n: int = 32  # keys per block inside a chunk, in position order
+    warps: int = 4
+    programs: int = 264  # chunk programs per launch, about 2 per SM of a 132-SM H200
+    merge: int = 16  # partials the merge loads at once (its lanes; its warps follow from merge x head dim)
+
+    def __post_init__(self):
+        if self.split % self.block_n:
+            raise ValueError(f"SplitKvPlan: split ({self.split}) must be a multiple of block_n ({self.block_n})")
+
+    def chunks(self, width: int, page_size: int) -> int:
+        """The most chunks a row of a `width`-page table can have: the partials' shape, from shapes only."""
+        return -(-width * page_size // self.split)
+
+
+SPLIT_KV_PLAN = SplitKvPlan()
+
+
+@functools.cache  # build (and let Triton cache) the kernels once, on first use
+def _split_kv_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T", "CHUNKS", "sq_b", "s_table"])  # one binary for every batch, T, table
+    def partials(
+        q_ptr, kv_ptr, tables_ptr, lens_ptr, m_ptr, denom_ptr, acc_ptr,
+        T, GROUP, H, CHUNKS, scale,
+        sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
+        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One program: chunks first, first + stride, ... of one (row, query position, KV head) with its GROUP
+        # query heads. Chunk c holds keys [c * SPLIT, (c + 1) * SPLIT) of the visible ones, in blocks of BLOCK_N;
+        # which program computes a chunk does not change its numbers.
+        pid = tl.program_id(0)
+        bi = pid // T
+        t = pid % T
+        kvh = tl.program_id(1)
+        gs = tl.arange(0, BLOCK_G)
+        ds = tl.arange(0, D)
+        ns = tl.arange(0, BLOCK_N)
+        gmask = gs < GROUP
+        heads = kvh * GROUP + gs
+        q = tl.load(q_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :], mask=gmask[:, None], other=0.0)
+        visible = tl.load(lens_ptr + bi) - T + t + 1
+        parts = (pid.to(tl.int64) * H + heads) * CHUNKS  # [BLOCK_G]: where each head's partials start
+        for chunk in range(tl.program_id(2), tl.cdiv(visible, SPLIT), tl.num_programs(2)):
+            end = tl.minimum(chunk * SPLIT + SPLIT, visible)
+            m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+            for first in range(chunk * SPLIT, end, BLOCK_N):
+                pos = first + ns
+                smask = pos < end
+                k, v = triton_utils.load_kv_block(
+                    kv_ptr, tables_ptr + bi * s_table, pos, smask, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+                )
+                m, denom, acc = triton_utils.attend_block(
+                    q, k, v, smask[None, :], scale, m, denom, acc, INTERPRETED, PRECISION
+                )
+            tl.store(m_ptr + parts + chunk, m, mask=gmask)
+            tl.store(denom_ptr + parts + chunk, denom, mask=gmask)
+            tl.store(acc_ptr + (parts + chunk)[:, None] * D + ds[None, :], acc, mask=gmask[:, None])
+
+    @triton.jit(do_not_specialize=["T", "CHUNKS", "sq_b"])
+    def merge(
+        m_ptr, denom_ptr, acc_ptr, lens_ptr, out_ptr,
+        T, H, CHUNKS, sq_b, sq_t, sq_h,
+        D: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one (row, query position, query head). Partials are rescaled to the position's maximum
+        # score (a max: exact in any order); lane j sums chunks j, j + MERGE, j + 2 MERGE, ... in chunk order,
+        # then the lanes are summed: the order depends on the number of chunks, hence on the position, alone.
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        bi = pid // T
+        t = pid % T
+        cs = tl.arange(0, MERGE)
+        ds = tl.arange(0, D)
+        chunks = tl.cdiv(tl.load(lens_ptr + bi) - T + t + 1, SPLIT)
+        parts = (pid.to(tl.int64) * H + h) * CHUNKS
+        top = tl.full([MERGE], float("-inf"), dtype=tl.float32)
+        for first in range(0, chunks, MERGE):
+            top = tl.maximum(top, tl.load(m_ptr + parts + first + cs, mask=first + cs < chunks, other=float("-inf")))
+        top_all = tl.max(top, axis=0)
+        denom = tl.zeros([MERGE], dtype=tl.float32)
+        acc = tl.zeros([MERGE, D], dtype=tl.float32)
+        for first in range(0, chunks, MERGE):
+            live = first + cs < chunks
+            weight = tl.exp(tl.load(m_ptr + parts + first + cs, mask=live, other=float("-inf")) - top_all)
+            denom += tl.load(denom_ptr + parts + first + cs, mask=live, other=0.0) * weight
+            part = tl.load(acc_ptr + (parts + first + cs)[:, None] * D + ds[None, :], mask=live[:, None], other=0.0)
+            acc += part * weight[:, None]
+        out = tl.sum(acc, axis=0) / tl.sum(denom, axis=0)
+        tl.store(out_ptr + bi * sq_b + t * sq_t + h * sq_h + ds, out.to(out_ptr.dtype.element_ty))
+
+    return partials, merge
+
+
+def split_kv_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: SplitKvPlan = SPLIT_KV_PLAN,
+) -> torch.Tensor:
+    """Triton version of `paged_attention_reference`, split-KV (see the module docstring). Graph-capturable: the
+    grid and the partials' buffers come from shapes only (the table's width bounds the chunks; programs past a
+    row's last chunk do nothing), never from the context lengths' values."""
+    import triton
+
+    batch, length, heads, dim = q.shape
+    kv_heads, page_size = kv.shape[3], kv.shape[2]
+    q = q.contiguous()
+    assert kv.is_contiguous() and block_tables.is_contiguous()
+    out = torch.empty_like(q)
+    group, rows, chunks = heads // kv_heads, batch * length, plan.chunks(block_tables.shape[1], page_size)
+    m = torch.empty(rows, heads, chunks, dtype=torch.float32, device=q.device)  # [row, head, chunk]
+    denom = torch.empty_like(m)
+    acc = torch.empty(rows, heads, chunks, dim, dtype=torch.float32, device=q.device)
+    programs = max(1, min(chunks, -(-plan.programs // (rows * kv_heads))))  # per (row, KV head)
+    partials, merge = _split_kv_kernels()
+    partials[(rows, kv_heads, programs)](
+        q, kv, block_tables, context_lens, m, denom, acc,
+        length, group, heads, chunks, scale,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        block_tables.stride(0),
+        D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n,
+        SPLIT=plan.split, INTERPRETED=triton_utils.INTERPRET,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=plan.warps,
+    )  # fmt: skip
+    merge[(rows, heads)](
+        m, denom, acc, context_lens, out, length, heads, chunks, q.stride(0), q.stride(1), q.stride(2),
+        D=dim, SPLIT=plan.split, MERGE=plan.merge, num_warps=min(16, max(4, plan.merge * dim // 1024)),
+    )  # fmt: skip
+    return out
+
+
+# The op's CUDA kernel: unsplit until split-KV is measured on the GPU (benchmarks/decode_attention.py). Read at
+# each call (a CUDA graph keeps the kernel it captured).
+SPLIT_KV = False
+
+
+def paged_attention_triton(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Triton version of `paged_attention_reference`: split-KV if `SPLIT_KV`, else unsplit."""
+    attend = split_kv_attention_triton if SPLIT_KV else unsplit_attention_triton
+    return attend(q, kv, block_tables, context_lens, scale)
 
 
 def register_paged_attention(

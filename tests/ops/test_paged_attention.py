@@ -15,12 +15,19 @@ from op_helpers import (
     strided_attention_step,
 )
 
+from qwen_mtp.ops import paged_attention
 from qwen_mtp.ops.paged_attention import paged_attention_reference, paged_attention_triton, write_kv, write_kv_triton
+
+
+@pytest.fixture(params=[False, True], ids=["unsplit", "split-kv"])
+def op_kernel(request, monkeypatch):
+    """The op's CUDA kernel, either choice of `SPLIT_KV` (split-KV's own tests: test_split_kv_attention.py)."""
+    monkeypatch.setattr(paged_attention, "SPLIT_KV", request.param)
 
 
 @pytest.mark.parametrize("length", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_matches_reference(length, dtype):
+def test_paged_attention_matches_reference(length, dtype, op_kernel):
     q, kv, tables, lens = paged_setup(length, dtype)
     close(
         paged_attention_triton(q, kv, tables, lens, 32**-0.5),
@@ -29,7 +36,7 @@ def test_paged_attention_matches_reference(length, dtype):
     )
 
 
-def test_paged_attention_verify_block_equals_decode_per_position():
+def test_paged_attention_verify_block_equals_decode_per_position(op_kernel):
     """Query t of a 3-token verify equals a 1-token decode at the same position, bit for bit."""
     q, kv, tables, lens = paged_setup(3, torch.float32)
     verify = paged_attention_triton(q, kv, tables, lens, 32**-0.5)
@@ -40,7 +47,7 @@ def test_paged_attention_verify_block_equals_decode_per_position():
     assert torch.equal(alone, verify[1:2])
 
 
-def test_paged_attention_verify_equals_decode_real_shapes():
+def test_paged_attention_verify_equals_decode_real_shapes(op_kernel):
     heads, kv_heads, dim, page = (8, 2, 256, 64) if REAL else (4, 2, 32, 8)
     tables = torch.arange(24, dtype=torch.int32, device=DEVICE).reshape(8, 3)
     kv = rand(2, 24, page, kv_heads, dim, dtype=VERIFY_DTYPE, seed=1)

@@ -1,0 +1,113 @@
+"""Split-KV decode / verify attention (`split_kv_attention_triton`): equals the reference, and a position's result is
+the same bit for bit in a 1-token decode and in a verify, alone and in any batch, whatever the launch spreads
+its chunks over. Small chunks (32, 64 keys) on CPU so contexts cross several chunk boundaries under the
+interpreter; at Qwen3.5-27B's attention shapes and the engine's plan on CUDA."""
+
+import pytest
+import torch
+from op_helpers import DEVICE, DTYPES, REAL, VERIFY_DTYPE, close, rand
+
+from qwen_mtp.ops.paged_attention import SplitKvPlan, paged_attention_reference, split_kv_attention_triton
+
+SMALL = SplitKvPlan(split=32, block_n=16, merge=2)  # 2 blocks a chunk; 3+ chunks take 2+ merge steps
+WIDE = SplitKvPlan(split=64, block_n=32)
+# Contexts around SMALL's chunk boundaries (64 = 2 x 32: ends on one, 65: one past, 63: one short, 33 / 31) and
+# WIDE's (64, 65, 63, 127), with a short and a long one.
+CONTEXTS = [64, 65, 63, 33, 31, 5, 127]
+
+
+def paged_cache(contexts, heads, kv_heads=2, dim=32, page=8, length=1, dtype=torch.float32, seed=0):
+    """Queries [B, T, H, D] and a KV cache holding `contexts` on shuffled pages (each table padded to the
+    longest with page 0, as the engine pads with its scratch page)."""
+    widths = [-(-c // page) for c in contexts]
+    width = max(widths)
+    order = torch.randperm(sum(widths) + 1, generator=torch.Generator().manual_seed(seed))
+    tables, used = torch.zeros(len(contexts), width, dtype=torch.int32), 0
+    for b, w in enumerate(widths):
+        tables[b, :w] = order[used : used + w]
+        used += w
+    kv = rand(2, sum(widths) + 1, page, kv_heads, dim, dtype=dtype, seed=seed + 1)
+    q = rand(len(contexts), length, heads, dim, dtype=dtype, seed=seed + 2)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    return q, kv, tables.to(DEVICE), lens
+
+
+@pytest.mark.parametrize("length", [1, 4])
+@pytest.mark.parametrize("page, group, plan", [(8, 1, SMALL), (16, 3, SMALL), (8, 6, WIDE), (16, 6, SMALL)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_matches_reference(dtype, page, group, plan, length):
+    q, kv, tables, lens = paged_cache(CONTEXTS, heads=2 * group, page=page, length=length, dtype=dtype)
+    close(
+        split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, plan),
+        paged_attention_reference(q, kv, tables, lens, 32**-0.5),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("group", [1, 3, 6])
+def test_split_kv_verify_row_equals_decode_at_its_position(group):
+    """Row t of a 5-token verify (positions straddle chunk boundaries: 60..64, 61..65, ...) equals a 1-token
+    decode at its position, bit for bit: the property MTP-on == MTP-off rests on."""
+    q, kv, tables, lens = paged_cache(CONTEXTS, heads=2 * group, page=16, length=5)
+    verify = split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, SMALL)
+    for t in range(5):
+        decode = split_kv_attention_triton(q[:, t : t + 1], kv, tables, lens - 4 + t, 32**-0.5, SMALL)
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_split_kv_row_is_the_same_alone_and_in_any_batch(length):
+    """A request's rows are the same bit for bit alone (its table only as wide as its own pages, as an eager step
+    builds it: fewer chunks in the grid), in a shuffled batch, and however many programs share the chunks."""
+    q, kv, tables, lens = paged_cache(CONTEXTS, heads=6, page=8, length=length)
+    plan = SplitKvPlan(split=32, block_n=16, merge=2, programs=16)
+    batch = split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, plan)
+    for b, context in enumerate(CONTEXTS):
+        table = tables[b : b + 1, : -(-context // 8)].contiguous()
+        alone = split_kv_attention_triton(q[b : b + 1], kv, table, lens[b : b + 1], 32**-0.5, plan)
+        assert torch.equal(alone, batch[b : b + 1]), context
+    order = torch.randperm(len(CONTEXTS), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    shuffled = split_kv_attention_triton(q[order], kv, tables[order], lens[order], 32**-0.5, plan)
+    assert torch.equal(shuffled, batch[order])
+    for programs in (1, 1000):
+        spread = SplitKvPlan(split=32, block_n=16, merge=2, programs=programs)
+        assert torch.equal(split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, spread), batch), programs
+
+
+def test_split_kv_real_shapes_verify_equals_decode_and_batch_equals_alone():
+    """The engine's plan at Qwen3.5-27B's attention shapes on CUDA (bf16, 24 query / 4 KV heads, head dim 256,
+    pages of 64; contexts around its 512-key chunks); tiny shapes and chunks of 32 on CPU."""
+    if REAL:
+        heads, kv_heads, dim, page, plan = 24, 4, 256, 64, SplitKvPlan()
+        contexts = [512, 513, 511, 1027, 1536, 5, 2100, 64]
+    else:
+        heads, kv_heads, dim, page, plan = 6, 2, 32, 8, SplitKvPlan(split=32, block_n=16, merge=2)
+        contexts = [32, 33, 31, 68, 96, 5, 73, 8]
+    q, kv, tables, lens = paged_cache(contexts, heads, kv_heads, dim, page, length=4, dtype=VERIFY_DTYPE, seed=5)
+    verify = split_kv_attention_triton(q, kv, tables, lens, dim**-0.5, plan)
+    close(verify, paged_attention_reference(q, kv, tables, lens, dim**-0.5), VERIFY_DTYPE)
+    for t in range(4):
+        decode = split_kv_attention_triton(q[:, t : t + 1], kv, tables, lens - 3 + t, dim**-0.5, plan)
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+    for b in (0, 3, 6):
+        alone = split_kv_attention_triton(q[b : b + 1], kv, tables[b : b + 1], lens[b : b + 1], dim**-0.5, plan)
+        assert torch.equal(alone, verify[b : b + 1]), contexts[b]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_split_kv_graph_replay_follows_new_context_lengths():
+    """Captured once, the kernels follow the context lengths' new values on replay (no host read of lengths)."""
+    q, kv, tables, lens = paged_cache([40, 100, 70], heads=6, page=16, length=2, seed=7)
+    static_lens = torch.full_like(lens, 2)
+    split_kv_attention_triton(q, kv, tables, static_lens, 32**-0.5, SMALL)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = split_kv_attention_triton(q, kv, tables, static_lens, 32**-0.5, SMALL)
+    static_lens.copy_(lens)
+    graph.replay()
+    assert torch.equal(out, split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, SMALL))
+
+
+def test_split_kv_plan_refuses_chunks_that_cut_a_block():
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        SplitKvPlan(split=48, block_n=32)

@@ -86,6 +86,23 @@ def test_mtp_equals_plain_bf16_batch_1_8_32(k, mode, batches):
         assert [r.token_ids for r in eager.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_mtp_equals_plain_long_context_graphs(k):
+    """Prompts of 1 to 32k tokens: split-KV attention over up to 64 chunks of 512 keys, contexts ending on,
+    just past and just short of a chunk boundary, verify rows straddling one. MTP-on == MTP-off at batch 1 and 8,
+    with CUDA graphs (the engine's default)."""
+    source = {"synthetic": "qwen3.5-0.8b"}
+    lengths = (32768, 1, 511, 512 - k, 8192, 1024 + k, 20000, 4097)
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in lengths]
+    cache = {"num_pages": 8 * (32768 // 64 + 8), "prefill_chunk": 2048}
+    plain = engine_for(source, max_batch=8, mode="graphs", **cache)
+    spec = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=8, mode="graphs", **cache)
+    for batch in (1, 8):
+        expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        assert got == expected, f"K={k} batch={batch}"
+
+
 def test_compiled_mtp_equals_plain_tiny():
     """torch.compile (inductor, fullgraph) + CUDA graphs on an 8-layer fixture, which compiles in seconds where
     the 0.8B model's steps take minutes: MTP-on == MTP-off at batch 1 and 4. (Not compared with the uncompiled

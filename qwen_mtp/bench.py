@@ -2,9 +2,13 @@
 head), in one process on one loaded model, with every MTP row checked token-for-token against plain decode.
 
 Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acceptance length, step time split
-(verify / draft / host), peak device memory, and % of the HBM roofline: (weight bytes one step must read /
-copy bandwidth measured at start) / measured step time. `bench.out_dir` is checked before the first run, and the
-JSON and table are rewritten after every row, so a failure late in a run keeps the rows before it.
+(verify / draft / host), peak device memory, and % of the HBM roofline: (the bytes one decode step must move /
+copy bandwidth measured at start) / measured step time. The bytes (`step_bytes`) are the weights one step reads,
+plus every request's KV cache once per attention layer (the MTP layer's once per draft step) and its recurrent
+state (the committed SSM state and conv window read, one SSM slot per verified position written), at the mean
+context of the decode phase; `% roof w` counts the weights alone, as earlier reports did.
+`bench.out_dir` is checked before the first run, and the JSON and table are rewritten after every row, so a
+failure late in a run keeps the rows before it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ class Row:
     draft_ms: float
     host_ms: float
     peak_mem_gib: float
-    roofline_pct: float
+    roofline_pct: float  # weights + KV + recurrent state
+    roofline_weights_pct: float  # weights alone
     exact: bool
 
 
@@ -81,6 +86,25 @@ def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
     target = size(model.model) - embed + lm_head
     mtp = size(model.mtp) + lm_head if model.mtp is not None else 0
     return {"target": target, "mtp_step": mtp}
+
+
+def step_bytes(engine: Engine, weights: dict[str, int], batch: int, k: int, context: float) -> dict[str, float]:
+    """The fewest bytes one decode step (plain: k = 0; MTP: a verify of k + 1 positions and k draft steps) of
+    `batch` requests at `context` cached positions each must move through HBM: the weights it reads, each
+    request's keys and values once per target attention layer and once per draft step for the MTP layer, and
+    its recurrent state: the committed SSM state and conv window read once per GDN layer, and one SSM slot per
+    verified position written (the per-position checkpoints that commit without replay)."""
+    pages, states = engine.pages, engine.states
+    # [layers, 2, pages + 1, page_size, KV, D]: the bytes one position occupies in one layer (keys and values)
+    per_position = 2 * pages.storage[0, 0, 0, 0].numel() * pages.storage.element_size()
+    mtp_layers = sum(name.startswith("mtp.") for name in pages.layer_index)
+    target_layers = len(pages.layer_index) - mtp_layers
+    kv = batch * context * per_position * (target_layers + k * mtp_layers)
+    gdn_layers = states.ssm.shape[0]
+    slot = states.ssm[0, 0, 0].numel() * states.ssm.element_size()  # one SSM state of one layer
+    window = states.conv[0, 0].numel() * states.conv.element_size()  # one conv window of one layer
+    state = batch * gdn_layers * (slot * (1 + (k + 1)) + window)
+    return {"weights": weights["target"] + k * weights["mtp_step"], "kv": kv, "state": state}
 
 
 def _quiet(message: str) -> None:
@@ -208,7 +232,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             steps = max(result["decode_steps"], 1)
             forward = phases.get("verify", phases.get("decode", 0.0))
             step = result["decode_seconds"] / steps
-            moved = sizes["target"] + (k or 0) * sizes["mtp_step"]
+            moved = step_bytes(engine, sizes, batch, k or 0, bench.prompt_len + bench.output_len / 2)
             row = Row(
                 batch=batch,
                 mode="plain" if k is None else "mtp",
@@ -225,7 +249,8 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 draft_ms=1e3 * phases.get("draft", 0.0) / steps,
                 host_ms=1e3 * (step - (forward + phases.get("draft", 0.0)) / steps),
                 peak_mem_gib=peak,
-                roofline_pct=100.0 * (moved / bandwidth) / step,
+                roofline_pct=100.0 * (sum(moved.values()) / bandwidth) / step,
+                roofline_weights_pct=100.0 * (moved["weights"] / bandwidth) / step,
                 exact=result["tokens"] == plain_tokens,
             )
             report["rows"].append(dataclasses.asdict(row))
@@ -245,7 +270,7 @@ COLUMNS = [
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x plain", "speedup", "{:.2f}"), ("AL", "acceptance_length", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"), ("verify", "verify_ms", "{:.2f}"), ("draft", "draft_ms", "{:.2f}"),
     ("host", "host_ms", "{:.2f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"), ("% roof", "roofline_pct", "{:.0f}"),
-    ("exact", "exact", "{}"),
+    ("% roof w", "roofline_weights_pct", "{:.0f}"), ("exact", "exact", "{}"),
 ]  # fmt: skip
 
 
@@ -272,21 +297,23 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path, plot: bool = True
 
 
 def write_plot(report: dict[str, Any], path: Path) -> Path:
-    """Decode tokens/s against K, one line per (batch, draft kind), plain decode at K = 0."""
+    """Decode tokens/s against K, one line per (batch, draft kind), plain decode at K = 0; with several batch
+    sizes, a second panel: tokens/s against the batch size, one line for plain decode and one per (K, drafts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = report["rows"]
-    for batch in sorted({r["batch"] for r in rows}):
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, 2 if len(batches) > 1 else 1, figsize=(13 if len(batches) > 1 else 7, 4.5))
+    ax = axes[0] if len(batches) > 1 else axes
+    for batch in batches:
         plain = next(r for r in rows if r["batch"] == batch and r["mode"] == "plain")
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
             if r["batch"] == batch and r["mode"] == "mtp":
-                label = f"B={batch} " + (f"oracle {r['accept_rate']}" if r["draft"] == "oracle" else "head")
-                series.setdefault(label, []).append((r["k"], r["tokens_per_s"]))
+                series.setdefault(f"B={batch} {_drafts(r)}", []).append((r["k"], r["tokens_per_s"]))
         for label, points in series.items():
             ax.plot([0] + [p[0] for p in points], [plain["tokens_per_s"]] + [p[1] for p in points], marker="o",
                     label=label)  # fmt: skip
@@ -295,9 +322,27 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("K (0 = plain decode)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"qwen-mtp bench: {report['recipe']['model'].get('synthetic') or 'model'} on {report['device']}")
+    if len(batches) > 1:
+        by_batch = axes[1]
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            label = "plain" if r["mode"] == "plain" else f"K={r['k']} {_drafts(r)}"
+            lines.setdefault(label, []).append((r["batch"], r["tokens_per_s"]))
+        for label, points in lines.items():
+            by_batch.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        by_batch.set_xscale("log", base=2)
+        by_batch.set_xlabel("batch size")
+        by_batch.set_ylabel("decode tokens/s")
+        by_batch.set_title("tokens/s against batch")
+        by_batch.legend(fontsize=7)
+        by_batch.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _drafts(row: dict[str, Any]) -> str:
+    return f"oracle {row['accept_rate']}" if row["draft"] == "oracle" else "head"

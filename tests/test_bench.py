@@ -64,3 +64,27 @@ def test_a_full_run_writes_json_table_and_plot(tmp_path):
     written = bench.write_outputs(report, tmp_path)
     assert [p.name for p in written] == ["bench.json", "bench.txt", "bench.png"]
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_step_bytes_count_weights_kv_and_recurrent_state(k):
+    """The roofline's bytes, recomputed from the config: each request's keys and values once per target
+    attention layer (and once per draft step for the MTP layer), its committed SSM state and conv window read
+    and one SSM slot written per verified position, per GDN layer."""
+    from qwen_mtp import Engine
+
+    recipe = {"model": {"fixture": "tiny", "dtype": "bfloat16", "device": "cpu"}}
+    if k:
+        recipe["mtp"] = {"enabled": True, "k": k}
+    engine = Engine.from_recipe(recipe, log=lambda _: None)
+    c = engine.config
+    weights = {"target": 1000, "mtp_step": 100}
+    got = bench.step_bytes(engine, weights, batch=3, k=k, context=50.0)
+    attention, gdn = c.layer_types.count("attn"), c.layer_types.count("gdn")
+    per_position = 2 * c.num_key_value_heads * c.head_dim * 2  # keys and values, bf16
+    slot = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4  # fp32 state
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    window = conv_dim * (c.linear_conv_kernel_dim - 1 + k) * 2
+    assert got["weights"] == 1000 + k * 100
+    assert got["kv"] == 3 * 50.0 * per_position * (attention + k * c.mtp_num_hidden_layers)
+    assert got["state"] == 3 * gdn * (slot * (2 + k) + window)

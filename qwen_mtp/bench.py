@@ -33,6 +33,7 @@ from qwen_mtp.recipe import Recipe
 
 @dataclass
 class Row:
+    prompt_len: int
     batch: int
     mode: str  # "plain" | "mtp"
     k: int
@@ -111,7 +112,9 @@ def _quiet(message: str) -> None:
     pass
 
 
-def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", accept: float = 1.0) -> Recipe:
+def _variant(
+    recipe: Recipe, prompt_len: int, batch: int, k: int | None, draft: str = "head", accept: float = 1.0
+) -> Recipe:
     bench = recipe.bench
     spec = k or 0
     compile_ = dataclasses.replace(recipe.compile, batch_sizes=[batch])  # one bucket: the batch itself
@@ -120,8 +123,8 @@ def _variant(recipe: Recipe, batch: int, k: int | None, draft: str = "head", acc
         max_batch=batch,
         num_state_rows=batch,
         # a request's reservation: its tokens, and 2K positions a verify and its draft chain may write beyond
-        num_pages=batch * pages_for(bench.prompt_len + bench.output_len + 2 * spec, recipe.cache.page_size),
-        prefill_chunk=max(recipe.cache.prefill_chunk, bench.prompt_len),
+        num_pages=batch * pages_for(prompt_len + bench.output_len + 2 * spec, recipe.cache.page_size),
+        prefill_chunk=max(recipe.cache.prefill_chunk, prompt_len),
     )
     mtp = dataclasses.replace(recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept)
     return dataclasses.replace(recipe, cache=cache, mtp=mtp, compile=compile_)
@@ -206,13 +209,14 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     }
     gen = torch.Generator().manual_seed(recipe.model.seed)
     vocab = loaded.model.config.vocab_size
-    bar = tqdm(total=len(bench.batch_sizes) * len(configs), desc="bench", disable=not progress)
-    for batch in bench.batch_sizes:
-        prompts = torch.randint(0, vocab, (batch, bench.prompt_len), generator=gen).tolist()
+    cases = [(prompt_len, batch) for prompt_len in bench.prompt_lens for batch in bench.batch_sizes]
+    bar = tqdm(total=len(cases) * len(configs), desc="bench", disable=not progress)
+    for prompt_len, batch in cases:
+        prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
         plain_tokens, plain_tps = None, None
         for k, draft, rate in configs:
             # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
-            variant = _variant(recipe, batch, k, draft, rate)
+            variant = _variant(recipe, prompt_len, batch, k, draft, rate)
             engine = Engine.from_recipe(variant, loaded=loaded, log=log if settings.enabled else _quiet)
             if not report["rows"]:
                 prefill = "compiled, any chunk length" if settings.enabled and settings.prefill else "eager"
@@ -232,8 +236,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             steps = max(result["decode_steps"], 1)
             forward = phases.get("verify", phases.get("decode", 0.0))
             step = result["decode_seconds"] / steps
-            moved = step_bytes(engine, sizes, batch, k or 0, bench.prompt_len + bench.output_len / 2)
+            moved = step_bytes(engine, sizes, batch, k or 0, prompt_len + bench.output_len / 2)
             row = Row(
+                prompt_len=prompt_len,
                 batch=batch,
                 mode="plain" if k is None else "mtp",
                 k=k or 0,
@@ -265,7 +270,8 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
 
 
 COLUMNS = [
-    ("B", "batch", "{}"), ("mode", "mode", "{}"), ("K", "k", "{}"), ("draft", "draft", "{}"),
+    ("ctx", "prompt_len", "{}"), ("B", "batch", "{}"), ("mode", "mode", "{}"), ("K", "k", "{}"),
+    ("draft", "draft", "{}"),
     ("acc", "accept_rate", "{}"), ("TTFT ms", "ttft_ms", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x plain", "speedup", "{:.2f}"), ("AL", "acceptance_length", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"), ("verify", "verify_ms", "{:.2f}"), ("draft", "draft_ms", "{:.2f}"),
@@ -297,47 +303,56 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path, plot: bool = True
 
 
 def write_plot(report: dict[str, Any], path: Path) -> Path:
-    """Decode tokens/s against K, one line per (batch, draft kind), plain decode at K = 0; with several batch
-    sizes, a second panel: tokens/s against the batch size, one line for plain decode and one per (K, drafts)."""
+    """Decode tokens/s against K (one line per context, batch and draft kind; plain decode at K = 0), and, where
+    the run has several, against the batch size and against the context length (one line per plain decode and
+    per K and draft kind)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, 2 if len(batches) > 1 else 1, figsize=(13 if len(batches) > 1 else 7, 4.5))
-    ax = axes[0] if len(batches) > 1 else axes
-    for batch in batches:
-        plain = next(r for r in rows if r["batch"] == batch and r["mode"] == "plain")
-        series: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if r["batch"] == batch and r["mode"] == "mtp":
-                series.setdefault(f"B={batch} {_drafts(r)}", []).append((r["k"], r["tokens_per_s"]))
-        for label, points in series.items():
-            ax.plot([0] + [p[0] for p in points], [plain["tokens_per_s"]] + [p[1] for p in points], marker="o",
-                    label=label)  # fmt: skip
-        if not series:  # plain decode only (bench.ks = []): one point per batch size
-            ax.plot([0], [plain["tokens_per_s"]], marker="o", label=f"B={batch} plain")
+    contexts, batches = sorted({r["prompt_len"] for r in rows}), sorted({r["batch"] for r in rows})
+    # (row key, axis title, the values the run swept): a panel for each that has more than one
+    sweeps = [("batch", "batch size", batches), ("prompt_len", "context (prompt tokens)", contexts)]
+    sweeps = [sweep for sweep in sweeps if len(sweep[2]) > 1]
+    fig, axes = plt.subplots(1, 1 + len(sweeps), figsize=(7 + 6 * len(sweeps), 4.5), squeeze=False)
+    ax = axes[0, 0]
+    for context in contexts:
+        for batch in batches:
+            case = [r for r in rows if r["batch"] == batch and r["prompt_len"] == context]
+            plain = next(r for r in case if r["mode"] == "plain")
+            name = f"B={batch}" + (f" ctx={context}" if len(contexts) > 1 else "")
+            series: dict[str, list[tuple[int, float]]] = {}
+            for r in case:
+                if r["mode"] == "mtp":
+                    series.setdefault(f"{name} {_drafts(r)}", []).append((r["k"], r["tokens_per_s"]))
+            for label, points in series.items():
+                ax.plot([0] + [p[0] for p in points], [plain["tokens_per_s"]] + [p[1] for p in points],
+                        marker="o", label=label)  # fmt: skip
+            if not series:  # plain decode only (bench.ks = []): one point per case
+                ax.plot([0], [plain["tokens_per_s"]], marker="o", label=f"{name} plain")
     ax.set_xlabel("K (0 = plain decode)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"qwen-mtp bench: {report['recipe']['model'].get('synthetic') or 'model'} on {report['device']}")
-    if len(batches) > 1:
-        by_batch = axes[1]
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    for panel, (key, title, _) in zip(axes[0, 1:], sweeps, strict=True):
+        others = "prompt_len" if key == "batch" else "batch"
         lines: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
             label = "plain" if r["mode"] == "plain" else f"K={r['k']} {_drafts(r)}"
-            lines.setdefault(label, []).append((r["batch"], r["tokens_per_s"]))
+            if len({row[others] for row in rows}) > 1:
+                label = f"{'ctx' if others == 'prompt_len' else 'B'}={r[others]} {label}"
+            lines.setdefault(label, []).append((r[key], r["tokens_per_s"]))
         for label, points in lines.items():
-            by_batch.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-        by_batch.set_xscale("log", base=2)
-        by_batch.set_xlabel("batch size")
-        by_batch.set_ylabel("decode tokens/s")
-        by_batch.set_title("tokens/s against batch")
-        by_batch.legend(fontsize=7)
-        by_batch.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+            panel.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        panel.set_xscale("log", base=2)
+        panel.set_xlabel(title)
+        panel.set_ylabel("decode tokens/s")
+        panel.set_title(f"tokens/s against {title}")
+        panel.legend(fontsize=7)
+        panel.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -80,9 +80,14 @@ class BenchSection:
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     accept_rates: list[float] = field(default_factory=lambda: [1.0, 0.8, 0.6])
     head: bool = True  # also run the real MTP head's drafts
-    prompt_len: int = 128
+    prompt_len: int | list[int] = 128  # several: a sweep over context lengths
     output_len: int = 128
     out_dir: str = "bench-results"
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """`prompt_len` as a list: the context lengths the bench sweeps."""
+        return self.prompt_len if isinstance(self.prompt_len, list) else [self.prompt_len]
 
 
 @dataclass
@@ -244,7 +249,10 @@ def _validate(r: Recipe) -> None:
     _require(all(n >= 1 for n in b.batch_sizes) and b.batch_sizes, "bench.batch_sizes must be positive integers")
     _require(all(1 <= k <= 4 for k in b.ks), f"bench.ks must be in 1..4, got {b.ks}")
     _require(all(0.0 <= a <= 1.0 for a in b.accept_rates), f"bench.accept_rates must be in 0..1, got {b.accept_rates}")
-    _require(b.prompt_len >= 1 and b.output_len >= 2, "bench.prompt_len must be >= 1 and bench.output_len >= 2")
+    _require(
+        all(n >= 1 for n in b.prompt_lens) and b.prompt_lens and b.output_len >= 2,
+        "bench.prompt_len must be >= 1 (or a non-empty list of such) and bench.output_len >= 2",
+    )
     _require(r.run.max_new_tokens >= 1, f"run.max_new_tokens must be >= 1, got {r.run.max_new_tokens}")
     for i, prompt in enumerate(r.run.prompts):
         _require(

@@ -88,3 +88,15 @@ def test_step_bytes_count_weights_kv_and_recurrent_state(k):
     assert got["weights"] == 1000 + k * 100
     assert got["kv"] == 3 * 50.0 * per_position * (attention + k * c.mtp_num_hidden_layers)
     assert got["state"] == 3 * gdn * (slot * (2 + k) + window)
+
+
+def test_a_context_sweep_runs_every_prompt_length(tmp_path):
+    """`bench.prompt_len` as a list: one set of rows per context length, each exact, and a plot with the
+    context panel."""
+    recipe = bench_recipe(tmp_path)
+    recipe.bench.prompt_len, recipe.bench.ks = [4, 9], [2]
+    report = bench.run_bench(recipe, progress=False, log=lambda _: None)
+    cases = [(r["prompt_len"], r["mode"]) for r in report["rows"]]
+    assert cases == [(4, "plain"), (4, "mtp"), (9, "plain"), (9, "mtp")]
+    assert all(r["exact"] for r in report["rows"])
+    assert bench.write_outputs(report, tmp_path)[-1].stat().st_size > 0

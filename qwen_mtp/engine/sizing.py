@@ -35,7 +35,7 @@ class PoolSizes:
 
 
 def _element_size(dtype: str | torch.dtype) -> int:
-    return torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+    return torch_dtype(dtype).itemsize
 
 
 def page_bytes(shapes: RankShapes, num_attention_layers: int, page_size: int, dtype: torch.dtype) -> int:

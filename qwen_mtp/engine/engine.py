@@ -38,7 +38,7 @@ from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, size_pools
 from qwen_mtp.engine.speculative import Speculator
 from qwen_mtp.engine.timing import PhaseTimer
-from qwen_mtp.engine.update import Outcome, RequestUpdater, Update
+from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
 from qwen_mtp.recipe import CacheSection, CompileSection, MTPSection, Recipe, StateSection, load_recipe
 
@@ -50,6 +50,9 @@ class Result:
     prompt_len: int
     spec: SpecStats | None = None  # speculation figures (drafted, accepted, acceptance length, per position)
     error: BaseException | None = None  # what the failed step raised (finish_reason "error")
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt position (the first is None)
+    seed: int | None = None  # the request's sampling seed (drawn at submit when not given)
 
 
 @dataclass
@@ -203,6 +206,14 @@ class Engine:
         """Raise `RequestError` for a request that can never run. Nothing is allocated."""
         if not prompt:
             raise RequestError("empty prompt: give at least one token")
+        unsupported = [
+            name for name, on in (
+                ("temperature > 0", not params.greedy), ("stop strings", bool(params.stop)),
+                ("logprobs", params.logprobs is not None), ("prompt_logprobs", params.prompt_logprobs is not None),
+            ) if on
+        ]  # fmt: skip
+        if unsupported:
+            raise RequestError(f"not supported by this engine yet: {', '.join(unsupported)} (greedy only)")
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

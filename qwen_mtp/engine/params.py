@@ -11,20 +11,36 @@ import torch
 
 from qwen_mtp.errors import RequestError
 
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position (the OpenAI API's bound)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request generates. Greedy for now (temperature and the rest arrive with sampling).
+    """How one request generates.
 
     - `max_new_tokens`: the most tokens to generate (the request ends with finish_reason "length");
     - `ignore_eos`: keep going past the model's EOS tokens;
     - `stop_token_ids`: more tokens that end the request as EOS does (finish_reason "stop", the token included
-      in the output), whether or not `ignore_eos` is set.
+      in the output), whether or not `ignore_eos` is set;
+    - `temperature` (0 = greedy), `top_k` (0 = off), `top_p` (1.0 = off), `min_p` (0.0 = off): the sampling
+      distribution at each position; `seed`: the request's noise (None: drawn from the engine's generator at
+      submit and recorded, so the request can be replayed);
+    - `stop`: strings that end the request (finish_reason "stop"), checked on the detokenized output;
+    - `logprobs`: report the chosen token's log-probability and the `logprobs` most likely tokens per position
+      (None = off); `prompt_logprobs`: the same for every prompt position (None = off).
     """
 
     max_new_tokens: int = 32
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not is_token_id(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -39,6 +55,30 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be token ids (integers >= 0), got {_given(bad[0])}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        for name, low, high in (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not _is_real(value) or value < low or (high is not None and value > high) or value != value:
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise RequestError(f"{name} must be a number {bound}, got {_given(value)}")
+            object.__setattr__(self, name, float(value))
+        if self.top_p == 0.0:
+            raise RequestError("top_p must be > 0 (1.0 turns it off)")
+        if not is_token_id(self.top_k) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 turns it off), got {_given(self.top_k)}")
+        if self.seed is not None and (not is_token_id(self.seed) or not 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2**63) or None, got {_given(self.seed)}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError(f"stop must be a string or a list of non-empty strings, got {_given(self.stop)}")
+        object.__setattr__(self, "stop", tuple(stop))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_token_id(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {_given(value)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 def as_token_ids(prompt: Any) -> list[int]:
@@ -66,6 +106,10 @@ def as_token_ids(prompt: Any) -> list[int]:
 def is_token_id(value: Any) -> bool:
     """An integer that is not a bool (numpy integers included): what a token id can be."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _is_numpy_array(value: Any) -> bool:

@@ -12,12 +12,24 @@ from dataclasses import dataclass
 from qwen_mtp.engine.request import Request, Status
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities (`SamplingParams.logprobs` / `prompt_logprobs`), on the unfiltered,
+    temperature-1 distribution as the OpenAI API reports them: the token at the position, its log-probability,
+    and the `n` most likely tokens with theirs (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Update:
     request_id: int
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Write the best plans of one or more `gemm_sweep.py --family` reports into the `TUNED` table of
 qwen_mtp/ops/linear.py (the table's comment names the report), so the plans a sweep found are the plans the
 engine runs, with no hand copying. Shapes a report has no invariant plan for keep their current entry.
-Usage: python3 benchmarks/apply_plans.py REPORT.json [REPORT.json ...] [--dry-run]
+Usage: python3 benchmarks/apply_plans.py REPORT.json [REPORT.json ...] [--slack 0.12] [--dry-run]
 """
 
 from __future__ import annotations
@@ -11,21 +11,28 @@ import json
 import re
 from pathlib import Path
 
+from gemm_family import SMALL_M_SLACK, best_plan
+
 from qwen_mtp.ops.linear import TUNED, GemmPlan
 
 LINEAR = Path(__file__).resolve().parents[1] / "qwen_mtp" / "ops" / "linear.py"
 TABLE = re.compile(r"^TUNED: dict\[tuple\[int, int\], GemmPlan\] = \{\n.*?^\}\n", re.S | re.M)
 
 
-def best_plans(reports: list[Path]) -> dict[tuple[int, int], tuple[GemmPlan, str]]:
-    """(N, K) -> (best plan, a comment: the shape's names and the report) over the reports, in report order."""
+def best_plans(reports: list[Path], slack: float) -> dict[tuple[int, int], tuple[GemmPlan, str]]:
+    """(N, K) -> (best plan by `gemm_family.best_plan` with this slack, a comment: the shape's names and the
+    plan's label) over the reports, in report order."""
     plans: dict[tuple[int, int], tuple[GemmPlan, str]] = {}
     for path in reports:
         report = json.loads(path.read_text())
         for name, entry in report["shapes"].items():
-            if entry.get("best") is not None:
-                plan = GemmPlan(**entry["plans"][entry["best"]]["plan"])
-                plans[entry["n"], entry["k"]] = plan, f"{report['preset']} {name}"
+            plans_ = entry["plans"].items()
+            results = {label: r | {"us": {int(m): t for m, t in r["us"].items()}} for label, r in plans_}
+            cublas = {int(m): t for m, t in entry["cublas_us"].items()}
+            label = best_plan(results, cublas, slack)
+            if label is not None:
+                plan = GemmPlan(**entry["plans"][label]["plan"])
+                plans[entry["n"], entry["k"]] = plan, f"{report['preset']} {name}: {label}"
     return plans
 
 
@@ -49,9 +56,10 @@ def table_text(plans: dict[tuple[int, int], tuple[GemmPlan, str]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path)
+    parser.add_argument("--slack", type=float, default=SMALL_M_SLACK, help="see gemm_family.best_plan")
     parser.add_argument("--dry-run", action="store_true", help="print the table, leave linear.py as it is")
     args = parser.parse_args()
-    found = best_plans(args.reports)
+    found = best_plans(args.reports, args.slack)
     plans = {nk: (plan, "kept (no invariant plan in the reports)") for nk, plan in TUNED.items()} | found
     text = table_text(plans)
     if args.dry_run:

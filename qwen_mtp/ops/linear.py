@@ -83,12 +83,46 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # Measured on the H200 (benchmarks/gemm_sweep.py, 2026-11-29): the fastest batch-invariant plan per
 # Qwen3.5-27B decode shape at M = 1 and 8 (e.g. in_proj_a/b 6.5 us vs 34.9 us for the default plan).
 TUNED: dict[tuple[int, int], GemmPlan] = {
-    (16480, 5120): GemmPlan(64, 128, 40, 4, 4),  # gdn in_proj qkv/z/b/a (fused)
-    (5120, 6144): GemmPlan(32, 128, 16, 4, 3),  # gdn out_proj, attn o_proj
-    (14336, 5120): GemmPlan(64, 128, 40, 4, 4),  # attn q (+ gate)/k/v (fused)
-    (34816, 5120): GemmPlan(32, 256, 20, 4, 4),  # mlp gate_up (fused)
-    (5120, 17408): GemmPlan(64, 128, 34, 4, 3),  # mlp down_proj
-    (5120, 10240): GemmPlan(64, 128, 20, 4, 3),  # mtp fc
+    # qwen3.5-27b gdn in_proj (fused): f swap32x4 s1
+    (16480, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b gdn out_proj / attn o_proj: f swap32x4 s3
+    (5120, 6144): GemmPlan(128, 128, 16, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b attn qkv (fused): f swap32x4 s1
+    (14336, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b mlp gate_up (fused): e swap32x4 s1
+    (34816, 5120): GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b mlp down: f swap32x4 s3
+    (5120, 17408): GemmPlan(128, 128, 46, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b mtp fc: f swap32x4 s3
+    (5120, 10240): GemmPlan(128, 128, 27, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b lm_head: c 64x2 s1
+    (248320, 5120): GemmPlan(128, 64, 80, 8, 4, family="stream", block_m=64, row_tiles=2),
+    # qwen3.5-9b gdn in_proj (fused): grid64 s2
+    (12352, 4096): GemmPlan(128, 64, 32, 4, 4, block_m=64),
+    # qwen3.5-9b gdn out_proj / attn o_proj: e swap32x4 s2
+    (4096, 4096): GemmPlan(64, 128, 16, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-9b attn qkv (fused): grid64 s3
+    (10240, 4096): GemmPlan(128, 64, 22, 4, 4, block_m=64),
+    # qwen3.5-9b mlp gate_up (fused): e swap32x4 s1
+    (24576, 4096): GemmPlan(64, 128, 32, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-9b mlp down: e swap32x4 s2
+    (4096, 12288): GemmPlan(64, 128, 48, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-9b mtp fc: e swap32x4 s2
+    (4096, 8192): GemmPlan(64, 128, 32, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-9b lm_head: f swap32x4 s1
+    (248320, 4096): GemmPlan(128, 128, 32, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-0.8b gdn in_proj (fused): e swap32x4 s1
+    (8224, 1024): GemmPlan(64, 128, 8, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-0.8b gdn out_proj / attn o_proj / mtp fc: b 16x8 n32 s4
+    (1024, 2048): GemmPlan(32, 128, 4, 4, 4, family="stream", row_tiles=8),
+    # qwen3.5-0.8b attn qkv (fused): d swap32x8 s3
+    (5120, 1024): GemmPlan(128, 64, 6, 8, 4, family="stream", block_m=32, row_tiles=8, swap_ab=True),
+    # qwen3.5-0.8b mlp gate_up (fused): e swap32x4 s1
+    (7168, 1024): GemmPlan(64, 128, 8, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-0.8b mlp down: e swap32x4 s7
+    (1024, 3584): GemmPlan(64, 128, 4, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-0.8b lm_head: grid64 s1
+    (248320, 1024): GemmPlan(128, 64, 16, 4, 4, block_m=64),
 }
 
 

@@ -26,7 +26,7 @@ def main() -> None:
     base, base_state = chunked.gdn_chunked_triton(q, k, v, g, beta)
     default = (chunked.SCAN_BLOCK_V, chunked.PREPARE_WARPS, chunked.SCAN_WARPS)
     print(f"{length} tokens; default (scan block_v, prepare warps, scan warps) = {default}")
-    for block_v, prep_warps, scan_warps in itertools.product((16, 32, 64), (4, 8), (2, 4, 8)):
+    for block_v, prep_warps, scan_warps in itertools.product((16, 32), (4, 8), (2, 4)):
         chunked.SCAN_BLOCK_V, chunked.PREPARE_WARPS, chunked.SCAN_WARPS = block_v, prep_warps, scan_warps
         try:
             out, state = chunked.gdn_chunked_triton(q, k, v, g, beta)

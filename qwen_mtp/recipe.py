@@ -119,7 +119,8 @@ class TrainSection:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    mtp_weight: float = 0.5  # joint loss = next-token CE + mtp_weight * MTP CE
+    mtp_weight: float = 0.5  # joint loss = next-token CE + mtp_weight * MTP CE (mean over the draft steps)
+    mtp_chain: int = 1  # MTP draft steps trained: 1 = on the target's hidden states; more = chained (docs)
     seed: int = 0
     output_dir: str = "train-out"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -128,6 +129,7 @@ class TrainSection:
     log_every: int = 10
     save_every: int = 250  # steps between resume points (and at the end)
     eval_tokens: int = 131072  # held-out tokens for the perplexity at the end
+    eval_every: int = 0  # steps between held-out losses in the log (0: only at the end)
     save_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the checkpoint's tensors
 
 
@@ -319,6 +321,7 @@ def _validate_train(t: TrainSection) -> None:
     _require(t.vocab_size >= 300, f"train.vocab_size must be >= 300 (256 bytes + special tokens), got {t.vocab_size}")
     _require(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: off), got {t.eval_every}")
     _require(
         t.attention_heads % t.kv_heads == 0,
         f"train.attention_heads ({t.attention_heads}) must be a multiple of train.kv_heads ({t.kv_heads})",
@@ -335,6 +338,7 @@ def _validate_train(t: TrainSection) -> None:
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in 0..1, got {t.min_lr_ratio}")
     _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     _require(t.mtp_weight >= 0, f"train.mtp_weight must be >= 0, got {t.mtp_weight}")
+    _require(1 <= t.mtp_chain <= 4, f"train.mtp_chain must be 1..4 (draft steps trained), got {t.mtp_chain}")
     _require(
         t.time_budget_s is None or t.time_budget_s > 0,
         f"train.time_budget_s must be > 0 or null, got {t.time_budget_s}",

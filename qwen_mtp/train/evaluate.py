@@ -25,24 +25,26 @@ PROMPTS_FILE = Path(__file__).with_name("heldout_prompts.json")
 
 @torch.no_grad()
 def heldout_losses(
-    model: QwenHybridForCausalLM, tokens: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int
+    model: QwenHybridForCausalLM, tokens: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int, chain: int = 1
 ) -> dict[str, Any]:
     """Mean next-token CE (and perplexity) over consecutive held-out windows of `seq_len`, up to `max_tokens`
-    predicted tokens; with an MTP head also its CE for token t+2 and its teacher-forced draft acceptance."""
+    predicted tokens; with an MTP head also its CE for token t+2 (and for the chained steps when `chain` > 1)
+    and its teacher-forced draft acceptance."""
     device = model.lm_head_weight.device
-    count = max(1, min((len(tokens) - 2) // seq_len, max_tokens // seq_len))
+    count = max(1, min((len(tokens) - 1 - chain) // seq_len, max_tokens // seq_len))
     starts = [i * seq_len for i in range(count)]
-    sums = {"lm": 0.0, "mtp": 0.0, "draft_acc": 0.0}
+    sums: dict[str, float] = {}
     for first in range(0, count, batch_size):
         chunk = starts[first : first + batch_size]
-        windows = torch.stack([tokens[s : s + seq_len + 2] for s in chunk]).long().to(device)
-        _, parts = joint_loss(model, windows, 1.0, with_mtp=model.mtp is not None)
+        windows = torch.stack([tokens[s : s + seq_len + 1 + chain] for s in chunk]).long().to(device)
+        _, parts = joint_loss(model, windows, 1.0, chain, with_mtp=model.mtp is not None)
         for key, value in parts.items():
-            sums[key] += float(value) * len(chunk)
+            sums[key] = sums.get(key, 0.0) + float(value) * len(chunk)
     result: dict[str, Any] = {"tokens": count * seq_len, "lm_loss": sums["lm"] / count}
     result["perplexity"] = math.exp(result["lm_loss"])
-    if model.mtp is not None:
-        result["mtp_loss"], result["draft_acc"] = sums["mtp"] / count, sums["draft_acc"] / count
+    for key, name in (("mtp", "mtp_loss"), ("mtp_chain", "mtp_chain_loss"), ("draft_acc", "draft_acc")):
+        if key in sums:
+            result[name] = sums[key] / count
     return result
 
 

@@ -159,13 +159,10 @@ def _optimizer(train: TrainSection, weights: MasterWeights, device: torch.device
 
 
 def _loss_function(train: TrainSection) -> Callable:
-    if train.mode == "mtp-head":
-        fn = distill_loss
-    else:
-        with_mtp = train.mode == "joint"
-
-        def fn(model, windows):
-            return joint_loss(model, windows, train.mtp_weight, with_mtp)
+    def fn(model, windows):
+        if train.mode == "mtp-head":
+            return distill_loss(model, windows, train.mtp_chain)
+        return joint_loss(model, windows, train.mtp_weight, train.mtp_chain, with_mtp=train.mode == "joint")
 
     if not train.compile:
         return fn
@@ -189,7 +186,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = F
     tokenizer = load_tokenizer(tokenizer_dir)
     train_tokens = _token_stream(corpus, "train", tokenizer, tokenizer_dir, out)
     heldout_tokens = _token_stream(corpus, "heldout", tokenizer, tokenizer_dir, out)
-    windows = Windows(train_tokens, t.seq_len, t.batch_size, t.seed)
+    windows = Windows(train_tokens, t.seq_len, 1 + t.mtp_chain, t.batch_size, t.seed)
     model, config = _model(t, tokenizer, device, dtype)
     if len(tokenizer) > config["vocab_size"]:
         raise RecipeError(
@@ -265,11 +262,20 @@ def train(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = F
             history.append(record)
             report.append_log(out, record)
             window_sums = {}
-            line = " ".join(f"{k} {record[k]:.4f}" for k in ("lm", "mtp", "draft_acc", "grad_norm") if k in record)
+            line = " ".join(
+                f"{k} {record[k]:.4f}" for k in ("lm", "mtp", "mtp_chain", "draft_acc", "grad_norm") if k in record
+            )
             if bar is not None:
                 bar.set_postfix_str(line)
             else:
                 log(f"step {step}/{total} {line} lr {lr:.2e} ({record['elapsed_s']:.0f} s)")
+        if t.eval_every and step % t.eval_every == 0 and heldout_tokens is not None and step < total:
+            model.eval()
+            scores = heldout_losses(model, heldout_tokens, t.seq_len, t.batch_size, t.eval_tokens, t.mtp_chain)
+            model.train()
+            history.append({"step": step, **{f"heldout_{k}": v for k, v in scores.items() if k != "tokens"}})
+            report.append_log(out, history[-1])
+            log(f"step {step}: held-out perplexity {scores['perplexity']:.3f}")
         if bar is not None:
             bar.update(1)
         if step % t.save_every == 0 or step == total:
@@ -280,7 +286,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = F
     model.eval()
     heldout = None
     if heldout_tokens is not None:
-        heldout = heldout_losses(model, heldout_tokens, t.seq_len, t.batch_size, t.eval_tokens)
+        heldout = heldout_losses(model, heldout_tokens, t.seq_len, t.batch_size, t.eval_tokens, t.mtp_chain)
         log(f"held-out: {heldout['tokens']} tokens, perplexity {heldout['perplexity']:.3f}"
             + (f", MTP loss {heldout['mtp_loss']:.3f}, draft acceptance {heldout['draft_acc']:.3f}"
                if "mtp_loss" in heldout else ""))  # fmt: skip

@@ -53,7 +53,8 @@ def model_config(train: TrainSection, eos_id: int) -> dict[str, Any]:
 def init_weights(model: QwenHybridForCausalLM, seed: int) -> None:
     """GPT-style initialisation: projections and embeddings N(0, 0.02), projections into the residual stream
     scaled by 1/sqrt(2 * layers); zero-centred norms at 0 (a scale of 1); GDN decays as Hugging Face initialises
-    them (A in [1, 16], dt log-uniform in [1e-3, 1e-1] through softplus)."""
+    them (A in [1, 16], dt log-uniform in [1e-3, 1e-1] through softplus). Every tensor is drawn from `seed`'s
+    generator, so a run's initial weights depend on the seed alone."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     depth = model.config.num_hidden_layers + model.config.mtp_num_hidden_layers
 
@@ -66,6 +67,9 @@ def init_weights(model: QwenHybridForCausalLM, seed: int) -> None:
             normal_(module.weight, INIT_STD / math.sqrt(2 * depth) if residual else INIT_STD)
         elif isinstance(module, nn.Embedding):
             normal_(module.weight, INIT_STD)
+        elif isinstance(module, nn.Conv1d):  # depthwise: nn.Conv1d's own default, U(-1/sqrt(k), 1/sqrt(k))
+            bound = 1.0 / math.sqrt(module.weight.shape[-1])
+            module.weight.copy_(torch.empty(module.weight.shape).uniform_(-bound, bound, generator=generator))
         elif isinstance(module, GatedDeltaNet):
             heads = module.A_log.shape[0]
             module.A_log.copy_(torch.empty(heads).uniform_(1.0, 16.0, generator=generator).log())

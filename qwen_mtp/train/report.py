@@ -23,10 +23,16 @@ def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("lm", "next token"), ("mtp", "MTP head (token t+2)")):
+    curves = (
+        ("lm", "next token"),
+        ("mtp", "MTP draft step 1 (token t+2)"),
+        ("mtp_chain", "MTP chained steps"),
+        ("heldout_lm_loss", "held-out next token"),
+    )
+    for key, label in curves:
         points = [(h["step"], h[key]) for h in history if key in h]
         if points:
-            ax.plot(*zip(*points, strict=True), label=label)
+            ax.plot(*zip(*points, strict=True), label=label, marker="o" if key.startswith("heldout") else None)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_title(title)

@@ -198,6 +198,7 @@ def acceptance(
     prompts: Annotated[
         Path | None, typer.Option(help="JSON {'prompts': [...]}; default: the held-out prompts qwen-mtp ships")
     ] = None,
+    count: Annotated[int | None, typer.Option(help="use only the first COUNT prompts")] = None,
     ks: Annotated[str, typer.Option(help="comma-separated K values")] = "1,2,3,4",
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated per prompt (EOS ignored)")] = 64,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
@@ -212,7 +213,7 @@ def acceptance(
     try:
         k_values = tuple(int(k) for k in ks.split(","))
         report = measure_acceptance(
-            checkpoint, read_prompts(prompts), k_values, max_new_tokens, device, dtype, log=typer.echo
+            checkpoint, read_prompts(prompts)[:count], k_values, max_new_tokens, device, dtype, log=typer.echo
         )
     except ValueError as err:
         _fail(ValueError(f"--ks must be comma-separated integers 1..4: {err}"))

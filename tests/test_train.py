@@ -125,21 +125,21 @@ class _Cut(Exception):
 
 
 def test_resume_continues_from_the_saved_step(corpus_dir, tmp_path):
-    """A run cut after its step-10 resume point, started again, ends with the weights of an uncut run."""
-    whole = train(_recipe(corpus_dir, tmp_path / "whole", steps=20, save_every=10), log=lambda _: None)
+    """A run cut after its step-5 resume point, started again, ends with the weights of an uncut run."""
+    whole = train(_recipe(corpus_dir, tmp_path / "whole", steps=10, save_every=5), log=lambda _: None)
 
-    def cut_at_step_15(line: str) -> None:
-        if line.startswith("step 15/"):
+    def cut_at_step_10(line: str) -> None:
+        if line.startswith("step 10/"):  # logged before step 10's resume point is written
             raise _Cut
 
-    cut = _recipe(corpus_dir, tmp_path / "cut", steps=20, save_every=10)
+    cut = _recipe(corpus_dir, tmp_path / "cut", steps=10, save_every=5)
     with pytest.raises(_Cut):
-        train(cut, log=cut_at_step_15)
-    assert load_resume(tmp_path / "cut" / "resume.pt")["step"] == 10
+        train(cut, log=cut_at_step_10)
+    assert load_resume(tmp_path / "cut" / "resume.pt")["step"] == 5
     lines = []
     resumed = train(cut, log=lines.append)
-    assert any(line.startswith("resumed from") and "at step 10 of 20" in line for line in lines)
-    assert [h["step"] for h in resumed.summary["history"] if "lm" in h] == [5, 10, 15, 20]
+    assert any(line.startswith("resumed from") and "at step 5 of 10" in line for line in lines)
+    assert [h["step"] for h in resumed.summary["history"] if "lm" in h] == [5, 10]
     from safetensors.torch import load_file
 
     a, b = load_file(whole.checkpoint / "model.safetensors"), load_file(resumed.checkpoint / "model.safetensors")

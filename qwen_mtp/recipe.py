@@ -91,6 +91,49 @@ class BenchSection:
 
 
 @dataclass
+class TrainSection:
+    """`qwen-mtp train`: corpus, tokenizer, model shape, optimisation, output (docs/training.md)."""
+
+    mode: Literal["joint", "target", "mtp-head"] = "joint"  # what trains (docs/training.md: modes)
+    init: str | None = None  # start from this checkpoint (its shape and tokenizer); None: from scratch
+    corpus: str = "stdlib"  # "stdlib" (this interpreter's standard library) or a directory of text files
+    include: list[str] = field(default_factory=lambda: ["**/*.py"])  # globs under the corpus root
+    exclude: list[str] = field(default_factory=list)
+    vocab_size: int = 4096  # byte-level BPE trained on the train split
+    hidden_size: int = 256
+    num_layers: int = 8
+    full_attention_interval: int = 4  # every 4th layer attention, the rest Gated DeltaNet
+    intermediate_size: int = 640
+    attention_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    gdn_key_heads: int = 2
+    gdn_value_heads: int = 4
+    gdn_head_dim: int = 64
+    seq_len: int = 512
+    batch_size: int = 32
+    steps: int = 1000
+    time_budget_s: float | None = None  # fewer steps if the measured speed would overrun this (wall clock)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.5  # joint loss = next-token CE + mtp_weight * MTP CE (mean over the draft steps)
+    mtp_chain: int = 1  # MTP draft steps trained: 1 = on the target's hidden states; more = chained (docs)
+    seed: int = 0
+    output_dir: str = "train-out"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["bf16", "fp32"] = "bf16"  # bf16: the model in bf16 with fp32 master weights
+    compile: bool = False  # torch.compile the loss (forward + backward)
+    log_every: int = 10
+    save_every: int = 250  # steps between resume points (and at the end)
+    eval_tokens: int = 131072  # held-out tokens for the perplexity at the end
+    eval_every: int = 0  # steps between held-out losses in the log (0: only at the end)
+    save_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the checkpoint's tensors
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -100,6 +143,7 @@ class Recipe:
     compile: CompileSection = field(default_factory=CompileSection)
     run: RunSection = field(default_factory=RunSection)
     bench: BenchSection = field(default_factory=BenchSection)
+    train: TrainSection = field(default_factory=TrainSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,7 +176,7 @@ def load_recipe(source: str | Path | dict[str, Any] | None = None, overrides: ty
     for item in overrides:
         _apply_override(raw, item)
     recipe = _build(Recipe, raw, "")
-    _validate(recipe)
+    _validate(recipe, trains="train" in raw)
     return recipe
 
 
@@ -217,10 +261,14 @@ def _require(ok: bool, message: str) -> None:
         raise RecipeError(message)
 
 
-def _validate(r: Recipe) -> None:
+def _validate(r: Recipe, trains: bool = False) -> None:
+    """`trains`: the recipe has a `train` section, whose model comes from `train` (a model section is optional)."""
     m = r.model
     sources = [key for key in ("path", "fixture", "synthetic") if getattr(m, key) is not None]
-    _require(len(sources) == 1, "model: set exactly one of model.path, model.fixture or model.synthetic")
+    _require(
+        len(sources) == 1 or (trains and not sources),
+        "model: set exactly one of model.path, model.fixture or model.synthetic",
+    )
     if m.fixture is not None:
         from qwen_mtp.testing import PRESETS
 
@@ -253,9 +301,51 @@ def _validate(r: Recipe) -> None:
         all(n >= 1 for n in b.prompt_lens) and b.prompt_lens and b.output_len >= 2,
         "bench.prompt_len must be >= 1 (or a non-empty list of such) and bench.output_len >= 2",
     )
+    _validate_train(r.train)
     _require(r.run.max_new_tokens >= 1, f"run.max_new_tokens must be >= 1, got {r.run.max_new_tokens}")
     for i, prompt in enumerate(r.run.prompts):
         _require(
             isinstance(prompt, str) or all(t >= 0 for t in prompt),
             f"run.prompts[{i}]: token ids must be >= 0",
         )
+
+
+def _validate_train(t: TrainSection) -> None:
+    positive = (
+        "vocab_size", "hidden_size", "num_layers", "full_attention_interval", "intermediate_size",
+        "attention_heads", "kv_heads", "head_dim", "gdn_key_heads", "gdn_value_heads", "gdn_head_dim",
+        "seq_len", "batch_size", "steps", "log_every", "save_every", "eval_tokens",
+    )  # fmt: skip
+    for key in positive:
+        _require(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
+    _require(t.vocab_size >= 300, f"train.vocab_size must be >= 300 (256 bytes + special tokens), got {t.vocab_size}")
+    _require(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: off), got {t.eval_every}")
+    _require(
+        t.attention_heads % t.kv_heads == 0,
+        f"train.attention_heads ({t.attention_heads}) must be a multiple of train.kv_heads ({t.kv_heads})",
+    )
+    _require(
+        t.gdn_value_heads % t.gdn_key_heads == 0,
+        f"train.gdn_value_heads ({t.gdn_value_heads}) must be a multiple of train.gdn_key_heads ({t.gdn_key_heads})",
+    )
+    _require(
+        t.head_dim % 8 == 0, f"train.head_dim must be a multiple of 8 (partial RoPE on a quarter), got {t.head_dim}"
+    )
+    for key in ("lr", "grad_clip"):
+        _require(getattr(t, key) > 0, f"train.{key} must be > 0, got {getattr(t, key)}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in 0..1, got {t.min_lr_ratio}")
+    _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _require(t.mtp_weight >= 0, f"train.mtp_weight must be >= 0, got {t.mtp_weight}")
+    _require(1 <= t.mtp_chain <= 4, f"train.mtp_chain must be 1..4 (draft steps trained), got {t.mtp_chain}")
+    _require(
+        t.time_budget_s is None or t.time_budget_s > 0,
+        f"train.time_budget_s must be > 0 or null, got {t.time_budget_s}",
+    )
+    _require(
+        DEVICE.fullmatch(t.device) is not None,
+        f"train.device must be auto, cpu, cuda or cuda:N (N a GPU index: 0, 1, ...), got {t.device!r}",
+    )
+    _require(bool(t.include), "train.include must list at least one glob (e.g. '**/*.py')")
+    _require(bool(t.output_dir), "train.output_dir must be a directory path")

@@ -74,6 +74,8 @@ def _tokenizer_problem(path: Path, files: list[Path], err: Exception) -> str:
 
 def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
     check_supported(recipe)
+    if recipe.model.path is None and recipe.model.fixture is None and recipe.model.synthetic is None:
+        raise RecipeError("model: set one of model.path, model.fixture or model.synthetic (a train recipe has none)")
     device = resolve_device(recipe.model.device)
     if recipe.model.synthetic is not None:
         from qwen_mtp.testing.synthetic import synthetic_model

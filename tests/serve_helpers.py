@@ -38,11 +38,15 @@ def _engine_samples() -> bool:
     return True
 
 
-# Every test that needs sampling / stop strings / logprobs / prompt_logprobs carries this mark; they run as soon
-# as the engine stops refusing those (run them with `pytest -m needs_sampling -rs`).
-needs_sampling = pytest.mark.skipif(
+_until_sampling = pytest.mark.skipif(
     not _engine_samples(), reason="needs issue #17's sampling, stop strings and logprobs in the engine"
 )
+
+
+def needs_sampling(test):
+    """The one mark of the tests that need sampling / stop strings / logprobs / prompt_logprobs: skipped while
+    the engine refuses those, run as soon as it takes them (all of them: `pytest -m needs_sampling -rs`)."""
+    return pytest.mark.needs_sampling(_until_sampling(test))
 
 
 def with_chat_template(checkpoint: Path, target: Path) -> Path:

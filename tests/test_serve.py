@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from serve_helpers import LiveServer, needs_sampling, tiny_recipe, with_chat_template
 
 from qwen_mtp.engine import Engine, SamplingParams
-from serve_helpers import LiveServer, needs_sampling, tiny_recipe, with_chat_template
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"model": "qwen-mtp", "temperature": 0}

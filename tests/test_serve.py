@@ -10,6 +10,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -269,6 +270,37 @@ def test_sigterm_stops_the_cli_server_gracefully(tmp_path, chat_checkpoint):
             proc.kill()
             proc.wait()
     assert "server stopped" in proc.stderr.read()
+
+
+def test_load_test_script_reports_and_finds_pages_free(server, tmp_path):
+    """benchmarks/load_test.py against a running server (--base-url), as the H200 run uses it."""
+    out = tmp_path / "load.json"
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "load_test.py"),
+        "--base-url",
+        server.url,
+        "--concurrency",
+        "8",
+        "--requests",
+        "16",
+        "--prompt-len",
+        "12",
+        "--max-tokens",
+        "6",
+        "--vocab",
+        "200",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["completed"] == 16 and report["errors"] == {} and report["output_tokens"] == 16 * 6
+    assert report["ttft_s"]["p50"] > 0 and report["tpot_s"]["p99"] > 0 and report["output_tokens_per_s"] > 0
+    assert report["server"]["all_free_after"] is True
 
 
 @needs_sampling

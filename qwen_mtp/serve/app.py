@@ -269,9 +269,9 @@ class _Api:
             return shape.completion_chunk_choice(choice, choice.echo, None, self.decode, None) if choice.echo else None
 
         def chunk(choice: Choice, text: str, logprobs, finish: str | None) -> dict[str, Any] | None:
-            logprobs = logprobs if want_logprobs and not choice.drop_output else None
-            if not text and not logprobs and finish is None:
+            if choice.drop_output and finish is None:
                 return None
+            logprobs = logprobs if want_logprobs and not choice.drop_output else None
             return shape.completion_chunk_choice(choice, text, logprobs, self.decode, finish)
 
         return first, chunk
@@ -317,8 +317,6 @@ class _Api:
 
         def chunk(choice: Choice, text: str, logprobs, finish: str | None) -> dict[str, Any] | None:
             logprobs = logprobs if want_logprobs else None
-            if not text and not logprobs and finish is None:
-                return None
             delta = {"content": text} if text else {}
             return shape.chat_chunk_choice(choice, delta, logprobs, self.decode, finish)
 

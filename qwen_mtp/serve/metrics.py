@@ -91,6 +91,7 @@ class _EngineCollector:
             "state_rows_in_use", "recurrent-state rows held by requests", s["total_state_rows"] - s["free_state_rows"]
         )
         if "drafted" in s:
+            yield CounterMetricFamily(f"{PREFIX}_spec_verify_steps", "MTP verify steps", value=s["verify_steps"])
             yield CounterMetricFamily(f"{PREFIX}_spec_drafted_tokens", "MTP draft tokens verified", value=s["drafted"])
             yield CounterMetricFamily(
                 f"{PREFIX}_spec_accepted_tokens", "MTP draft tokens accepted", value=s["accepted"]

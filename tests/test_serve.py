@@ -181,6 +181,13 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert m["qwen_mtp_requests_finished_total{finish_reason=cancelled}"] == before + 1
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_frees_pages(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/completions", json=body, timeout=0.5)  # the client gives up and closes
+    server.wait_all_free()
+
+
 def test_queue_bound_answers_429_then_frees(small_server):
     body = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True, **GREEDY}
     with httpx.Client(base_url=small_server.url, timeout=30) as http:

@@ -165,13 +165,19 @@ class _Job:
             yield event
 
     async def watched(self, request: Request) -> AsyncIterator[Event]:
-        """The events, raising `ClientGone` once the client disconnects (non-streaming requests)."""
+        """The events, raising `ClientGone` once the client disconnects (non-streaming requests: checked every
+        `DISCONNECT_POLL_S`, whether or not tokens arrive meanwhile)."""
+        checked = time.monotonic()
         while self.open:
             try:
                 event = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:
                 if await request.is_disconnected():
-                    raise ClientGone from None
+                    raise ClientGone
+                checked = time.monotonic()
+            if event is None:
                 continue
             if isinstance(event, Finished):
                 self.open.discard(event.request_id)

@@ -179,6 +179,7 @@ def serve(
 ) -> None:
     """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qwen_mtp.engine import Engine
+    from qwen_mtp.errors import RecipeError
     from qwen_mtp.recipe import load_recipe
     from qwen_mtp.serve.server import serve as run_server
 
@@ -189,6 +190,8 @@ def serve(
     ]
     try:
         loaded_recipe = load_recipe(recipe, tuple(overrides))
+        if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
+            raise RecipeError("mtp.draft: oracle drafts need each request's answer beforehand: serve with head")
         engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
         engine.warmup()
     except QwenMTPError as err:

@@ -44,7 +44,8 @@ def write_gen_task(folder: Path, engine: Engine) -> list[str]:
     """A generate_until task whose first two targets are the engine's greedy output and whose last is not:
     exact_match must be 2/3. Returns the greedy outputs."""
     outputs = [
-        engine.decode(r.token_ids) for r in engine.generate([engine.encode(p) for p in GEN_PROMPTS], SamplingParams(8))
+        engine.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        for r in engine.generate([engine.encode(p) for p in GEN_PROMPTS], SamplingParams(8))
     ]
     targets = [*outputs[:2], outputs[2] + " (not what it says)"]
     rows = [{"prompt": p, "target": t} for p, t in zip(GEN_PROMPTS, targets, strict=True)]

@@ -66,7 +66,12 @@ def aclient(live: LiveServer) -> openai.AsyncOpenAI:
 
 def expected(reference: Engine, prompt: list[int], max_tokens: int) -> str:
     (result,) = reference.generate([prompt], SamplingParams(max_tokens))
-    return reference.decode(result.token_ids)
+    return text_of(reference, result.token_ids)
+
+
+def text_of(engine: Engine, token_ids: list[int]) -> str:
+    """Output text as the API returns it: without special tokens (an EOS that ended the request)."""
+    return engine.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def test_completion_equals_engine_greedy_output(server, reference):
@@ -148,7 +153,7 @@ def test_64_concurrent_requests_all_answered_correctly(server, reference):
     ids = [reference.submit(p, SamplingParams(n)) for p, n in zip(prompts, lengths, strict=True)]
     while reference.has_unfinished():
         reference.step()
-    want = [reference.decode(reference.result(i).token_ids) for i in ids]
+    want = [text_of(reference, reference.result(i).token_ids) for i in ids]
 
     async def one(c, prompt, n, stream):
         if not stream:
@@ -325,11 +330,12 @@ def test_echo_logprobs_with_max_tokens_0_are_prompt_logprobs(server, reference):
 @needs_sampling
 def test_stop_strings_cut_the_text(server, reference):
     prompt = reference.encode("Hello world")
-    full = expected(reference, prompt, 16)
+    (result,) = reference.generate([prompt], SamplingParams(16, ignore_eos=True))
+    full = text_of(reference, result.token_ids)
     stop = full[3:5]
-    out = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], **GREEDY)
+    out = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], **LONG, **GREEDY)
     assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
-    chunks = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], stream=True, **GREEDY)
+    chunks = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], stream=True, **LONG, **GREEDY)
     assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
 
 

@@ -16,7 +16,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from qwen_mtp.engine import Engine, Result, SamplingParams
 from qwen_mtp.errors import RecipeError
-from qwen_mtp.serve.text import TextAssembler
+from qwen_mtp.serve.text import TextAssembler, output_decoder
 
 
 @register_model("qwen-mtp")
@@ -42,6 +42,7 @@ class QwenMTPLM(TemplateLM):
         if self.engine.tokenizer is None:
             raise RecipeError("qwen-mtp under lm-eval needs a checkpoint with a tokenizer (tasks are text)")
         self.tokenizer = self.engine.tokenizer
+        self.output_text = output_decoder(self.tokenizer)
         self.max_gen_toks = int(max_gen_toks)
         self.max_length = self.engine.config.max_position_embeddings
 
@@ -121,7 +122,7 @@ class QwenMTPLM(TemplateLM):
             stops.append(until)
         outputs = []
         for result, until in zip(self._run(jobs), stops, strict=True):
-            text = TextAssembler(self.engine.decode, until)  # the text before the first stop string
+            text = TextAssembler(self.output_text, until)  # the text before the first stop string
             outputs.append(text.push(result.token_ids) + text.finish())
         return outputs
 

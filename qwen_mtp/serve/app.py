@@ -31,7 +31,7 @@ from qwen_mtp.serve.protocol import (
     TokenizeRequest,
 )
 from qwen_mtp.serve.responses import Choice
-from qwen_mtp.serve.text import TextAssembler
+from qwen_mtp.serve.text import TextAssembler, output_decoder
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -191,6 +191,7 @@ class _Job:
 class _Api:
     def __init__(self, engine: Engine, loop: EngineLoop, settings: ServerSection):
         self.engine, self.loop, self.settings = engine, loop, settings
+        self.output_text = output_decoder(engine.tokenizer)
         self.started = int(time.time())
 
     def check_model(self, model: str | None) -> None:
@@ -198,6 +199,7 @@ class _Api:
             raise ModelNotFound(f"model {model!r} is not served here; this server serves {self.settings.model_name!r}")
 
     def decode(self, token_ids: list[int]) -> str | None:
+        """One token's or the prompt's text, special tokens included (logprob entries, echo)."""
         return self.engine.decode(token_ids)
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
@@ -224,9 +226,8 @@ class _Api:
                 params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
                 if body.seed is not None and i > 0:  # n answers to one seeded prompt: seeds seed, seed + 1, ...
                     params = _with_seed(params, (body.seed + i) % 2**63)
-                choices.append(
-                    Choice(p * body.n + i, prompt, TextAssembler(self.decode, params.stop), echo, max_tokens == 0)
-                )
+                assembler = TextAssembler(self.output_text, params.stop)
+                choices.append(Choice(p * body.n + i, prompt, assembler, echo, max_tokens == 0))
                 requests.append((prompt, params))
         return choices, requests
 

@@ -8,6 +8,14 @@ from collections.abc import Callable
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 sequence to
 
 
+def output_decoder(tokenizer) -> Callable[[list[int]], str | None]:
+    """Generated tokens -> text without special tokens (an EOS that ended the request is not text), as the
+    OpenAI API and lm-eval return it; None without a tokenizer."""
+    if tokenizer is None:
+        return lambda token_ids: None
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
 class TextAssembler:
     """One choice's output text. `push` returns the text that became final; while a stop string may still be
     forming, its possible beginning is held back. Without a tokenizer (`decode` returns None) the text is ""."""

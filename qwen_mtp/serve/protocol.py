@@ -43,7 +43,7 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # accepted at their neutral values only (see `refuse_unsupported`)
+    # accepted at their neutral values only (`sampling_params` refuses others)
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
 

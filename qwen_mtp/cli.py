@@ -1,4 +1,5 @@
-"""`qwen-mtp` command line: `qwen-mtp run|bench|train recipe.yaml [--set key=value ...]`, `qwen-mtp acceptance DIR`."""
+"""`qwen-mtp` command line: `qwen-mtp run|bench|serve|train recipe.yaml [--set key=value ...]`, `qwen-mtp acceptance
+DIR`."""
 
 from __future__ import annotations
 
@@ -225,6 +226,38 @@ def acceptance(
         typer.echo(f"wrote {out}")
     else:
         typer.echo(text)
+
+
+@app.command()
+def serve(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe (see recipes/; its server: section, docs/serving.md)")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set mtp.k=4")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address (default: server.host)")] = None,
+    port: Annotated[int | None, typer.Option(help="port, 0 for any free one (default: server.port)")] = None,
+) -> None:
+    """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from qwen_mtp.engine import Engine
+    from qwen_mtp.errors import RecipeError
+    from qwen_mtp.recipe import load_recipe
+    from qwen_mtp.serve.server import serve as run_server
+
+    overrides = [
+        *(set_ or ()),
+        *([f"server.host={host}"] if host else []),
+        *([f"server.port={port}"] if port is not None else []),
+    ]
+    try:
+        loaded_recipe = load_recipe(recipe, tuple(overrides))
+        if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
+            raise RecipeError("mtp.draft: oracle drafts need each request's answer beforehand: serve with head")
+        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
+        engine.warmup()
+    except QwenMTPError as err:
+        _fail(err)
+    try:
+        run_server(engine, loaded_recipe.server, log=lambda line: typer.echo(line, err=True))
+    except OSError as err:  # the address is taken or not ours to bind
+        _fail(err)
 
 
 if __name__ == "__main__":

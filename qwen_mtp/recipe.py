@@ -134,6 +134,19 @@ class TrainSection:
 
 
 @dataclass
+class ServerSection:
+    """`qwen-mtp serve`: where it listens and the limits it puts on clients (docs/serving.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "qwen-mtp"  # the `model` clients name; /v1/models lists it
+    max_queue: int = 64  # requests waiting beyond the cache.max_batch that run; past it, 429
+    request_timeout_s: float | None = 600.0  # from arrival; past it the request ends with finish_reason "timeout"
+    shutdown_grace_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are cancelled
+    default_max_tokens: int = 256  # max_tokens of a request that gives none
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -144,6 +157,7 @@ class Recipe:
     run: RunSection = field(default_factory=RunSection)
     bench: BenchSection = field(default_factory=BenchSection)
     train: TrainSection = field(default_factory=TrainSection)
+    server: ServerSection = field(default_factory=ServerSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -302,6 +316,16 @@ def _validate(r: Recipe, trains: bool = False) -> None:
         "bench.prompt_len must be >= 1 (or a non-empty list of such) and bench.output_len >= 2",
     )
     _validate_train(r.train)
+    s = r.server
+    _require(0 <= s.port <= 65535, f"server.port must be in 0..65535 (0: any free port), got {s.port}")
+    _require(bool(s.model_name), "server.model_name must not be empty")
+    _require(s.max_queue >= 0, f"server.max_queue must be >= 0, got {s.max_queue}")
+    _require(
+        s.request_timeout_s is None or s.request_timeout_s > 0,
+        f"server.request_timeout_s must be > 0 or null (no timeout), got {s.request_timeout_s}",
+    )
+    _require(s.shutdown_grace_s >= 0, f"server.shutdown_grace_s must be >= 0, got {s.shutdown_grace_s}")
+    _require(s.default_max_tokens >= 1, f"server.default_max_tokens must be >= 1, got {s.default_max_tokens}")
     _require(r.run.max_new_tokens >= 1, f"run.max_new_tokens must be >= 1, got {r.run.max_new_tokens}")
     for i, prompt in enumerate(r.run.prompts):
         _require(

@@ -1,6 +1,6 @@
 """The trained model that ships in models/qwen-mtp-small (docs/training.md): Hugging Face parity, MTP-on ==
 MTP-off, and real acceptance lengths within 10% of the figures in docs/training.md (a regression test of the
-MTP head on CPU). Skipped only while the model is not in the repository yet."""
+MTP head on CPU)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "qwen-mtp-small"
 FIGURES = MODEL / "acceptance.json"  # written by `qwen-mtp acceptance models/qwen-mtp-small --out ...`
 DOC = ROOT / "docs" / "training.md"
-
-pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="models/qwen-mtp-small is not trained yet")
-
 
 def test_shipped_model_greedy_tokens_match_hf_fp32():
     engine = Engine.from_recipe({"model": {"path": str(MODEL), "dtype": "float32", "device": "cpu"}})

@@ -78,6 +78,10 @@ class PrefixCache:
         self._nodes: set[PrefixNode] = set()
         self._held: dict[int, list[PrefixNode]] = {}  # request -> its chain of nodes, from the prompt start
         self._clock = itertools.count(1)
+        self._pages_per_chunk = chunk // pages.page_size
+        # counts kept as nodes change, so `stats` never walks the tree (another thread may read them mid-step)
+        self.cached_snapshots = 0
+        self._unheld = 0  # nodes no running request holds
 
     # ---- lookup and holding ------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], speculative: bool) -> PrefixHit:
@@ -98,12 +102,17 @@ class PrefixCache:
         """`request` runs on `hit`'s nodes: none of them is evicted until `release`."""
         self._held[request] = list(hit.nodes)
         for node in hit.nodes:
-            node.users += 1
+            self._use(node)
         self._touch(hit.nodes)
 
     def release(self, request: int) -> None:
         for node in self._held.pop(request, []):
             node.users -= 1
+            self._unheld += node.users == 0
+
+    def _use(self, node: PrefixNode) -> None:
+        self._unheld -= node.users == 0
+        node.users += 1
 
     def record(self, hit: PrefixHit) -> None:
         """Count a user request's admission (internal cache fills are not counted)."""
@@ -139,16 +148,19 @@ class PrefixCache:
             self.pages.share(pages)
             children[tokens] = node
             self._nodes.add(node)
+            self._unheld += 1
+            self.cached_snapshots += snapshot is not None
         else:  # computed again (it was not a hit): keep what the node lacks
             if node.snapshot is None and snapshot is not None:
                 node.snapshot, snapshot = snapshot, None
+                self.cached_snapshots += 1
             if node.mtp_next is None and mtp_next is not None:  # these pages hold the MTP KV too
                 self.pages.share(pages)
                 self.pages.unshare(node.pages)
                 node.pages, node.mtp_next = list(pages), mtp_next
             if snapshot is not None:
                 self.snapshots.release(snapshot)
-        node.users += 1
+        self._use(node)
         chain.append(node)
         self._touch([node])
 
@@ -163,11 +175,14 @@ class PrefixCache:
 
     # ---- memory --------------------------------------------------------------------------------------------
     def evictable_pages(self) -> int:
-        """Pages that evicting every unheld node would return to the pool."""
-        return sum(1 for node in self._nodes if node.users == 0 for page in node.pages if self.pages.holders(page) == 1)
+        """Pages that evicting every unheld node would return to the pool (only the cache holds an unheld
+        node's pages: a request that has a cached chunk's pages in its table holds the node)."""
+        return self._unheld * self._pages_per_chunk
 
     def make_room(self, pages: int) -> bool:
         """Evict LRU unheld leaves until `pages` pages are available; False if that cannot be reached."""
+        if self.pages.available_pages >= pages:
+            return True
         if self.pages.available_pages + self.evictable_pages() < pages:
             return False
         while self.pages.available_pages < pages and self._evict_one():
@@ -196,9 +211,11 @@ class PrefixCache:
         siblings = node.parent.children if node.parent is not None else self._root
         del siblings[node.tokens]
         self._nodes.remove(node)
+        self._unheld -= 1
         self.pages.unshare(node.pages)
         if node.snapshot is not None:
             self.snapshots.release(node.snapshot)
+            self.cached_snapshots -= 1
         self.stats.evictions += 1
         return True
 
@@ -207,13 +224,9 @@ class PrefixCache:
             node.last_used = next(self._clock)
 
     @property
-    def cached_pages(self) -> int:
-        return sum(len(node.pages) for node in self._nodes)
-
-    @property
-    def cached_snapshots(self) -> int:
-        return sum(node.snapshot is not None for node in self._nodes)
-
-    @property
     def num_nodes(self) -> int:
         return len(self._nodes)
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self._nodes) * self._pages_per_chunk

@@ -54,6 +54,7 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt position (the first is None)
     seed: int | None = None  # the request's sampling seed (drawn at submit when not given)
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (cache.prefix_caching)
 
 
 @dataclass
@@ -305,7 +306,8 @@ class Engine:
         request = self._request(request_id)
         if request.done:
             self.requests.pop(request_id, None)
-        return Result(request.output, request.finish_reason or "", len(request.prompt), request.spec, request.error)
+        output, reason, prompt_len = request.output, request.finish_reason or "", len(request.prompt)
+        return Result(output, reason, prompt_len, request.spec, request.error, cached_tokens=request.cached_tokens)
 
     def has_unfinished(self) -> bool:
         """Whether any request (or prefix-cache fill) is queued or running."""

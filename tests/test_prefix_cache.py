@@ -141,6 +141,26 @@ def test_different_tokens_of_the_same_length_never_share(path):
     assert restored == [0, 3 * CHUNK, CHUNK, 0, 0]
 
 
+def test_a_cancelled_requests_full_chunks_stay_cached(path):
+    prompt = random_prompt(4 * CHUNK + 2, seed=8)
+    engine = make_engine(path, k=2)
+    rid = engine.submit(prompt, SamplingParams(4, ignore_eos=True))
+    engine.step()
+    engine.step()  # two chunks prefilled
+    engine.cancel(rid)
+    drain(engine)
+    assert engine.stats()["prefix_fills"] == 0  # no output: nothing more is computed for it
+    again = Recorder(engine)
+    rid = again.submit(prompt, 4)
+    request = engine.requests[rid]
+    again.finish()
+    cold = Recorder(make_engine(path, k=2, caching=False))
+    cold_id = cold.submit(prompt, 4)
+    cold.finish()
+    assert request.cached_tokens == 2 * CHUNK
+    assert again.outputs[rid] == cold.outputs[cold_id] and again.drafts[rid] == cold.drafts[cold_id]
+
+
 def test_mtp_shares_a_chunk_only_with_the_same_next_token(path):
     shared = random_prompt(2 * CHUNK, seed=6)
     first, second = shared + [11, 12, 13], shared + [21, 22, 23]  # differ right at the chunk boundary

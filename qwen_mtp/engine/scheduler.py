@@ -115,7 +115,8 @@ class Scheduler:
             positions = self.positions_reserved(request.max_len, request.spec is not None)
         hit = PrefixHit()
         if self.prefix is not None:
-            hit = self.prefix.lookup(request.prompt, request.spec is not None)
+            if request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
+                hit = self.prefix.lookup(request.prompt, request.spec is not None)
             self.prefix.hold(request.id, hit)  # before making room, so the hit is not evicted for itself
             if not self.prefix.make_room(self.pages.pages_to_reserve(positions, len(hit.pages))):
                 self.prefix.release(request.id)

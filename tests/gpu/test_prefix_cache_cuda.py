@@ -29,8 +29,8 @@ def engine_for(source, caching, k=None, draft="head", accept=1.0, max_batch=8, s
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [None, 2])
 def test_conversation_cached_matches_uncached_cuda(k, state_dtype):
-    source, chunks = {"fixture": "tiny-8l"}, {"prefill_chunk": 32, "page_size": 16}
-    turns = [random_prompt(40 + 9 * t, seed=10 + t) for t in range(6)]
+    source, chunks = {"fixture": "tiny-8l"}, {"prefill_chunk": 64, "page_size": 32}
+    turns = [random_prompt(70 + 9 * t, seed=10 + t) for t in range(6)]
     cold = converse(engine_for(source, False, k, state_dtype=state_dtype, **chunks), turns, max_new=24)
     cached = converse(engine_for(source, True, k, state_dtype=state_dtype, **chunks), turns, max_new=24)
     assert [c[:2] for c in cached] == [c[:2] for c in cold]  # tokens and every draft

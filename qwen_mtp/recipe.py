@@ -56,6 +56,9 @@ class CacheSection:
     num_pages: int | None = None
     num_state_rows: int | None = None
     prefill_chunk: int = 512
+    prefix_caching: bool = False  # share full prefill chunks' KV pages + GDN state snapshots across requests
+    prefix_snapshots: int | None = None  # GDN state snapshot slots; None: sized from the pools (sizing.py)
+    prefix_cache_outputs: bool = True  # with prefix_caching: also cache a finished request's output chunks
 
 
 @dataclass
@@ -302,6 +305,12 @@ def _validate(r: Recipe, trains: bool = False) -> None:
     for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows"):
         value = getattr(c, key)
         _require(value is None or value >= 1, f"cache.{key} must be >= 1, got {value}")
+    _require(c.prefix_snapshots is None or c.prefix_snapshots >= 1, "cache.prefix_snapshots must be >= 1")
+    _require(
+        not c.prefix_caching or c.prefill_chunk % c.page_size == 0,
+        f"cache.prefix_caching shares whole pages of full prefill chunks: cache.prefill_chunk ({c.prefill_chunk}) "
+        f"must be a multiple of cache.page_size ({c.page_size})",
+    )
     _require(0.0 < c.memory_fraction <= 1.0, f"cache.memory_fraction must be in (0, 1], got {c.memory_fraction}")
     _require(
         all(b >= 1 for b in r.compile.batch_sizes), f"compile.batch_sizes must be positive, got {r.compile.batch_sizes}"

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from qwen_mtp.cache.kv import PagePool, pages_for
-from qwen_mtp.cache.state import StatePool
+from qwen_mtp.cache.prefix import PrefixCache
+from qwen_mtp.cache.state import StatePool, StateSnapshots
 from qwen_mtp.dtypes import STATE_DTYPES
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
@@ -53,6 +54,7 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt position (the first is None)
     seed: int | None = None  # the request's sampling seed (drawn at submit when not given)
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (cache.prefix_caching)
 
 
 @dataclass
@@ -94,7 +96,11 @@ class Engine:
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
-        self.scheduler = Scheduler(self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens)
+        self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
+        self.cache_outputs = cache.prefix_cache_outputs
+        self.scheduler = Scheduler(
+            self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix
+        )
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
         graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
         if compile.enabled or graphs:
@@ -114,7 +120,7 @@ class Engine:
         self._submitted: queue.SimpleQueue[Request] = queue.SimpleQueue()  # the inbox (put is reentrant)
         self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # held for a whole step: steps never overlap
-        log(sizes.describe(self.pages.bytes, self.states.bytes))
+        log(sizes.describe(self.pages.bytes, self.states.bytes, self.snapshots.bytes if self.snapshots else 0))
 
     def _build_pools(self, sizes: PoolSizes, dtype: torch.dtype, state_dtype: str) -> tuple[PagePool, StatePool]:
         shapes = self.model.shapes
@@ -141,6 +147,19 @@ class Engine:
             device=self.device,
         )
         return pages, states
+
+    def _build_prefix_cache(
+        self, cache: CacheSection, sizes: PoolSizes
+    ) -> tuple[StateSnapshots | None, PrefixCache | None]:
+        if not cache.prefix_caching:
+            return None, None
+        if cache.prefill_chunk % cache.page_size:
+            raise RecipeError(
+                f"cache.prefix_caching shares whole pages of full prefill chunks: cache.prefill_chunk "
+                f"({cache.prefill_chunk}) must be a multiple of cache.page_size ({cache.page_size})"
+            )
+        snapshots = StateSnapshots(self.states, sizes.num_snapshots)
+        return snapshots, PrefixCache(self.pages, snapshots, cache.prefill_chunk)
 
     def _build_graphs(
         self, settings: CompileSection, capture: bool, max_batch: int, log: Callable[[str], None]
@@ -287,10 +306,13 @@ class Engine:
         request = self._request(request_id)
         if request.done:
             self.requests.pop(request_id, None)
-        return Result(request.output, request.finish_reason or "", len(request.prompt), request.spec, request.error)
+        output, reason, prompt_len = request.output, request.finish_reason or "", len(request.prompt)
+        return Result(output, reason, prompt_len, request.spec, request.error, cached_tokens=request.cached_tokens)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or not self._submitted.empty())
+        """Whether any request (or prefix-cache fill) is queued or running."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting or scheduler.fills or scheduler.running or not self._submitted.empty())
 
     def _request(self, request_id: int) -> Request:
         request = self.requests.get(request_id)
@@ -310,9 +332,12 @@ class Engine:
         return dataclasses.replace(params, **changes) if changes else params
 
     def _release(self, request: Request) -> None:
+        fill = self._output_fill(request)
         self.scheduler.remove(request)
         if self.speculator is not None:
             self.speculator.forget(request)
+        if fill is not None:
+            self.scheduler.add(fill)
 
     def _record_acceptance(self, request: Request, accepted: int) -> None:
         self.speculator.record(request, accepted)
@@ -341,8 +366,12 @@ class Engine:
         if plan.empty and self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
         launched = []
+        if self.prefix is not None:
+            self._restore_prefixes(plan.restores)
         with self.timer("prefill"):
             launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
+        if self.prefix is not None:
+            self._save_snapshots(plan.prefills, launched)
         if plan.decodes:
             with self.timer("decode"):
                 launched.append(self._guard(plan.decodes, self._launch_decode, plan.decodes))
@@ -359,7 +388,12 @@ class Engine:
                 continue
             outcomes += item.outcomes(values[offset : offset + len(item.parts)])
             offset += len(item.parts)
-        return self.updater.apply(outcomes)
+        if self.prefix is not None:
+            self._cache_chunks(plan.prefills, outcomes)
+        updates = self.updater.apply(outcomes)
+        if self.prefix is not None:
+            self._end_fills()
+        return updates
 
     @staticmethod
     def _guard(requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
@@ -386,6 +420,76 @@ class Engine:
             return [Outcome(request, length, values[0], drafts=values[1] if speculative else None)]
 
         return _Launched([request], parts, outcomes)
+
+    # ---- prefix caching (cache/prefix.py) ---------------------------------------------------------------------
+    def _restore_prefixes(self, restores: list[tuple[Request, int]]) -> None:
+        """Admitted prefix hits: their rows start from the cached GDN state, before their first chunk runs."""
+        for request, slot in restores:
+            self.snapshots.restore(slot, self.states.rows[request.id])
+
+    def _save_snapshots(self, chunks: list[PrefillChunk], launched: list[_Launched]) -> None:
+        """Copy the GDN state after each launched full chunk that was given a slot (the row is at the chunk's
+        end until the request's next step)."""
+        for chunk, item in zip(chunks, launched, strict=False):  # the prefill parts come first, in order
+            if chunk.snapshot is not None and item.error is None:
+                self.snapshots.save(self.states.rows[chunk.request.id], chunk.snapshot)
+
+    def _cache_chunks(self, chunks: list[PrefillChunk], outcomes: list[Outcome]) -> None:
+        """Index the full chunks that ran without error (before `apply`, which may release their pages)."""
+        succeeded = {o.request.id: o for o in outcomes if o.error is None and not o.request.done}
+        page = self.pages.page_size
+        for chunk in chunks:
+            request, end = chunk.request, chunk.start + chunk.length
+            outcome = succeeded.get(request.id)
+            if outcome is None or chunk.length != self.scheduler.prefill_chunk:
+                self.prefix.discard(chunk.snapshot)
+                continue
+            pages = self.pages.tables[request.id][chunk.start // page : end // page]
+            tokens = tuple(request.prompt[chunk.start : end])
+            self.prefix.add(request.id, tokens, pages, chunk.snapshot, self._mtp_next(chunk, outcome))
+
+    @staticmethod
+    def _mtp_next(chunk: PrefillChunk, outcome: Outcome) -> int | None:
+        """The token after `chunk` that its MTP KV entries were computed with (see `_launch_prefill`): the next
+        prompt token, or the first output token after the prompt's last chunk; None when the MTP head did not
+        run over the chunk."""
+        if chunk.request.spec is None or (chunk.last and not chunk.drafts):
+            return None
+        return outcome.tokens[0] if chunk.last else chunk.request.prompt[chunk.start + chunk.length]
+
+    def _output_fill(self, request: Request) -> Request | None:
+        """For a request that ends with output: a cache fill that prefills its full chunks past those it cached
+        (prompt + output), so the next turn of a conversation restores them. Decode computed those positions
+        token by token, not as a prefill chunk would, so their KV and state cannot be cached as they are."""
+        if self.prefix is None or not self.cache_outputs or request.fill_end is not None:
+            return None
+        if request.finish_reason == "error" or request.num_output == 0:
+            return None
+        chunk = self.scheduler.prefill_chunk
+        end = (len(request.tokens) - 1) // chunk * chunk  # the token after `end` must be known (the MTP KV)
+        if end <= self.prefix.held_length(request.id):
+            return None
+        tokens = request.tokens[: end + 1]
+        if self.prefix.lookup(tokens, request.spec is not None).length >= end:
+            return None
+        fill = Request(next(self._ids), tokens, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        fill.fill_end = end
+        if request.spec is not None:
+            self.speculator.start(fill)
+        return fill
+
+    def _end_fills(self) -> None:
+        for request in [r for r in self.scheduler.running if r.fill_end is not None]:
+            if request.num_computed >= request.fill_end and not request.done:
+                self.updater.finish(request, "length")
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached prefix that no running request holds (their pages and snapshot slots return to
+        the pools); returns how many chunks were evicted. 0 without prefix caching."""
+        if self.prefix is None:
+            return 0
+        with self._lock:
+            return self.prefix.clear()
 
     def _launch_decode(self, requests: list[Request]) -> _Launched:
         """Plain decode: one token per request."""
@@ -518,9 +622,24 @@ class Engine:
             "free_pages": self.pages.free_pages,
             "total_state_rows": self.states.num_rows,
             "free_state_rows": self.states.free_rows,
-            "running": len(self.scheduler.running),
+            "running": sum(r.fill_end is None for r in self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
         }
+        if self.prefix is not None:
+            counts = self.prefix.stats
+            fills = len(self.scheduler.fills) + sum(r.fill_end is not None for r in self.scheduler.running)
+            stats.update(
+                prefix_lookups=counts.lookups,
+                prefix_hits=counts.hits,
+                prefix_tokens_saved=counts.tokens_saved,
+                prefix_evictions=counts.evictions,
+                prefix_cached_chunks=self.prefix.num_nodes,
+                prefix_cached_pages=self.prefix.cached_pages,
+                prefix_cached_snapshots=self.prefix.cached_snapshots,
+                prefix_snapshot_slots=self.snapshots.num_slots,
+                prefix_free_snapshot_slots=self.snapshots.free_slots,
+                prefix_fills=fills,
+            )
         if self.speculator is not None:
             totals = self.speculator.totals
             stats.update(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from helpers import assert_greedy_matches_hf, load_hf
 

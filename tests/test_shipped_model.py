@@ -18,6 +18,7 @@ MODEL = ROOT / "models" / "qwen-mtp-small"
 FIGURES = MODEL / "acceptance.json"  # written by `qwen-mtp acceptance models/qwen-mtp-small --out ...`
 DOC = ROOT / "docs" / "training.md"
 
+
 def test_shipped_model_greedy_tokens_match_hf_fp32():
     engine = Engine.from_recipe({"model": {"path": str(MODEL), "dtype": "float32", "device": "cpu"}})
     prompts = [engine.encode(p) for p in read_prompts()[:3]]

@@ -41,6 +41,7 @@ class MTPSection:
     k: int = 2
     draft: Literal["head", "oracle"] = "head"
     oracle_accept: float = 1.0
+    coupled_drafts: bool = True  # sampled requests: drafts use the target's noise (false: greedy drafts)
 
 
 @dataclass

@@ -62,6 +62,9 @@ class Request:
         self.error: BaseException | None = None  # what a failed step raised
         self.spec: SpecStats | None = None  # set when the request decodes speculatively
         self.drafts: list[int] = []  # the next verify's draft tokens d1..dK
+        # one per output token / per prompt position (None for the first), when the request asks for them
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def output(self) -> list[int]:

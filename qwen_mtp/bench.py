@@ -132,7 +132,7 @@ def _variant(
 
 
 def _run(
-    engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None, sampled: dict[str, float]
+    engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None, sampled: dict
 ) -> dict[str, Any]:
     """Generate for all prompts as one batch; wall-clock figures and the tokens. `sampled`: temperature and
     top_p (prompt i seeded with i, so every row samples the same tokens)."""

@@ -474,7 +474,7 @@ class Engine:
         max_new_tokens: int | None = None,
         ignore_eos: bool | None = None,
     ) -> list[Result]:
-        """Greedy continuation of each prompt (token ids), generated as one continuous batch (with whatever else
+        """The continuation of each prompt (token ids), generated as one continuous batch (with whatever else
         runs); results in prompt order. `max_new_tokens` / `ignore_eos` override those of `params`."""
         params = self._params(params, max_new_tokens, ignore_eos)
         requests = self._submit_all(self._check_prompts(prompts, params), params)

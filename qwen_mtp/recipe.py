@@ -41,6 +41,7 @@ class MTPSection:
     k: int = 2
     draft: Literal["head", "oracle"] = "head"
     oracle_accept: float = 1.0
+    coupled_drafts: bool = True  # sampled requests: drafts use the target's noise (false: greedy drafts)
 
 
 @dataclass
@@ -86,6 +87,8 @@ class BenchSection:
     prompt_len: int | list[int] = 128  # several: a sweep over context lengths
     output_len: int = 128
     out_dir: str = "bench-results"
+    temperature: float = 0.0  # > 0: every row samples (prompt i seeded with i), to compare step cost with greedy
+    top_p: float = 1.0  # with temperature: top-p (< 1 adds the per-row sort)
 
     @property
     def prompt_lens(self) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import queue
+import random
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, size_pools
 from qwen_mtp.engine.speculative import Speculator
+from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
@@ -55,6 +57,7 @@ class Result:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt position (the first is None)
     seed: int | None = None  # the request's sampling seed (drawn at submit when not given)
     cached_tokens: int = 0  # prompt positions restored from the prefix cache (cache.prefix_caching)
+    text: str | None = None  # token_ids decoded, cut before the first stop string (None without a tokenizer)
 
 
 @dataclass
@@ -70,7 +73,8 @@ class _Launched:
 
 class Engine:
     """Generation over one loaded model. Takes only the recipe sections it needs (`from_recipe` reads them
-    from a recipe); `seed` seeds the oracle drafts' choices (`mtp.draft: oracle`)."""
+    from a recipe); `seed` seeds the oracle drafts' choices (`mtp.draft: oracle`) and the generator that draws
+    the sampling seed of each request submitted without one."""
 
     def __init__(
         self,
@@ -102,6 +106,7 @@ class Engine:
             self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix
         )
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
+        self.runner.coupled_drafts = mtp.coupled_drafts
         graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
         if compile.enabled or graphs:
             self.runner.graphs = self._build_graphs(compile, graphs, cache.max_batch, log)
@@ -113,7 +118,9 @@ class Engine:
         self.speculator = None
         if mtp.enabled:
             self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed)
-        self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance, decode)
+        self._seeds = random.Random(seed)  # draws the seed of a request submitted without one
         self.requests: dict[int, Request] = {}  # submitted and not yet read back (see `result`)
         self.timer = PhaseTimer(device=self.device)  # enable to split step time by phase (benchmarks)
         self._ids = itertools.count()
@@ -225,14 +232,8 @@ class Engine:
         """Raise `RequestError` for a request that can never run. Nothing is allocated."""
         if not prompt:
             raise RequestError("empty prompt: give at least one token")
-        unsupported = [
-            name for name, on in (
-                ("temperature > 0", not params.greedy), ("stop strings", bool(params.stop)),
-                ("logprobs", params.logprobs is not None), ("prompt_logprobs", params.prompt_logprobs is not None),
-            ) if on
-        ]  # fmt: skip
-        if unsupported:
-            raise RequestError(f"not supported by this engine yet: {', '.join(unsupported)} (greedy only)")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -274,7 +275,7 @@ class Engine:
     ) -> Request:
         speculate = self.speculator is not None if speculate is None else speculate
         self.check_request(prompt, params, speculate)
-        request = Request(next(self._ids), prompt, params)
+        request = Request(next(self._ids), prompt, self._seeded(params))
         if speculate:
             self.speculator.start(request, oracle)
         self.requests[request.id] = request
@@ -306,8 +307,16 @@ class Engine:
         request = self._request(request_id)
         if request.done:
             self.requests.pop(request_id, None)
-        output, reason, prompt_len = request.output, request.finish_reason or "", len(request.prompt)
-        return Result(output, reason, prompt_len, request.spec, request.error, cached_tokens=request.cached_tokens)
+        output = request.output
+        text = None if self.tokenizer is None else self.tokenizer.decode(output)
+        if text is not None and request.params.stop:
+            text = cut_at_stop_string(text, request.params.stop)
+        return Result(
+            output, request.finish_reason or "", len(request.prompt), request.spec, request.error,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            seed=request.params.seed, text=text, cached_tokens=request.cached_tokens,
+        )  # fmt: skip
 
     def has_unfinished(self) -> bool:
         """Whether any request (or prefix-cache fill) is queued or running."""
@@ -319,6 +328,11 @@ class Engine:
         if request is None:
             raise RequestError(f"no request {request_id!r}: never submitted, or its result was already read")
         return request
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """`params` with a seed: drawn from the engine's generator when not given, so the request can be replayed
+        (`Result.seed`). Greedy requests draw one too: it costs nothing and keeps the draws in submission order."""
+        return params if params.seed is not None else dataclasses.replace(params, seed=self._seeds.getrandbits(63))
 
     def _params(
         self, params: SamplingParams | None, max_new_tokens: int | None = None, ignore_eos: bool | None = None
@@ -408,18 +422,39 @@ class Engine:
         batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
         hidden = self.runner.prefill(batch)
         speculative = request.spec is not None and (chunk.drafts or not chunk.last)
+        scored = request.prompt[start + 1 : start + length + 1]  # the prompt tokens this chunk's logits predict
+        n_prompt = request.params.prompt_logprobs
+        prompt_parts = []
+        if n_prompt is not None and scored:
+            prompt_parts = list(self.runner.prompt_logprobs(hidden, scored, n_prompt))
+
+        def prompt_logprobs(values: list[list]) -> list[TokenLogprob] | None:
+            return _token_logprobs(scored, *values, n_prompt) if prompt_parts else None
+
         if not chunk.last:
             if speculative:
                 self.speculator.prefill_chunk(request, start, hidden, None)
-            return _Launched([request], [], lambda values: [Outcome(request, computed=length)])
-        parts = [self.runner.choose(hidden[:, -1])]  # the first output token [1]
+            return _Launched(
+                [request], prompt_parts,
+                lambda values: [Outcome(request, computed=length, prompt_logprobs=prompt_logprobs(values))],
+            )  # fmt: skip
+        first, logprobs = self.runner.choose(hidden[:, -1], request, start + length)  # the first output token [1]
+        parts = [first]
         if speculative:
-            parts.append(self.speculator.prefill_chunk(request, start, hidden, parts[0]))  # drafts [1, K]
+            parts.append(self.speculator.prefill_chunk(request, start, hidden, first))  # drafts [1, K]
+        logprob_parts = list(logprobs) if logprobs is not None else []
 
-        def outcomes(values: list[list[int]]) -> list[Outcome]:
-            return [Outcome(request, length, values[0], drafts=values[1] if speculative else None)]
+        def outcomes(values: list[list]) -> list[Outcome]:
+            tokens, rest = values[0], values[1 + speculative :]
+            chosen = _token_logprobs(tokens, *rest[:3], request.params.logprobs) if logprob_parts else None
+            return [
+                Outcome(
+                    request, length, tokens, drafts=values[1] if speculative else None, logprobs=chosen,
+                    prompt_logprobs=prompt_logprobs(rest[len(logprob_parts) :]),
+                )
+            ]  # fmt: skip
 
-        return _Launched([request], parts, outcomes)
+        return _Launched([request], parts + logprob_parts + prompt_parts, outcomes)
 
     # ---- prefix caching (cache/prefix.py) ---------------------------------------------------------------------
     def _restore_prefixes(self, restores: list[tuple[Request, int]]) -> None:
@@ -495,12 +530,17 @@ class Engine:
         """Plain decode: one token per request."""
         tokens = [[r.tokens[r.num_computed]] for r in requests]
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
-        chosen = self.runner.decode(batch)[1][:, -1]
+        _, chosen, logprobs = self.runner.decode(batch)
+        logprob_parts = list(logprobs) if logprobs is not None else []
 
-        def outcomes(values: list[list[int]]) -> list[Outcome]:
-            return [Outcome(r, 1, [token]) for r, token in zip(requests, values[0], strict=True)]
+        def outcomes(values: list[list]) -> list[Outcome]:
+            result = []
+            for b, (r, token) in enumerate(zip(requests, values[0], strict=True)):
+                entries = _token_logprobs([token], *values[1:], r.params.logprobs, rows=[b]) if logprob_parts else None
+                result.append(Outcome(r, 1, [token], logprobs=entries))
+            return result
 
-        return _Launched(requests, [chosen], outcomes)
+        return _Launched(requests, [chosen] + logprob_parts, outcomes)
 
     def _launch_verify(self, requests: list[Request]) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
@@ -511,15 +551,22 @@ class Engine:
             drafts = self.speculator.propose(requests, verified)
         k = self.spec_tokens
 
-        def outcomes(values: list[list[int]]) -> list[Outcome]:
-            accepted, chosen, proposed = values
+        logprob_parts = list(verified.logprobs) if verified.logprobs is not None else []
+
+        def outcomes(values: list[list]) -> list[Outcome]:
+            accepted, chosen, proposed = values[:3]
             result = []
             for b, (request, j) in enumerate(zip(requests, accepted, strict=True)):
-                emitted = chosen[b * (k + 1) : b * (k + 1) + j + 1]
-                result.append(Outcome(request, j + 1, emitted, proposed[b * k : (b + 1) * k], accepted=j))
+                rows = list(range(b * (k + 1), b * (k + 1) + j + 1))
+                emitted = [chosen[i] for i in rows]
+                entries = None
+                if logprob_parts:
+                    entries = _token_logprobs(emitted, *values[3:], request.params.logprobs, rows=rows)
+                drafts = proposed[b * k : (b + 1) * k]
+                result.append(Outcome(request, j + 1, emitted, drafts=drafts, accepted=j, logprobs=entries))
             return result
 
-        return _Launched(requests, [verified.accepted, verified.chosen, drafts], outcomes)
+        return _Launched(requests, [verified.accepted, verified.chosen, drafts] + logprob_parts, outcomes)
 
     # ---- whole generations -----------------------------------------------------------------------------------
     def generate(
@@ -530,7 +577,7 @@ class Engine:
         max_new_tokens: int | None = None,
         ignore_eos: bool | None = None,
     ) -> list[Result]:
-        """Greedy continuation of each prompt (token ids), generated as one continuous batch (with whatever else
+        """The continuation of each prompt (token ids), generated as one continuous batch (with whatever else
         runs); results in prompt order. `max_new_tokens` / `ignore_eos` override those of `params`."""
         params = self._params(params, max_new_tokens, ignore_eos)
         requests = self._submit_all(self._check_prompts(prompts, params), params)
@@ -566,8 +613,9 @@ class Engine:
                     for r in live:
                         new = r.tokens[len(r.prompt) + sent[r.id] :]
                         if new or r.done:
+                            logprobs = None if r.logprobs is None else r.logprobs[sent[r.id] :]
                             sent[r.id] += len(new)
-                            updates.append(Update(r.id, new, r.done, r.finish_reason))
+                            updates.append(Update(r.id, new, r.done, r.finish_reason, logprobs))
                     live = [r for r in live if not r.done]
                 yield from updates
         finally:
@@ -593,15 +641,17 @@ class Engine:
 
     def _submit_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         oracles: list[list[int] | None] = [None] * len(prompts)
+        seeded = [self._seeded(params) for _ in prompts]
         if self.speculator is not None and self.speculator.oracle:
-            # Oracle drafts replay each request's plain-decoding continuation: compute it first, without MTP.
-            plain = [self._submit(p, params, speculate=False) for p in prompts]
+            # Oracle drafts replay each request's plain-decoding continuation (with its seed): compute it first,
+            # without MTP.
+            plain = [self._submit(p, s, speculate=False) for p, s in zip(prompts, seeded, strict=True)]
             try:
                 self._run_until_done(plain)
             finally:
                 self._abandon(plain)
             oracles = [r.output for r in plain]
-        return [self._submit(p, params, oracle=o) for p, o in zip(prompts, oracles, strict=True)]
+        return [self._submit(p, s, oracle=o) for p, s, o in zip(prompts, seeded, oracles, strict=True)]
 
     def _run_until_done(self, requests: list[Request]) -> None:
         while True:
@@ -650,6 +700,20 @@ class Engine:
                 position_acceptance=totals.position_acceptance,
             )
         return stats
+
+
+def _token_logprobs(
+    tokens: list[int], chosen: list[float], ids: list[int], values: list[float], n: int | None, rows=None
+) -> list[TokenLogprob]:
+    """`TokenLogprob`s of `tokens` from read-back values: `chosen` one per row, `ids` / `values` a fixed number
+    per row (of which the request keeps its n); `rows` says which rows the tokens are (default: 0, 1, ...)."""
+    rows = range(len(tokens)) if rows is None else rows
+    width = len(ids) // len(chosen)
+    return [
+        TokenLogprob(token, chosen[row], tuple(zip(ids[row * width : row * width + (n or 0)],
+                                                   values[row * width : row * width + (n or 0)], strict=True)))
+        for token, row in zip(tokens, rows, strict=True)
+    ]  # fmt: skip
 
 
 def _stderr(message: str) -> None:

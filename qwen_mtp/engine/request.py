@@ -66,6 +66,9 @@ class Request:
         # A prefix-cache fill (internal, never returned): prefill the prompt's full chunks up to `fill_end` to
         # cache a finished request's output with prefill numbers, then end. None for user requests.
         self.fill_end: int | None = None
+        # one per output token / per prompt position (None for the first), when the request asks for them
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def output(self) -> list[int]:

@@ -26,7 +26,9 @@ OPS = frozenset(
         "paged_prefill_attention",
         "qk_norm_rope",
         "rms_norm",
+        "sample_tokens",
         "swiglu",
+        "top_p_threshold",
     }
 )
 

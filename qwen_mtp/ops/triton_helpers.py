@@ -60,3 +60,15 @@ def attend_block(q, k, v, visible, scale, m, denom, acc, INTERPRETED: tl.constex
     denom = denom * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERPRETED, PRECISION)
     return m_new, denom, acc
+
+
+@triton.jit
+def mix32(x):
+    """The `lowbias32` integer finalizer on uint32 values (wrapping multiplies, logical shifts): the sampler's
+    counter-based noise (`ops/sampling.py`, whose torch reference computes the same bits in int64)."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval fills its model registry lazily, only while it is empty: fill it first)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window

@@ -43,6 +43,12 @@ def gdn_chunked_args():
     return (q, k, v, -rand(1, 5, 4, seed=12).abs(), rand(1, 5, 4, seed=13).sigmoid(), rand(1, 4, 16, 16, seed=14))
 
 
+def fp8_weight(n, k):
+    from qwen_mtp.quant.fp8 import quantize_fp8_block
+
+    return tuple(t.to(DEVICE) for t in quantize_fp8_block(rand(n, k).cpu()))
+
+
 # op -> (module, its Triton launcher that the CUDA implementation calls, fresh arguments)
 CUDA_PATHS = {
     "rms_norm": (norm, "norm_triton", lambda: norm_args(0)),
@@ -56,6 +62,7 @@ CUDA_PATHS = {
     "paged_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "paged_prefill_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "linear": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), rand(5, 16), True)),
+    "linear_fp8": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), *fp8_weight(5, 16), True)),
 }
 
 

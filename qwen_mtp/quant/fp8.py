@@ -54,10 +54,12 @@ def _torchao_primitives():
 
 @torch.no_grad()
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 [N, K], fp32 scale [ceil(N/bn), ceil(K/bk)]): each block's amax maps to 448."""
+    """[N, K] -> (e4m3 [N, K], fp32 scale [ceil(N/bn), ceil(K/bk)]): each block's amax maps to 448. As in
+    torchao, amax / 448 is computed in the weight's dtype (a bf16 weight gets bf16-representable scales, like
+    Qwen's releases), the division in fp32."""
     choose_scale, quantize = _torchao_primitives()
     n, k = weight.shape
-    padded = torch.nn.functional.pad(weight.float(), (0, -k % block[1], 0, -n % block[0]))
+    padded = torch.nn.functional.pad(weight, (0, -k % block[1], 0, -n % block[0]))  # amax in weight's dtype
     scale = choose_scale(padded, list(block), torch.float8_e4m3fn, hp_value_lb=SCALE_FLOOR)
     return quantize(padded, scale, torch.float8_e4m3fn)[:n, :k].contiguous(), scale
 

@@ -199,3 +199,10 @@ def test_fp8_synthetic_presets_are_fp8_release_configs():
         fp8, bf16 = synthetic_config(f"{name}-fp8"), synthetic_config(name)
         assert fp8.weight_block_size == (128, 128) and bf16.weight_block_size is None
         assert fp8.hidden_size == bf16.hidden_size and fp8.intermediate_size == bf16.intermediate_size
+
+
+def test_the_tiny_fp8_fixture_is_an_fp8_checkpoint():
+    from qwen_mtp.testing import fixture_path
+
+    config = json.loads((fixture_path("tiny-fp8", dtype="bfloat16") / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]

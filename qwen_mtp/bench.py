@@ -77,7 +77,8 @@ def _sync(device: torch.device) -> None:
 
 def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
     """Bytes a step reads: the target (all but the embedding table, of which a step reads a few rows) and one
-    MTP draft step (the MTP block + the shared lm_head)."""
+    MTP draft step (the MTP block + the shared lm_head). Parameters are counted as stored: an FP8 projection
+    is its e4m3 weight (1 byte an element) plus its fp32 block scales; the rest in the model dtype."""
     model = loaded.model
 
     def size(module) -> int:

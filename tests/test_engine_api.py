@@ -35,7 +35,7 @@ def test_bad_requests_raise(engine, prompt, max_new, message):
         engine.generate([[1, 2, 3], prompt], max_new_tokens=max_new)
 
 
-@pytest.mark.parametrize("override", ["parallel.tp=2", "model.quant=fp8-block"])
+@pytest.mark.parametrize("override", ["parallel.tp=2"])
 def test_features_not_yet_available_are_refused_by_key(override):
     key = override.split("=")[0]
     with pytest.raises(RecipeError, match=key):

@@ -13,6 +13,7 @@ from qwen_mtp.dtypes import torch_dtype
 from qwen_mtp.errors import CheckpointError, RecipeError
 from qwen_mtp.loader import check_device, load_model
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.quant.fp8 import quantize_
 from qwen_mtp.recipe import Recipe
 
 
@@ -38,7 +39,6 @@ def check_supported(recipe: Recipe) -> None:
     """Refuse, by key, the recipe features whose code has not landed yet, rather than silently ignore them."""
     later = {
         "parallel.tp": recipe.parallel.tp != 1,
-        "model.quant": recipe.model.quant != "none",
     }
     for key, requested in later.items():
         if requested:
@@ -81,6 +81,8 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
         from qwen_mtp.testing.synthetic import synthetic_model
 
         model = synthetic_model(recipe.model.synthetic, torch_dtype(recipe.model.dtype), device, recipe.model.seed)
+        if recipe.model.quant == "fp8-block":
+            quantize_(model)
         return LoadedModel(model, None, Path(f"synthetic:{recipe.model.synthetic}"), device)
     if recipe.model.fixture is not None:
         from qwen_mtp.testing import fixture_path
@@ -88,5 +90,6 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
         checkpoint = fixture_path(recipe.model.fixture, seed=recipe.model.seed)
     else:
         checkpoint = Path(recipe.model.path).expanduser()
-    model = load_model(checkpoint, dtype=torch_dtype(recipe.model.dtype), device=device, progress=progress)
+    dtype = torch_dtype(recipe.model.dtype)
+    model = load_model(checkpoint, dtype=dtype, device=device, progress=progress, quant=recipe.model.quant)
     return LoadedModel(model, load_tokenizer(checkpoint), checkpoint, device)

@@ -22,6 +22,7 @@ OPS = frozenset(
         "gdn_chunked",
         "gdn_recurrent",
         "linear",
+        "linear_fp8",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",

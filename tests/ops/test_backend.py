@@ -55,6 +55,12 @@ def top_p_args():
     return (ordered, keep, torch.tensor([1.0, 2.0, 0.5], device=DEVICE), torch.tensor([0.9, 0.5, 0.99], device=DEVICE))
 
 
+def fp8_weight(n, k):
+    from qwen_mtp.quant.fp8 import quantize_fp8_block
+
+    return tuple(t.to(DEVICE) for t in quantize_fp8_block(rand(n, k).cpu()))
+
+
 # op -> (module, its Triton launcher that the CUDA implementation calls, fresh arguments)
 CUDA_PATHS = {
     "rms_norm": (norm, "norm_triton", lambda: norm_args(0)),
@@ -70,6 +76,7 @@ CUDA_PATHS = {
     "linear": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), rand(5, 16), True)),
     "sample_tokens": (sampling, "sample_tokens_triton", sample_args),
     "top_p_threshold": (sampling, "top_p_threshold_triton", top_p_args),
+    "linear_fp8": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), *fp8_weight(5, 16), True)),
 }
 
 

@@ -22,17 +22,17 @@ bench() {  # name, limit, settings...
   rm -f "$OUT/$name/bench.txt"
 }
 echo "== exactness (decode path)"
-timeout "${EXACT_S:-240}" python3 -m pytest -q -rA -k "not compiled" tests/gpu/test_cuda_exactness.py tests/gpu/test_host_syncs.py \
+timeout "${EXACT_S:-220}" python3 -m pytest -q -rA -k "not compiled" tests/gpu/test_cuda_exactness.py tests/gpu/test_host_syncs.py \
   tests/ops/test_linear.py >"$OUT/exactness.log" 2>&1; echo "exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/exactness.log" | tail -8
 echo "== batch sweep"
-bench batch 150 --set 'bench.batch_sizes=[1,8,32,64]' --set 'bench.ks=[2,3]' --set cache.max_batch=64
+bench batch 130 --set 'bench.batch_sizes=[1,8,32,64]' --set 'bench.ks=[2,3]' --set cache.max_batch=64
 echo "== context sweep"
-bench context 100 --set 'bench.prompt_len=[8192,32768]' --set 'bench.ks=[3]' --set cache.prefill_chunk=2048
+bench context 80 --set 'bench.prompt_len=[8192,32768]' --set 'bench.ks=[3]' --set cache.prefill_chunk=2048
 rm -f "$OUT/context/bench.png"
 echo "== features"
-timeout "${FEATURES_S:-90}" python3 -m pytest -q -rA tests/gpu/test_sampling_cuda.py tests/gpu/test_fp8.py \
+timeout "${FEATURES_S:-60}" python3 -m pytest -q -rA tests/gpu/test_sampling_cuda.py tests/gpu/test_fp8.py \
   tests/gpu/test_prefix_cache_cuda.py >"$OUT/features.log" 2>&1; echo "exit $?"
 grep -E "passed|failed|FAILED|Error" "$OUT/features.log" | tail -12
 echo "== fp8"
-bench fp8 60 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.ks=[3]'
+bench fp8 45 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.ks=[3]'
 rm -f "$OUT/fp8/bench.png"

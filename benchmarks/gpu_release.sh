@@ -27,12 +27,12 @@ timeout "${EXACT_S:-220}" python3 -m pytest -q -rA -k "not compiled" tests/gpu/t
 echo "== batch sweep"
 bench batch 130 --set 'bench.batch_sizes=[1,8,32,64]' --set 'bench.ks=[2,3]' --set cache.max_batch=64
 echo "== context sweep"
-bench context 80 --set 'bench.prompt_len=[8192,32768]' --set 'bench.ks=[3]' --set cache.prefill_chunk=2048
+bench context 70 --set 'bench.prompt_len=[8192,32768]' --set 'bench.ks=[3]' --set cache.prefill_chunk=2048
 rm -f "$OUT/context/bench.png"
 echo "== features"
 timeout "${FEATURES_S:-60}" python3 -m pytest -q -rA tests/gpu/test_sampling_cuda.py tests/gpu/test_fp8.py \
   tests/gpu/test_prefix_cache_cuda.py >"$OUT/features.log" 2>&1; echo "exit $?"
 grep -E "passed|failed|FAILED|Error" "$OUT/features.log" | tail -12
 echo "== fp8"
-bench fp8 45 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.ks=[3]'
+bench fp8 55 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.ks=[3]'
 rm -f "$OUT/fp8/bench.png"

@@ -93,6 +93,10 @@ class Engine:
         self.spec_tokens = mtp.k if mtp.enabled else 0
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
+        # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
+        self.parallel = self.model.parallel
+        if self.parallel is not None:
+            sizes = dataclasses.replace(sizes, num_pages=self.parallel.smallest(sizes.num_pages))
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.scheduler = Scheduler(self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens)
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
@@ -351,6 +355,8 @@ class Engine:
         try:
             values = self.runner.read_back([part for item in launched for part in item.parts])
         except Exception as err:  # the device failed: no result of this step can be trusted
+            if self.parallel is not None:
+                raise  # the other ranks cannot know: the run ends on every rank (see _guard)
             launched, values = [_Launched(item.requests, error=err) for item in launched], []
         outcomes, offset = [], 0
         for item in launched:
@@ -361,12 +367,15 @@ class Engine:
             offset += len(item.parts)
         return self.updater.apply(outcomes)
 
-    @staticmethod
-    def _guard(requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
-        """Launch one part of the step; if it raises, only its requests end (finish_reason "error")."""
+    def _guard(self, requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
+        """Launch one part of the step; if it raises, only its requests end (finish_reason "error"). Under
+        tensor parallelism the error ends the run instead: a collective that failed on one rank (a dead peer)
+        leaves the ranks' schedules apart, and agreeing on a partial failure would cost a host round trip."""
         try:
             return launch(*args)
         except Exception as err:
+            if self.parallel is not None:
+                raise
             return _Launched(requests, error=err)
 
     def _launch_prefill(self, chunk: PrefillChunk) -> _Launched:

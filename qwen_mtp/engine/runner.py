@@ -94,7 +94,7 @@ class Runner:
 
     def choose(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tokens chosen from `hidden` [..., H] (a prefill's last position): see `sampling.choose`."""
-        return sampling.choose(self.model.logits(hidden))
+        return sampling.choose(self.model.logits(hidden), self.model.vocab_shard)
 
     def chain(self, batch: StepBatch, hidden: torch.Tensor, first: torch.Tensor, override, use_override):
         """The MTP draft chain (eager) after a prefill: see `DecodeSteps.chain`."""

@@ -6,15 +6,25 @@ draft before it was, and `d_i == c_{i-1}`. The request then emits `c_0..c_j` (j 
 bonus `c_j`): the accepted drafts equal the chosen tokens, so the emitted tokens are always the chosen ones and
 MTP-on gives exactly MTP-off's tokens. Both are functions of device tensors, with no host read, so a verify,
 its acceptance, the state commit and the next draft run back to back on the GPU.
+
+Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
+takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from qwen_mtp.parallel.vocab import VocabShard
 
-def choose(logits: torch.Tensor) -> torch.Tensor:
-    """The emitted token ids [...] for logits [..., V]."""
+
+def choose(logits: torch.Tensor, shard: VocabShard | None = None) -> torch.Tensor:
+    """The emitted token ids [...] for logits [..., V] (or a vocab-parallel rank's [..., V/tp] and its `shard`)."""
+    if shard is not None:
+        return shard.argmax(logits.float())
     return logits.float().argmax(dim=-1)
 
 

@@ -13,6 +13,7 @@ from qwen_mtp.dtypes import torch_dtype
 from qwen_mtp.errors import CheckpointError, RecipeError
 from qwen_mtp.loader import check_device, load_model
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.parallel import current
 from qwen_mtp.recipe import Recipe
 
 
@@ -37,7 +38,6 @@ def resolve_device(name: str) -> torch.device:
 def check_supported(recipe: Recipe) -> None:
     """Refuse, by key, the recipe features whose code has not landed yet, rather than silently ignore them."""
     later = {
-        "parallel.tp": recipe.parallel.tp != 1,
         "model.quant": recipe.model.quant != "none",
     }
     for key, requested in later.items():
@@ -73,12 +73,17 @@ def _tokenizer_problem(path: Path, files: list[Path], err: Exception) -> str:
 
 
 def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
+    """The recipe's model; with `parallel.tp` > 1 (inside a started rank) this rank's shard, on its GPU."""
     check_supported(recipe)
+    parallel = current(recipe.parallel.tp)
     device = resolve_device(recipe.model.device)
+    if parallel is not None and device.type == "cuda":
+        device = torch.device("cuda", parallel.local_rank)
     if recipe.model.synthetic is not None:
         from qwen_mtp.testing.synthetic import synthetic_model
 
-        model = synthetic_model(recipe.model.synthetic, torch_dtype(recipe.model.dtype), device, recipe.model.seed)
+        dtype = torch_dtype(recipe.model.dtype)
+        model = synthetic_model(recipe.model.synthetic, dtype, device, recipe.model.seed, parallel)
         return LoadedModel(model, None, Path(f"synthetic:{recipe.model.synthetic}"), device)
     if recipe.model.fixture is not None:
         from qwen_mtp.testing import fixture_path
@@ -86,5 +91,6 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
         checkpoint = fixture_path(recipe.model.fixture, seed=recipe.model.seed)
     else:
         checkpoint = Path(recipe.model.path).expanduser()
-    model = load_model(checkpoint, dtype=torch_dtype(recipe.model.dtype), device=device, progress=progress)
+    dtype = torch_dtype(recipe.model.dtype)
+    model = load_model(checkpoint, dtype=dtype, device=device, progress=progress, parallel=parallel)
     return LoadedModel(model, load_tokenizer(checkpoint), checkpoint, device)

@@ -36,7 +36,7 @@ class DecodeSteps:
         return PagedStepCache(batch, self.pages, self.states)
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return sampling.choose(self.model.logits(hidden, invariant=True))
+        return sampling.choose(self.model.logits(hidden, invariant=True), self.model.vocab_shard)
 
     def target(
         self,

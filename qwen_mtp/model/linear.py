@@ -10,7 +10,7 @@ not a mode.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,20 +24,26 @@ def _init_like_nn_linear(weight: torch.Tensor) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T with W [out_features, in_features] (no bias: no Qwen3.5 projection has one)."""
+    """y = x W^T with W [out_features, in_features] (no bias: no Qwen3.5 projection has one).
+
+    Under tensor parallelism a row-parallel linear holds a block of W's columns and its product is a partial
+    sum: `reduce(partial, invariant)` (set by `qwen_mtp.parallel.apply_tensor_parallel`) sums it over the ranks.
+    At tp = 1 it is None and the forward has no collective."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         _init_like_nn_linear(self.weight)
+        self.reduce: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path)."""
-        return linear(x, self.weight, invariant)
+        out = linear(x, self.weight, invariant)
+        return out if self.reduce is None else self.reduce(out, invariant)
 
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor) -> None:

@@ -89,8 +89,8 @@ def _iter_tensors(
     for file in files:
         with _open(file) as handle:
             for name in handle.keys():
+                shard = shard_of(name)
                 try:
-                    shard = shard_of(name)
                     yield name, handle.get_tensor(name) if shard is None else shard.read(handle.get_slice(name))
                 except (SafetensorError, OSError, ValueError) as err:
                     raise CheckpointError(f"cannot read tensor {name} from {file}: {err}") from None

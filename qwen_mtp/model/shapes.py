@@ -40,16 +40,16 @@ class RankShapes:
         kv_heads = config.num_key_value_heads
         if kv_heads >= tp:
             counts["num_key_value_heads"] = kv_heads
-        elif tp % kv_heads:  # replicated KV heads: each rank's query heads must share one KV head
-            raise ConfigError(
-                f"tensor parallel degree {tp} is above num_key_value_heads={kv_heads} and not a multiple of it: "
-                "KV heads cannot be replicated evenly; use a degree that divides or is a multiple of the KV heads"
-            )
         for name, count in counts.items():
             if count % tp:
                 raise ConfigError(
                     f"tensor parallel degree {tp} does not divide {name}={count}: use a parallel.tp that divides it"
                 )
+        if kv_heads < tp and tp % kv_heads:  # replicated KV heads: each rank's query heads must share one KV head
+            raise ConfigError(
+                f"tensor parallel degree {tp} is above num_key_value_heads={kv_heads} and not a multiple of it: "
+                "KV heads cannot be replicated evenly; use a degree that divides or is a multiple of the KV heads"
+            )
         return cls(
             tp=tp,
             hidden_size=config.hidden_size,

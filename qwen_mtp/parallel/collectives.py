@@ -19,14 +19,18 @@ _ops = torch.ops._c10d_functional
 
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup, invariant: bool = False) -> torch.Tensor:
     """The sum over the group's ranks of `x` (each rank's partial sum), identical on every rank."""
-    size = group.size()
-    if invariant and size > 2:
-        parts = all_gather(x, group)  # [tp, *x.shape]
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
+    if invariant and group.size() > 2:
+        return sum_in_rank_order(x, group)
     return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", group.group_name))
+
+
+def sum_in_rank_order(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """`((x_0 + x_1) + x_2) + ...` over the ranks' `x`, elementwise: one summation order for every message size."""
+    parts = all_gather(x, group)  # [tp, *x.shape]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

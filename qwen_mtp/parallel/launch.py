@@ -92,13 +92,24 @@ def run_ranks(recipe: Recipe, target: Callable[..., Any], *args: Any) -> None:
         return
     import torch.multiprocessing as mp
 
-    init = f"tcp://127.0.0.1:{free_port()}"
     try:
-        mp.start_processes(_rank_main, (tp, init, backend, timeout, target, args), nprocs=tp, start_method="spawn")
+        while not spawn_ranks(tp, backend, timeout, target, args).join():
+            pass
     except mp.ProcessExitedException as err:
         raise RankFailure(
             f"rank {err.error_index} of {tp} exited with code {err.exit_code}; see its message above"
         ) from None
+
+
+def spawn_ranks(tp: int, backend: str, timeout: float, target: Callable[..., Any], args: tuple):
+    """Start `tp` rank processes on this machine running `target(*args)` and return at once: a
+    `torch.multiprocessing` ProcessContext (`join()` waits for them and stops the rest when one fails)."""
+    import torch.multiprocessing as mp
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    return mp.start_processes(
+        _rank_main, (tp, init, backend, timeout, target, args), nprocs=tp, join=False, start_method="spawn"
+    )
 
 
 def free_port() -> int:

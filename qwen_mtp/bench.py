@@ -184,9 +184,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     from tqdm import tqdm
 
     bench = recipe.bench
-    out = check_out_dir(bench.out_dir)
     parallel = current(recipe.parallel.tp)
-    lead = parallel is None or parallel.rank == 0
+    lead = parallel is None or parallel.rank == 0  # tensor parallel: every rank runs the rows, rank 0 writes them
+    out = check_out_dir(bench.out_dir) if lead else None
     plain_recipe = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, enabled=False))
     started = time.perf_counter()
     loaded = load_from_recipe(plain_recipe, progress=progress)
@@ -262,7 +262,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 exact=result["tokens"] == plain_tokens,
             )
             report["rows"].append(dataclasses.asdict(row))
-            if lead:  # tensor parallel: every rank runs the rows, rank 0 writes them
+            if lead:
                 write_outputs(report, out, plot=False)  # the rows so far survive a failure in a later row
             del engine
             gc.collect()  # the engine's CUDA graphs hold their memory pool until collected

@@ -251,3 +251,25 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
 def test_an_engine_outside_started_ranks_says_how_to_start_them():
     with pytest.raises(RecipeError, match="torchrun --nproc-per-node 2"):
         Engine.from_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2}})
+
+
+def test_qwen_mtp_run_starts_two_ranks_and_rank_0_prints(tp2, checkpoint, tmp_path):
+    """`qwen-mtp run` with parallel.tp=2 spawns the ranks itself; only rank 0 prints, and its MTP tokens are the
+    TP=2 MTP-off tokens of the spawned check (same degree, same prefill chunks: exact)."""
+    import shutil
+    import subprocess
+
+    recipe = tmp_path / "tp2.yaml"
+    recipe.write_text(
+        f"model: {{path: {checkpoint(PRESETS[0])}, device: cpu, dtype: float32}}\n"
+        f"parallel: {{tp: 2, timeout_s: {TIMEOUT_S}}}\nmtp: {{enabled: true, k: 2}}\n"
+        f"cache: {{prefill_chunk: 16}}\nrun: {{prompts: {json.dumps(prompts())}, max_new_tokens: {MAX_NEW}, "
+        "ignore_eos: true}\n"
+    )
+    exe = shutil.which("qwen-mtp")
+    assert exe, "the qwen-mtp console script is not installed (pip install -e .)"
+    proc = subprocess.run([exe, "run", str(recipe)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("tensor parallel over 2 ranks") == 1  # rank 1 prints nothing
+    printed = [json.loads(line.split(": ", 1)[1]) for line in proc.stdout.splitlines() if "token ids:" in line]
+    assert printed == rank_results(tp2)[0][PRESETS[0]]["off"]

@@ -93,7 +93,8 @@ def run_ranks(recipe: Recipe, target: Callable[..., Any], *args: Any) -> None:
     import torch.multiprocessing as mp
 
     try:
-        while not spawn_ranks(tp, backend, timeout, target, args).join():
+        ranks = spawn_ranks(tp, backend, timeout, target, args)
+        while not ranks.join():  # returns each time one rank exits, True once all have
             pass
     except mp.ProcessExitedException as err:
         raise RankFailure(

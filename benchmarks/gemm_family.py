@@ -64,20 +64,34 @@ def split_choices(plan: GemmPlan, n: int, k: int, sms: int) -> list[int]:
 
 # The variants timed against each other: name -> tile shape (K split chosen per weight shape).
 #  grid64: the grid family with 64-row (wgmma) tiles: a row tile per program, weight re-read per 64 rows via L2.
-#  a: stream, one 64-row tile per weight pass (wgmma); rows past 64 re-read the weight slice (from L2 if it fits).
-#  b: stream, eight resident 16-row tiles (mma.sync): 128 rows share each weight block.
-#  c: stream, two or four resident 64-row tiles (wgmma): 128 or 256 rows share each weight block.
+#  b: stream, eight resident 16-row tiles (mma.sync): 128 rows share each weight block; "n32" has the current
+#     grid plans' narrow tiles and 4 warps (at M <= 16 it is the grid kernel with one tile).
+#  c: stream, two resident 64-row tiles (wgmma): 128 rows share each weight block.
 #  d: stream, swapped (weight rows are wgmma's 64-row side, the rows its 16- or 32-wide side), resident tiles
-#     of 16 or 32 rows: 128 or 256 rows share each weight block.
+#     of 16 or 32 rows: 128 or 256 rows share each weight block; 128-wide weight tiles, 8 warps.
+#  e: d with 64-wide weight tiles and one warpgroup (4 warps): twice the programs, so wide shapes (gate_up,
+#     lm_head) end in a fuller last wave, at twice the activation reads from L2.
+#  f: d with 128-deep K blocks (half the loop trips, fewer, larger loads in flight).
 VARIANTS: dict[str, GemmPlan] = {
     "grid64": GemmPlan(128, 64, 1, 4, 4, family="grid", block_m=64),
-    "a 64x1": GemmPlan(128, 64, 1, 4, 4, family="stream", block_m=64),
     "b 16x8": GemmPlan(64, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8),
+    "b 16x8 n32": GemmPlan(32, 128, 1, 4, 4, family="stream", block_m=16, row_tiles=8),
     "c 64x2": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=64, row_tiles=2),
-    "c 64x4": GemmPlan(64, 64, 1, 8, 4, family="stream", block_m=64, row_tiles=4),
     "d swap16x8": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=16, row_tiles=8, swap_ab=True),
     "d swap32x4": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
     "d swap32x8": GemmPlan(128, 64, 1, 8, 4, family="stream", block_m=32, row_tiles=8, swap_ab=True),
+    "e swap16x8": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=16, row_tiles=8, swap_ab=True),
+    "e swap32x4": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "e swap32x8": GemmPlan(64, 128, 1, 4, 3, family="stream", block_m=32, row_tiles=8, swap_ab=True),
+    "e swap16x8 k64": GemmPlan(64, 64, 1, 4, 6, family="stream", block_m=16, row_tiles=8, swap_ab=True),
+    "e swap32x4 s3st": GemmPlan(64, 128, 1, 4, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "e swap32x4 s5st": GemmPlan(64, 128, 1, 4, 5, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "e swap32x4 k256": GemmPlan(64, 256, 1, 4, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "e swap32x4 w8": GemmPlan(64, 128, 1, 8, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "e swap32x2": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=32, row_tiles=2, swap_ab=True),
+    "e swap64x2": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    "f swap16x8": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8, swap_ab=True),
+    "f swap32x4": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
 }
 
 
@@ -204,14 +218,26 @@ def ratios(times: dict[int, float], base: dict[int, float]) -> list[float]:
     return [times[m] / base[m] for m in DECODE_M]
 
 
-def best_plan(results: dict[str, dict], cublas: dict[int, float]) -> str | None:
-    """The invariant plan with the lowest worst ratio to cuBLAS up to M = 128 (ties: lowest mean ratio)."""
+SMALL_M_SLACK = 0.12  # how much slower than the current plan at M <= 16 a chosen plan may be (see best_plan)
 
-    def score(label: str):
-        r = ratios(results[label]["us"], cublas)
-        return max(r[: DECODE_M.index(128) + 1]), sum(r) / len(r)
 
-    ok = [label for label, res in results.items() if not res["invariance_failures"]]
+def best_plan(results: dict[str, dict], cublas: dict[int, float], slack: float = SMALL_M_SLACK) -> str | None:
+    """The invariant plan with the lowest mean ratio to cuBLAS over M = 1..128 among those at most `slack`
+    slower than the current plan at M = 1, 8 and 16 (the current plan itself always qualifies). The issue's two
+    bounds (<= 1.1x cuBLAS up to M = 128, no slower than now at M <= 16) are not both reachable for every shape
+    with these kernels; the slack says how much small-batch time a shape may give for large-batch time."""
+    now = results.get("current", {}).get("us")
+    upto = DECODE_M.index(128) + 1
+
+    def qualifies(label: str) -> bool:
+        us = results[label]["us"]
+        return label == "current" or not now or max(us[m] / now[m] for m in (1, 8, 16)) <= 1 + slack
+
+    def score(label: str) -> float:
+        r = ratios(results[label]["us"], cublas)[:upto]
+        return sum(r) / len(r)
+
+    ok = [label for label, res in results.items() if not res["invariance_failures"] and qualifies(label)]
     return min(ok, key=score) if ok else None
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
-# plan sweep, a step profile), and `qwen-mtp bench`. STAGE=tests|kernels|sweep|profile|bench|compile runs one
-# part (compile and sweep only when asked: minutes each).
+# plan sweep, a step profile), and `qwen-mtp bench`. STAGE=tests|kernels|sweep|family|longprefill|profile|bench|compile
+# runs one part (compile, sweep, family and longprefill only when asked: minutes each).
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -36,6 +36,18 @@ if [[ "$STAGE" == all || "$STAGE" == kernels ]]; then
 fi
 if [[ "$STAGE" == sweep ]]; then  # slow (minutes): only when asked
   python3 benchmarks/gemm_sweep.py qwen3.5-27b "${SWEEP_FILTER:-}" 2>/dev/null | tee "$OUT/gemm-sweep.log"
+fi
+if [[ "$STAGE" == family ]]; then  # the GEMM family sweep per preset (1-2 min each), then its plans into TUNED
+  for preset in ${FAMILY_PRESETS:-qwen3.5-27b qwen3.5-9b qwen3.5-0.8b}; do
+    python3 benchmarks/gemm_sweep.py "$preset" --family --out "$OUT/gemm-family-${preset#qwen3.5-}.json" \
+      >"$OUT/gemm-family-${preset#qwen3.5-}.log" 2>&1
+    sed -n '/^Best invariant plan/,$p' "$OUT/gemm-family-${preset#qwen3.5-}.log" | grep -v "^    (" | head -40
+  done
+  [[ -n "${APPLY_PLANS:-}" ]] && python3 benchmarks/apply_plans.py "$OUT"/gemm-family-*.json
+fi
+if [[ "$STAGE" == longprefill ]]; then  # TTFT of a long prompt per prefill chunk size, with a GPU time split
+  python3 benchmarks/long_prefill.py "${1:-recipes/bench-27b.yaml}" --length "${LENGTH:-32768}" \
+    --out "$OUT/long-prefill.json" 2>&1 | tee "$OUT/long-prefill.log"
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

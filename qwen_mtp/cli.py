@@ -1,4 +1,5 @@
-"""`qwen-mtp` command line: `qwen-mtp run recipe.yaml [--set key=value ...]`."""
+"""`qwen-mtp` command line: `qwen-mtp run|bench|serve|train recipe.yaml [--set key=value ...]`, `qwen-mtp acceptance
+DIR`."""
 
 from __future__ import annotations
 
@@ -201,6 +202,100 @@ def _bench_rank(loaded_recipe: Recipe) -> None:
         typer.echo(format_table(report))
         for path in write_outputs(report, loaded_recipe.bench.out_dir):
             typer.echo(f"wrote {path}")
+
+
+@app.command()
+def train(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe with a train section (see recipes/train-*.yaml)")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set train.steps=2000")
+    ] = None,
+    mtp_only: Annotated[
+        bool, typer.Option("--mtp-only", help="train only the MTP head, on the frozen target's own tokens")
+    ] = False,
+) -> None:
+    """Train (or resume) a model with its MTP head; writes an HF checkpoint, loss log, curve and summary."""
+    from qwen_mtp.recipe import load_recipe
+    from qwen_mtp.train import train as run_training
+
+    overrides = tuple(set_ or ()) + (("train.mode=mtp-head",) if mtp_only else ())
+    try:
+        loaded_recipe = load_recipe(recipe, overrides)
+        run_training(loaded_recipe, log=typer.echo, progress=sys.stderr.isatty())
+    except QwenMTPError as err:
+        _fail(err)
+
+
+@app.command()
+def acceptance(
+    checkpoint: Annotated[Path, typer.Argument(help="a checkpoint directory with an MTP head")],
+    prompts: Annotated[
+        Path | None, typer.Option(help="JSON {'prompts': [...]}; default: the held-out prompts qwen-mtp ships")
+    ] = None,
+    count: Annotated[int | None, typer.Option(help="use only the first COUNT prompts")] = None,
+    ks: Annotated[str, typer.Option(help="comma-separated K values")] = "1,2,3,4",
+    max_new_tokens: Annotated[int, typer.Option(help="tokens generated per prompt (EOS ignored)")] = 64,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "float32",
+    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+) -> None:
+    """Greedy MTP acceptance lengths for K=1..4 on held-out prompts (and a check that MTP-on == MTP-off)."""
+    import json
+
+    from qwen_mtp.train.evaluate import measure_acceptance, read_prompts
+
+    try:
+        k_values = tuple(int(k) for k in ks.split(","))
+        report = measure_acceptance(
+            checkpoint, read_prompts(prompts)[:count], k_values, max_new_tokens, device, dtype, log=typer.echo
+        )
+    except ValueError as err:
+        _fail(ValueError(f"--ks must be comma-separated integers 1..4: {err}"))
+    except QwenMTPError as err:
+        _fail(err)
+    text = json.dumps(report, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}")
+    else:
+        typer.echo(text)
+
+
+@app.command()
+def serve(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe (see recipes/; its server: section, docs/serving.md)")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set mtp.k=4")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address (default: server.host)")] = None,
+    port: Annotated[int | None, typer.Option(help="port, 0 for any free one (default: server.port)")] = None,
+) -> None:
+    """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from qwen_mtp.engine import Engine
+    from qwen_mtp.errors import RecipeError
+    from qwen_mtp.recipe import load_recipe
+    from qwen_mtp.serve.server import serve as run_server
+
+    overrides = [
+        *(set_ or ()),
+        *([f"server.host={host}"] if host else []),
+        *([f"server.port={port}"] if port is not None else []),
+    ]
+    try:
+        loaded_recipe = load_recipe(recipe, tuple(overrides))
+        if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
+            raise RecipeError("mtp.draft: oracle drafts need each request's answer beforehand: serve with head")
+        if loaded_recipe.parallel.tp != 1:
+            raise RecipeError(
+                f"parallel.tp={loaded_recipe.parallel.tp}: the server runs one engine in one process; tensor-parallel "
+                "serving is not available yet: serve with parallel.tp 1"
+            )
+        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
+        engine.warmup()
+    except QwenMTPError as err:
+        _fail(err)
+    try:
+        run_server(engine, loaded_recipe.server, log=lambda line: typer.echo(line, err=True))
+    except OSError as err:  # the address is taken or not ours to bind
+        _fail(err)
 
 
 if __name__ == "__main__":

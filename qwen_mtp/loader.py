@@ -1,21 +1,32 @@
 """Hugging Face checkpoint directory -> `QwenHybridForCausalLM`, keeping the `mtp.*` weights other loaders drop.
 
 Accepts one `model.safetensors`, shards listed in `model.safetensors.index.json`, or a folder of shards; the
-prefixes `model.language_model.` (VLM layout) and `model.` (text layout); ignores the vision tower. FP8 block
-tensors (`weight` e4m3 + `weight_scale_inv`) are dequantized for now. Each tensor is written where the model's
-name table (`QwenHybridForCausalLM.checkpoint_slots`) says: a parameter, or a segment of a merged projection.
-Every error names the tensor or file.
+prefixes `model.language_model.` (VLM layout) and `model.` (text layout); ignores the vision tower. Each tensor
+is written where the model's name table (`QwenHybridForCausalLM.checkpoint_slots`) says: a parameter, or a
+segment of a merged projection. Every error names the tensor or file.
+
+FP8 block checkpoints (`weight` e4m3 + `weight_scale_inv`, `quantization_config.weight_block_size` [128, 128]):
+every projection the checkpoint stores in FP8 stays FP8 (weights and scales as stored; the scales in fp32, an
+exact upcast of bf16 ones), and whatever it keeps in bf16 (`modules_to_not_convert`: lm_head, embeddings, norms,
+conv1d, A_log, dt_bias, in_proj_a/b, mtp.fc) loads as usual. An FP8 tensor the model cannot hold in FP8 (the
+lm_head, which `model.logits` reads as a plain weight; an embedding or norm; the segments of a merged projection
+whose rows are not multiples of 128, with a warning) is dequantized at load exactly as transformers does
+(`(fp8.float() * scale.float()).to(dtype)`), which gives the numbers the FP8 reference path computes.
+`quant="dequantize"` dequantizes every FP8 tensor (any block size); `quant="fp8-block"` also quantizes the bf16
+projections Qwen's FP8 releases quantize (`quant.fp8.quantize_`), so a BF16 checkpoint loads in FP8.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from qwen_mtp.config import ModelConfig
 from qwen_mtp.dtypes import DTYPES
@@ -23,11 +34,12 @@ from qwen_mtp.errors import CheckpointError
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.parallel.group import TensorParallel
 from qwen_mtp.parallel.plan import ShardPlan, TensorShard
-from qwen_mtp.quant.fp8 import dequantize_fp8_block
+from qwen_mtp.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, quantize_, scale_grid
 
 FLOAT_DTYPES = tuple(DTYPES.values())  # the checkpoint dtypes loaded as they are (fp8 is dequantized)
 IGNORED_PREFIXES = ("model.visual.", "visual.")
 SCALE_SUFFIX = "_scale_inv"
+QUANT_MODES = ("none", "fp8-block", "dequantize")
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -153,20 +165,60 @@ def check_device(device: torch.device | str) -> torch.device:
     return resolved
 
 
+def _keep_fp8(model: QwenHybridForCausalLM, fp8_names: set[str], block: tuple[int, int] | None) -> None:
+    """Switch the projections the checkpoint stores in FP8 to FP8 storage (on the meta device, before loading)."""
+    chosen: dict[nn.Module, tuple[str, list]] = {}
+    for name, slot in model.checkpoint_slots().items():
+        if name in fp8_names and hasattr(slot.module, "to_fp8") and slot.module is not model.lm_head:
+            chosen.setdefault(slot.module, (name, []))[1].append(slot.segment)
+    if chosen and tuple(block or ()) != FP8_BLOCK:
+        name = next(iter(chosen.values()))[0]
+        raise CheckpointError(
+            f"fp8 tensor {name}: quantization_config.weight_block_size {list(block) if block else None} is not "
+            f"supported (the FP8 kernels run {list(FP8_BLOCK)} blocks); load it with quant='dequantize'"
+        )
+    for module, (name, segments) in chosen.items():
+        problem = module.fp8_unsupported(segments)
+        if problem:
+            warnings.warn(f"fp8 tensor {name}: {problem}; this projection is dequantized at load", stacklevel=3)
+        else:
+            module.to_fp8(segments)
+
+
+def _check_fp8_tensor(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, block) -> None:
+    if scale is None:
+        raise CheckpointError(f"fp8 tensor {name} has no {name}{SCALE_SUFFIX}")
+    if block is None:
+        raise CheckpointError(f"fp8 tensor {name} but config.json has no quantization_config")
+    grid = scale_grid(tensor.shape, block)
+    if tuple(scale.shape) != grid:
+        raise CheckpointError(
+            f"block scale {name}{SCALE_SUFFIX} has shape {list(scale.shape)}; {list(block)} blocks of an "
+            f"{list(tensor.shape)} weight need {list(grid)}"
+        )
+    if scale.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"block scale {name}{SCALE_SUFFIX} has dtype {scale.dtype}; expected a float dtype")
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    quant: str = "none",
     parallel: TensorParallel | None = None,
 ) -> QwenHybridForCausalLM:
     """Load a Qwen3.5 dense checkpoint with its MTP head.
 
     `dtype` defaults to the checkpoint's `dtype` (else bfloat16); every parameter is cast to it, as Hugging Face
-    does. A checkpoint with no `mtp.*` tensors at all loads without a head (`model.mtp is None`); one with an
-    incomplete head is an error. With `parallel` (a tensor-parallel rank) the model is that rank's shard and
-    only its slices are read; with the rank's process group its collectives are applied too.
+    does (FP8 projections stay FP8). A checkpoint with no `mtp.*` tensors at all loads without a head
+    (`model.mtp is None`); one with an incomplete head is an error. `quant`: "none" (as stored), "fp8-block"
+    (FP8 projections, quantizing bf16 ones) or "dequantize" (every FP8 tensor to `dtype`). With `parallel` (a
+    tensor-parallel rank) the model is that rank's shard and only its slices are read (FP8 scales by block);
+    with the rank's process group its collectives are applied too.
     """
+    if quant not in QUANT_MODES:
+        raise CheckpointError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
     device = check_device(device)
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
@@ -180,7 +232,11 @@ def load_model(
     dtype = resolve_dtype(dtype, config)
     tp = 1 if parallel is None else parallel.degree
     with torch.device("meta"):
-        model = QwenHybridForCausalLM(config, tp)  # a ConfigError names what tp does not divide
+        # Every parameter in `dtype`, as Hugging Face casts them; a ConfigError names what tp does not divide.
+        model = QwenHybridForCausalLM(config, tp).to(dtype)
+    if quant != "dequantize":
+        scaled = {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
+        _keep_fp8(model, scaled, config.weight_block_size)
     expected = {name: slot.shape for name, slot in model.checkpoint_slots().items()}
 
     weights: dict[str, torch.Tensor] = {}
@@ -190,10 +246,10 @@ def load_model(
         name = checkpoint_name(raw_name)
         if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
-        if name.endswith(SCALE_SUFFIX):
-            scales[name[: -len(SCALE_SUFFIX)]] = tensor
-        elif name in expected:
+        if name in expected:
             weights[name] = tensor
+        elif name.endswith(SCALE_SUFFIX):
+            scales[name[: -len(SCALE_SUFFIX)]] = tensor
         else:
             unexpected.append(raw_name)
     if unexpected:
@@ -202,13 +258,18 @@ def load_model(
     if missing:
         raise CheckpointError(f"missing tensors in checkpoint {path}: {missing[:20]}")
 
+    slots = model.checkpoint_slots()
+    block = config.weight_block_size
     for name, tensor in weights.items():
-        if tensor.dtype == torch.float8_e4m3fn:
-            if name not in scales:
-                raise CheckpointError(f"fp8 tensor {name} has no {name}{SCALE_SUFFIX}")
-            if config.weight_block_size is None:
-                raise CheckpointError(f"fp8 tensor {name} but config.json has no quantization_config")
-            tensor = dequantize_fp8_block(tensor, scales.pop(name), config.weight_block_size)
+        stored = slots[name].tensor().dtype
+        if name.endswith(SCALE_SUFFIX):
+            _check_fp8_tensor(name[: -len(SCALE_SUFFIX)], weights[name[: -len(SCALE_SUFFIX)]], tensor, block)
+        elif stored == torch.float8_e4m3fn:
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(f"tensor {name} has dtype {tensor.dtype} but a block scale {name}{SCALE_SUFFIX}")
+        elif tensor.dtype == torch.float8_e4m3fn:
+            _check_fp8_tensor(name, tensor, scales.get(name), block)
+            tensor = dequantize_fp8_block(tensor, scales.pop(name), block)
         elif tensor.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}; expected a float dtype or fp8 e4m3")
         if tuple(tensor.shape) != expected[name]:
@@ -218,11 +279,14 @@ def load_model(
         weights[name] = tensor
     if scales:
         raise CheckpointError(f"block scales without an fp8 weight: {sorted(scales)[:20]}")
-    model = model.to(dtype).to_empty(device=device)  # every parameter in `dtype`, as Hugging Face casts them
+    model = model.to_empty(device=device)
     slots = model.checkpoint_slots()
     for name in list(weights):
-        slots[name].load(weights.pop(name).to(device=device, dtype=dtype))  # each host copy freed once written
+        slot = slots[name]
+        slot.load(weights.pop(name).to(device=device, dtype=slot.tensor().dtype))  # each host copy freed once written
     model.init_non_persistent_buffers(device)
+    if quant == "fp8-block":
+        quantize_(model)  # a rank quantizes its own shard (its blocks are the whole model's when 128-aligned)
     if parallel is not None and parallel.group is not None and parallel.degree > 1:
         from qwen_mtp.parallel.apply import apply_tensor_parallel
 

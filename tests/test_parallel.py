@@ -15,13 +15,17 @@ from typer.testing import CliRunner
 
 from qwen_mtp import Engine, load_model
 from qwen_mtp import loader as loader_module
+from qwen_mtp.bench import run_bench
 from qwen_mtp.cli import app
 from qwen_mtp.config import ModelConfig
-from qwen_mtp.errors import CheckpointError, ConfigError, RecipeError
+from qwen_mtp.engine import SamplingParams, sampling
+from qwen_mtp.engine.setup import LoadedModel
+from qwen_mtp.errors import CheckpointError, ConfigError, RecipeError, RequestError
 from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.parallel import ShardPlan, TensorParallel
 from qwen_mtp.parallel.launch import check_recipe, spawn_ranks
-from qwen_mtp.recipe import load_recipe
+from qwen_mtp.parallel.vocab import VocabShard
+from qwen_mtp.recipe import CacheSection, load_recipe
 
 PRESETS = ("tiny", "tiny-8l")  # GQA 4/2 (one KV head per rank) and MQA (the KV head replicated on both ranks)
 MAX_NEW = 16
@@ -195,16 +199,35 @@ def test_loader_reads_only_each_ranks_slices(checkpoint, monkeypatch, preset):
     assert max(totals) < 0.6 * whole  # replicated norms, fc and (tiny-8l) KV heads are what exceeds half
 
 
-def test_fp8_scales_are_sliced_with_their_blocks(checkpoint):
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor `torch.equal` can compare: e4m3 as its bytes."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+
+
+@pytest.mark.parametrize("quant", ["none", "dequantize"])
+def test_fp8_scales_are_sliced_with_their_blocks(checkpoint, quant):
+    """Each rank holds its slice of every tensor: FP8 projections kept in FP8 (quant none: the e4m3 weight and
+    its 128-row/column blocks of `weight_scale_inv`) or dequantized at load, exactly as the whole model does."""
     # head dims of 128: every TP=2 shard boundary falls on a 128-wide scale block
     path = checkpoint("tiny-fp8", fp8=True, head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128)
-    full = load_model(path).state_dict()
+    full = load_model(path, quant=quant).state_dict()
+    kept = [name for name, tensor in full.items() if tensor.dtype == torch.float8_e4m3fn]
+    assert bool(kept) == (quant == "none")
     for rank in range(2):
-        model = load_model(path, parallel=TensorParallel(rank, 2, rank, None))
+        model = load_model(path, quant=quant, parallel=TensorParallel(rank, 2, rank, None))
         plan = ShardPlan(model.config, 2, rank)
+        sharded_scales = 0
         for name, tensor in model.state_dict().items():
-            shard = plan.shard(name)
-            assert torch.equal(tensor, full[name] if shard is None else shard.read(full[name])), name
+            if name.endswith("_scale_inv"):
+                shard = plan.shard(name[: -len("_scale_inv")])
+                shard = None if shard is None else shard.blocks(128)
+                sharded_scales += shard is not None
+            else:
+                shard = plan.shard(name)
+            expected = full[name] if shard is None else shard.read(full[name])
+            assert tensor.dtype == expected.dtype, name  # FP8 where the whole model is FP8
+            assert torch.equal(bits(tensor), bits(expected)), name
+        assert (sharded_scales > 0) == (quant == "none")
 
 
 def test_fp8_shard_boundary_off_the_128_blocks_is_refused(checkpoint):
@@ -246,6 +269,60 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     recipe = load_recipe({"model": {"synthetic": "qwen3.5-0.8b", "device": "cuda"}, "parallel": {"tp": 2}})
     with pytest.raises(RecipeError, match="parallel.tp=2 needs 2 GPUs, one per rank, but 1 are visible"):
         check_recipe(recipe)
+
+
+# ---- what tensor parallelism cannot combine with yet: refused, never run wrong ------------------------------
+
+
+def rank_engine(checkpoint, **sections) -> Engine:
+    """An engine over rank 0's TP=2 shard without a process group: enough for the checks a recipe or request
+    meets before any step runs (no collective is called)."""
+    path = checkpoint("tiny")
+    model = load_model(path, dtype=torch.float32, parallel=TensorParallel(0, 2, 0, None))
+    model.parallel = TensorParallel(0, 2, 0, None)  # what apply_tensor_parallel sets inside started ranks
+    return Engine(LoadedModel(model, None, path, torch.device("cpu")), **sections)
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (SamplingParams(4, temperature=0.7, seed=1), "temperature=0.7"),
+        (SamplingParams(4, temperature=1.0, top_p=0.9, seed=1), "temperature=1.0"),
+        (SamplingParams(4, logprobs=2), "logprobs=2"),
+        (SamplingParams(4, prompt_logprobs=1), "prompt_logprobs=1"),
+    ],
+)
+def test_sampling_and_logprobs_under_tp_are_refused_at_submit(checkpoint, params, message):
+    engine = rank_engine(checkpoint)
+    with pytest.raises(RequestError, match=rf"{message}.*parallel.tp=2\) decodes greedily only"):
+        engine.submit([1, 2, 3], params)
+    engine.check_request([1, 2, 3], SamplingParams(4))  # greedy without logprobs runs
+
+
+def test_the_sampler_refuses_a_vocabulary_shard_outside_greedy():
+    with pytest.raises(ValueError, match="only greedy steps run tensor-parallel"):
+        sampling.choose(torch.zeros(1, 8), sampling.Mode(noise=True), shard=VocabShard(0, None))
+
+
+def test_prefix_caching_under_tp_is_refused_before_the_ranks_start_and_by_the_engine(checkpoint):
+    recipe = load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2},
+                          "cache": {"prefix_caching": True}})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"cache.prefix_caching with parallel.tp > 1: .* not available"):
+        check_recipe(recipe)
+    with pytest.raises(RecipeError, match="cache.prefix_caching is not available with tensor parallelism"):
+        rank_engine(checkpoint, cache=CacheSection(prefix_caching=True))
+
+
+def test_sampled_bench_and_the_server_under_tp_are_refused(tmp_path):
+    recipe = load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2},
+                          "bench": {"temperature": 0.8, "out_dir": str(tmp_path / "out")}})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"bench.temperature=0.8 with parallel.tp=2: .* greedily only"):
+        run_bench(recipe, progress=False)
+    file = tmp_path / "serve.yaml"
+    file.write_text("model: {fixture: tiny, device: cpu}\nparallel: {tp: 2}\n")
+    result = CliRunner().invoke(app, ["serve", str(file)])
+    assert result.exit_code == 2
+    assert "parallel.tp=2: the server runs one engine in one process" in result.output
 
 
 def test_an_engine_outside_started_ranks_says_how_to_start_them():

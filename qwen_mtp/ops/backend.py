@@ -22,11 +22,14 @@ OPS = frozenset(
         "gdn_chunked",
         "gdn_recurrent",
         "linear",
+        "linear_fp8",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",
         "rms_norm",
+        "sample_tokens",
         "swiglu",
+        "top_p_threshold",
     }
 )
 

@@ -36,6 +36,12 @@ SYNTHETIC: dict[str, dict] = {
                      "linear_num_key_heads": 16, "linear_num_value_heads": 16, "intermediate_size": 3584,
                      "tie_word_embeddings": True},
 }  # fmt: skip
+# FP8 variants (`<name>-fp8`): the config of a Qwen FP8 release; the projections it quantizes are FP8 128x128
+# blocks (`quant.fp8.quantize_` of the random bf16 weights, on the device).
+FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+SYNTHETIC.update(
+    {f"{name}-fp8": {**dims, "quantization_config": FP8_RELEASE} for name, dims in list(SYNTHETIC.items())}
+)
 
 
 def synthetic_config(name: str) -> ModelConfig:
@@ -68,6 +74,10 @@ def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, s
         else:
             param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=gen)
     model.init_non_persistent_buffers(device)
+    if config.weight_block_size is not None:
+        from qwen_mtp.quant.fp8 import quantize_
+
+        quantize_(model)
     if parallel is not None and parallel.degree > 1:
         from qwen_mtp.parallel.apply import apply_tensor_parallel
 

@@ -34,6 +34,8 @@ from qwen_mtp.ops.gdn.naive import chunked_gated_delta_rule
 # head dim 128 the 64-token `prepare` needs 278 KB of shared memory for its dots (the H200 has 227 KB).
 CHUNK = 32
 DOTS = "tf32x3"  # the GPU dots' precision: ~fp32 accuracy on tensor cores (the module docstring says why)
+SCAN_BLOCK_V = 32  # value columns per `scan` program: the sequential pass runs heads x dv / SCAN_BLOCK_V programs
+PREPARE_WARPS, SCAN_WARPS = 8, 4
 
 
 @functools.cache  # build (and let Triton cache) the kernels once, on first use
@@ -168,15 +170,14 @@ def gdn_chunked_triton(q, k, v, g, beta, initial_state=None):
         q, k, v, g, beta, w, u, qd, kd, scores, cum,
         length, hv, hv // hk, dk**-0.5, q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1),
         v.stride(2), g.stride(0), g.stride(1),
-        C=CHUNK, DK=dk, DV=dv, INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS, num_warps=8,
+        C=CHUNK, DK=dk, DV=dv, INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS, num_warps=PREPARE_WARPS,
     )  # fmt: skip
-    block_v = min(dv, 32)
+    block_v = min(dv, SCAN_BLOCK_V)
     scan[(batch * hv, triton.cdiv(dv, block_v))](
         w, u, qd, kd, scores, cum, init, out, final,
         length, chunks, hv, out.stride(0), out.stride(1), out.stride(2),
         C=CHUNK, DK=dk, DV=dv, BLOCK_V=block_v, HAS_INIT=initial_state is not None,
-        INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS,
-        num_warps=4,
+        INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS, num_warps=SCAN_WARPS,
     )  # fmt: skip
     return out, final
 

@@ -1,0 +1,76 @@
+"""Write the best plans of one or more `gemm_sweep.py --family` reports into the `TUNED` table of
+qwen_mtp/ops/linear.py (the table's comment names the report), so the plans a sweep found are the plans the
+engine runs, with no hand copying. Shapes a report has no invariant plan for keep their current entry.
+Usage: python3 benchmarks/apply_plans.py REPORT.json [REPORT.json ...] [--slack 0.12] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from gemm_family import SMALL_M_SLACK, best_plan
+
+from qwen_mtp.ops.linear import TUNED, GemmPlan
+
+LINEAR = Path(__file__).resolve().parents[1] / "qwen_mtp" / "ops" / "linear.py"
+TABLE = re.compile(r"^TUNED: dict\[tuple\[int, int\], GemmPlan\] = \{\n.*?^\}\n", re.S | re.M)
+
+
+def best_plans(reports: list[Path], slack: float) -> dict[tuple[int, int], tuple[GemmPlan, str]]:
+    """(N, K) -> (best plan by `gemm_family.best_plan` with this slack, a comment: the shape's names and the
+    plan's label) over the reports, in report order."""
+    plans: dict[tuple[int, int], tuple[GemmPlan, str]] = {}
+    for path in reports:
+        report = json.loads(path.read_text())
+        for name, entry in report["shapes"].items():
+            plans_ = entry["plans"].items()
+            results = {label: r | {"us": {int(m): t for m, t in r["us"].items()}} for label, r in plans_}
+            cublas = {int(m): t for m, t in entry["cublas_us"].items()}
+            label = best_plan(results, cublas, slack)
+            if label is not None:
+                plan = GemmPlan(**entry["plans"][label]["plan"])
+                plans[entry["n"], entry["k"]] = plan, f"{report['preset']} {name}: {label}"
+    return plans
+
+
+def plan_text(plan: GemmPlan) -> str:
+    """The plan as a short constructor call: the five tile fields by position, then what differs from the
+    defaults (the grid family's 16-row tiles)."""
+    default = GemmPlan(plan.block_n, plan.block_k, plan.k_per_split, plan.num_warps, plan.num_stages)
+    head = [str(getattr(plan, f)) for f in ("block_n", "block_k", "k_per_split", "num_warps", "num_stages")]
+    extra = [f"{f}={getattr(plan, f)!r}" for f in ("family", "block_m", "row_tiles", "swap_ab")
+             if getattr(plan, f) != getattr(default, f)]  # fmt: skip
+    return f"GemmPlan({', '.join(head + extra)})".replace("'", '"')
+
+
+def table_text(plans: dict[tuple[int, int], tuple[GemmPlan, str]]) -> str:
+    lines = ["TUNED: dict[tuple[int, int], GemmPlan] = {"]
+    for (n, k), (plan, comment) in plans.items():
+        lines += [f"    # {comment}", f"    ({n}, {k}): {plan_text(plan)},"]
+    return "\n".join(lines) + "\n}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", nargs="+", type=Path)
+    parser.add_argument("--slack", type=float, default=SMALL_M_SLACK, help="see gemm_family.best_plan")
+    parser.add_argument("--dry-run", action="store_true", help="print the table, leave linear.py as it is")
+    args = parser.parse_args()
+    found = best_plans(args.reports, args.slack)
+    plans = {nk: (plan, "kept (no invariant plan in the reports)") for nk, plan in TUNED.items()} | found
+    text = table_text(plans)
+    if args.dry_run:
+        print(text)
+        return
+    source = LINEAR.read_text()
+    if not TABLE.search(source):
+        raise SystemExit(f"no TUNED table found in {LINEAR}")
+    LINEAR.write_text(TABLE.sub(lambda _: text, source, count=1))
+    print(f"wrote {len(found)} plans from {len(args.reports)} report(s) into {LINEAR}")
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,7 @@ from qwen_mtp.engine.engine import Engine
 from qwen_mtp.engine.params import SamplingParams
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.errors import RecipeError
+from qwen_mtp.parallel import current
 from qwen_mtp.recipe import Recipe
 
 
@@ -188,7 +189,14 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     from tqdm import tqdm
 
     bench = recipe.bench
-    out = check_out_dir(bench.out_dir)
+    if recipe.parallel.tp != 1 and bench.temperature > 0:
+        raise RecipeError(
+            f"bench.temperature={bench.temperature} with parallel.tp={recipe.parallel.tp}: tensor parallelism decodes "
+            "greedily only for now; use bench.temperature 0 or parallel.tp 1"
+        )
+    parallel = current(recipe.parallel.tp)
+    lead = parallel is None or parallel.rank == 0  # tensor parallel: every rank runs the rows, rank 0 writes them
+    out = check_out_dir(bench.out_dir) if lead else None
     plain_recipe = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, enabled=False))
     started = time.perf_counter()
     loaded = load_from_recipe(plain_recipe, progress=progress)
@@ -265,7 +273,8 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 exact=result["tokens"] == plain_tokens,
             )
             report["rows"].append(dataclasses.asdict(row))
-            write_outputs(report, out, plot=False)  # the rows so far survive a failure in a later row
+            if lead:
+                write_outputs(report, out, plot=False)  # the rows so far survive a failure in a later row
             del engine
             gc.collect()  # the engine's CUDA graphs hold their memory pool until collected
             if device.type == "cuda":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +32,8 @@ from qwen_mtp.config import ModelConfig
 from qwen_mtp.dtypes import DTYPES
 from qwen_mtp.errors import CheckpointError
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.parallel.group import TensorParallel
+from qwen_mtp.parallel.plan import ShardPlan, TensorShard
 from qwen_mtp.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, quantize_, scale_grid
 
 FLOAT_DTYPES = tuple(DTYPES.values())  # the checkpoint dtypes loaded as they are (fp8 is dequantized)
@@ -86,7 +88,11 @@ def _tensor_names(files: list[Path]) -> dict[str, Path]:
     return names
 
 
-def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(
+    files: list[Path], progress: bool, shard_of: Callable[[str], TensorShard | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name on disk, tensor) for every tensor, or only the rows/columns `shard_of(name)` says this
+    tensor-parallel rank holds (read through `get_slice`: the rest of the tensor is never read)."""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -95,14 +101,42 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torc
     for file in files:
         with _open(file) as handle:
             for name in handle.keys():
+                shard = shard_of(name)
                 try:
-                    yield name, handle.get_tensor(name)
+                    yield name, handle.get_tensor(name) if shard is None else shard.read(handle.get_slice(name))
                 except (SafetensorError, OSError, ValueError) as err:
                     raise CheckpointError(f"cannot read tensor {name} from {file}: {err}") from None
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+
+
+def _rank_slices(config: ModelConfig, parallel: TensorParallel | None) -> Callable[[str], TensorShard | None]:
+    """Disk name -> the slice of it this rank reads (None: all of it). An FP8 block scale takes the blocks of
+    its weight's slice, so a slice must start and end on a block boundary (128 for Qwen's FP8 releases)."""
+    if parallel is None or parallel.degree == 1:
+        return lambda name: None
+    plan = ShardPlan(config, parallel.degree, parallel.rank)
+
+    def shard_of(disk_name: str) -> TensorShard | None:
+        name = checkpoint_name(disk_name)
+        if name is None or not name.endswith(SCALE_SUFFIX):
+            return None if name is None else plan.shard(name)
+        weight = plan.shard(name[: -len(SCALE_SUFFIX)])
+        if weight is None or config.weight_block_size is None:
+            return weight
+        blocks = weight.blocks(config.weight_block_size[weight.dim])
+        if blocks is None:
+            raise CheckpointError(
+                f"fp8 tensor {name[: -len(SCALE_SUFFIX)]}: parallel.tp={parallel.degree} splits its "
+                f"{('rows', 'columns')[weight.dim]} into {list(weight.ranges)}, not on its "
+                f"{config.weight_block_size[weight.dim]}-wide scale blocks; use a degree whose shards are "
+                "whole blocks (or the bf16 checkpoint)"
+            )
+        return blocks
+
+    return shard_of
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
@@ -172,13 +206,16 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = False,
     quant: str = "none",
+    parallel: TensorParallel | None = None,
 ) -> QwenHybridForCausalLM:
     """Load a Qwen3.5 dense checkpoint with its MTP head.
 
     `dtype` defaults to the checkpoint's `dtype` (else bfloat16); every parameter is cast to it, as Hugging Face
     does (FP8 projections stay FP8). A checkpoint with no `mtp.*` tensors at all loads without a head
     (`model.mtp is None`); one with an incomplete head is an error. `quant`: "none" (as stored), "fp8-block"
-    (FP8 projections, quantizing bf16 ones) or "dequantize" (every FP8 tensor to `dtype`).
+    (FP8 projections, quantizing bf16 ones) or "dequantize" (every FP8 tensor to `dtype`). With `parallel` (a
+    tensor-parallel rank) the model is that rank's shard and only its slices are read (FP8 scales by block);
+    with the rank's process group its collectives are applied too.
     """
     if quant not in QUANT_MODES:
         raise CheckpointError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
@@ -193,8 +230,10 @@ def load_model(
     if not any(n.startswith("mtp.") for n in names):
         config = dataclasses.replace(config, mtp_num_hidden_layers=0)
     dtype = resolve_dtype(dtype, config)
+    tp = 1 if parallel is None else parallel.degree
     with torch.device("meta"):
-        model = QwenHybridForCausalLM(config).to(dtype)  # every parameter in `dtype`, as Hugging Face casts them
+        # Every parameter in `dtype`, as Hugging Face casts them; a ConfigError names what tp does not divide.
+        model = QwenHybridForCausalLM(config, tp).to(dtype)
     if quant != "dequantize":
         scaled = {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
         _keep_fp8(model, scaled, config.weight_block_size)
@@ -203,7 +242,7 @@ def load_model(
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for raw_name, tensor in _iter_tensors(files, progress):
+    for raw_name, tensor in _iter_tensors(files, progress, _rank_slices(config, parallel)):
         name = checkpoint_name(raw_name)
         if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
@@ -247,5 +286,9 @@ def load_model(
         slot.load(weights.pop(name).to(device=device, dtype=slot.tensor().dtype))  # each host copy freed once written
     model.init_non_persistent_buffers(device)
     if quant == "fp8-block":
-        quantize_(model)
+        quantize_(model)  # a rank quantizes its own shard (its blocks are the whole model's when 128-aligned)
+    if parallel is not None and parallel.group is not None and parallel.degree > 1:
+        from qwen_mtp.parallel.apply import apply_tensor_parallel
+
+        apply_tensor_parallel(model, parallel)
     return model.eval()

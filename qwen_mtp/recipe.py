@@ -32,7 +32,8 @@ class ModelSection:
 
 @dataclass
 class ParallelSection:
-    tp: int = 1
+    tp: int = 1  # tensor-parallel degree: ranks, one per GPU (docs/parallel.md)
+    timeout_s: float = 300.0  # how long a rank waits in a collective before it gives up (a peer died or hangs)
 
 
 @dataclass
@@ -302,6 +303,7 @@ def _validate(r: Recipe, trains: bool = False) -> None:
         f"model.device must be auto, cpu, cuda or cuda:N (N a GPU index: 0, 1, ...), got {m.device!r}",
     )
     _require(r.parallel.tp >= 1, f"parallel.tp must be >= 1, got {r.parallel.tp}")
+    _require(r.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {r.parallel.timeout_s}")
     _require(1 <= r.mtp.k <= 4, f"mtp.k must be 1..4, got {r.mtp.k}")
     _require(0.0 <= r.mtp.oracle_accept <= 1.0, f"mtp.oracle_accept must be in 0..1, got {r.mtp.oracle_accept}")
     c = r.cache

@@ -99,6 +99,10 @@ class Engine:
         self.spec_tokens = mtp.k if mtp.enabled else 0
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
+        # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
+        self.parallel = self.model.parallel
+        if self.parallel is not None:
+            sizes = dataclasses.replace(sizes, num_pages=self.parallel.smallest(sizes.num_pages))
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
         self.cache_outputs = cache.prefix_cache_outputs
@@ -160,6 +164,10 @@ class Engine:
     ) -> tuple[StateSnapshots | None, PrefixCache | None]:
         if not cache.prefix_caching:
             return None, None
+        if self.parallel is not None:
+            raise RecipeError(
+                "cache.prefix_caching is not available with tensor parallelism yet (parallel.tp > 1): turn one off"
+            )
         if cache.prefill_chunk % cache.page_size:
             raise RecipeError(
                 f"cache.prefix_caching shares whole pages of full prefill chunks: cache.prefill_chunk "
@@ -234,6 +242,8 @@ class Engine:
             raise RequestError("empty prompt: give at least one token")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
+        if self.parallel is not None:
+            self._check_tensor_parallel(params)
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -250,6 +260,24 @@ class Engine:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} KV pages but the "
                 f"whole pool has {self.pages.num_pages}; raise cache.num_pages or cache.memory_fraction"
+            )
+
+    def _check_tensor_parallel(self, params: SamplingParams) -> None:
+        """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
+        cross-rank argmax (`parallel.vocab`): sampling and logprobs, which need the whole softmax, are refused."""
+        asked = [
+            name
+            for name, on in (
+                (f"temperature={params.temperature}", not params.greedy),
+                (f"logprobs={params.logprobs}", params.logprobs is not None),
+                (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
+            )
+            if on
+        ]
+        if asked:
+            raise RequestError(
+                f"{', '.join(asked)}: tensor parallelism (parallel.tp={self.parallel.degree}) decodes greedily only "
+                "for now; use temperature 0 without logprobs, or parallel.tp: 1"
             )
 
     def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> int:
@@ -394,6 +422,8 @@ class Engine:
         try:
             values = self.runner.read_back([part for item in launched for part in item.parts])
         except Exception as err:  # the device failed: no result of this step can be trusted
+            if self.parallel is not None:
+                raise  # the other ranks cannot know: the run ends on every rank (see _guard)
             launched, values = [_Launched(item.requests, error=err) for item in launched], []
         outcomes, offset = [], 0
         for item in launched:
@@ -409,12 +439,15 @@ class Engine:
             self._end_fills()
         return updates
 
-    @staticmethod
-    def _guard(requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
-        """Launch one part of the step; if it raises, only its requests end (finish_reason "error")."""
+    def _guard(self, requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
+        """Launch one part of the step; if it raises, only its requests end (finish_reason "error"). Under
+        tensor parallelism the error ends the run instead: a collective that failed on one rank (a dead peer)
+        leaves the ranks' schedules apart, and agreeing on a partial failure would cost a host round trip."""
         try:
             return launch(*args)
         except Exception as err:
+            if self.parallel is not None:
+                raise
             return _Launched(requests, error=err)
 
     def _launch_prefill(self, chunk: PrefillChunk) -> _Launched:

@@ -111,7 +111,8 @@ class Runner:
         """The token [1] chosen from `hidden` [1, H] (a prefill's last position) for the token at `position`, and
         its logprobs if the request asks: see `sampling.choose`."""
         rows = self.sampling([request])
-        return sampling.choose(self.model.logits(hidden), rows.mode, self.tensor([position]), **rows.tensors)
+        logits = self.model.logits(hidden)
+        return sampling.choose(logits, rows.mode, self.tensor([position]), **rows.tensors, shard=self.model.vocab_shard)
 
     def prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], n: int) -> sampling.Logprobs:
         """Logprobs of `targets` (the prompt tokens after each of the chunk's first len(targets) positions)

@@ -24,6 +24,11 @@ with the target whenever the two perturbed argmaxes agree (with probability >= (
 Logprobs are on the unfiltered temperature-1 distribution: `logit - logsumexp(logits)` for the chosen token and
 for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything here is a function of
 device tensors with no host read, so it runs inside the decode, verify and draft graphs.
+
+Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
+takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there
+(`Engine.check_request` refuses sampling and logprobs under tensor parallelism: their softmax, filters and noise
+need the whole vocabulary's logits).
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
 from qwen_mtp.ops import sampling as _ops  # noqa: F401  (registers qwen_mtp::sample_tokens / top_p_threshold)
+
+if TYPE_CHECKING:
+    from qwen_mtp.parallel.vocab import VocabShard
 
 ROW_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed")  # the per-request sampler inputs
 
@@ -122,8 +130,13 @@ def choose(
     top_p: torch.Tensor | None = None,
     min_p_offset: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
+    shard: VocabShard | None = None,  # tensor parallel: `logits` are this rank's vocabulary shard [..., V/tp]
 ) -> tuple[torch.Tensor, Logprobs | None]:
     """The emitted token ids [B] or [B, T], and (with `mode.logprobs`) their logprobs."""
+    if shard is not None:
+        if not mode.greedy:
+            raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
+        return shard.argmax(logits.float()), None
     if mode.greedy:
         return logits.float().argmax(dim=-1), None
     lead, vocab = logits.shape[:-1], logits.shape[-1]

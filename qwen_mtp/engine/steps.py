@@ -38,7 +38,8 @@ class DecodeSteps:
         return PagedStepCache(batch, self.pages, self.states)
 
     def _choose(self, hidden: torch.Tensor, mode: Mode, chosen_positions: torch.Tensor, sampling_rows: dict):
-        return sampling.choose(self.model.logits(hidden, invariant=True), mode, chosen_positions, **sampling_rows)
+        logits = self.model.logits(hidden, invariant=True)
+        return sampling.choose(logits, mode, chosen_positions, **sampling_rows, shard=self.model.vocab_shard)
 
     def target(
         self,

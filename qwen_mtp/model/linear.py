@@ -19,7 +19,7 @@ Module.to casts every floating tensor, e4m3 included.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -53,7 +53,11 @@ def _copy_into(stored: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T with W [out_features, in_features] (no bias: no Qwen3.5 projection has one)."""
+    """y = x W^T with W [out_features, in_features] (no bias: no Qwen3.5 projection has one).
+
+    Under tensor parallelism a row-parallel linear holds a block of W's columns and its product is a partial
+    sum: `reduce(partial, invariant)` (set by `qwen_mtp.parallel.apply_tensor_parallel`) sums it over the ranks.
+    At tp = 1 it is None and the forward has no collective."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -61,6 +65,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         _init_like_nn_linear(self.weight)
         self.register_parameter("weight_scale_inv", None)  # FP8 storage: the weight's block scales
+        self.reduce: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
         fp8 = ", fp8_block=128x128" if self.weight_scale_inv is not None else ""
@@ -69,8 +74,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path)."""
         if self.weight_scale_inv is not None:
-            return linear_fp8(x, self.weight, self.weight_scale_inv, invariant)
-        return linear(x, self.weight, invariant)
+            out = linear_fp8(x, self.weight, self.weight_scale_inv, invariant)
+        else:
+            out = linear(x, self.weight, invariant)
+        return out if self.reduce is None else self.reduce(out, invariant)
 
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor) -> None:

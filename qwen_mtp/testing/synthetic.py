@@ -51,13 +51,15 @@ def synthetic_config(name: str) -> ModelConfig:
 
 
 @torch.no_grad()
-def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
-    """A `QwenHybridForCausalLM` with random weights of the right scale, allocated on `device` directly."""
+def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0, parallel=None):
+    """A `QwenHybridForCausalLM` with random weights of the right scale, allocated on `device` directly; with
+    `parallel` (a `TensorParallel` rank) that rank's shard, its collectives applied. Every rank draws the same
+    values for the same shapes, so the replicated weights agree across ranks."""
     from qwen_mtp.model import QwenHybridForCausalLM
 
     config = synthetic_config(name)
     with torch.device("meta"):
-        model = QwenHybridForCausalLM(config)
+        model = QwenHybridForCausalLM(config, 1 if parallel is None else parallel.degree)
     model = model.to(dtype).to_empty(device=device)  # never materialize an fp32 copy (27B: 108 GB)
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, param in model.named_parameters():
@@ -76,4 +78,8 @@ def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, s
         from qwen_mtp.quant.fp8 import quantize_
 
         quantize_(model)
+    if parallel is not None and parallel.degree > 1:
+        from qwen_mtp.parallel.apply import apply_tensor_parallel
+
+        apply_tensor_parallel(model, parallel)
     return model.eval()

@@ -4,7 +4,8 @@ Accepts one `model.safetensors`, shards listed in `model.safetensors.index.json`
 prefixes `model.language_model.` (VLM layout) and `model.` (text layout); ignores the vision tower. FP8 block
 tensors (`weight` e4m3 + `weight_scale_inv`) are dequantized for now. Each tensor is written where the model's
 name table (`QwenHybridForCausalLM.checkpoint_slots`) says: a parameter, or a segment of a merged projection.
-Every error names the tensor or file.
+MoE experts load from either layout: one tensor per expert (`experts.{e}.gate_proj.weight`, ...) or the
+3-D `experts.gate_up_proj` / `experts.down_proj`. Every error names the tensor or file.
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torc
         bar.close()
 
 
+def _missing(absent: set[str], aliases: dict[str, tuple[str, object]]) -> set[str]:
+    """The absent tensors that matter: a 3-D expert weight is there when all its per-expert parts are, and its
+    parts are not needed when it is (a checkpoint holds one layout or the other)."""
+    parts: dict[str, list[str]] = {}
+    for alias, (whole, _) in aliases.items():
+        parts.setdefault(whole, []).append(alias)
+    missing = absent - set(aliases) - set(parts)
+    for whole, names in parts.items():
+        if whole in absent and any(n not in absent for n in names):
+            missing |= {n for n in names if n in absent}  # a per-expert checkpoint lacking some experts' tensors
+        elif whole in absent:
+            missing.add(whole)
+    return missing
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -125,7 +141,7 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> QwenHybridForCausalLM:
-    """Load a Qwen3.5 dense checkpoint with its MTP head.
+    """Load a Qwen3.5 (dense or MoE) or Qwen3-Next checkpoint with its MTP head.
 
     `dtype` defaults to the checkpoint's `dtype` (else bfloat16); every parameter is cast to it, as Hugging Face
     does. A checkpoint with no `mtp.*` tensors at all loads without a head (`model.mtp is None`); one with an
@@ -145,6 +161,8 @@ def load_model(
     with torch.device("meta"):
         model = QwenHybridForCausalLM(config)
     expected = {name: slot.shape for name, slot in model.checkpoint_slots().items()}
+    aliases = model.checkpoint_aliases()  # per-expert MoE tensors: parts of the 3-D expert weights
+    expected.update({name: slot.shape for name, (_, slot) in aliases.items()})
 
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -161,7 +179,7 @@ def load_model(
             unexpected.append(raw_name)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint {path}: {sorted(unexpected)[:20]}")
-    missing = sorted(set(expected) - set(weights))
+    missing = sorted(_missing(set(expected) - set(weights), aliases))
     if missing:
         raise CheckpointError(f"missing tensors in checkpoint {path}: {missing[:20]}")
 
@@ -182,7 +200,7 @@ def load_model(
     if scales:
         raise CheckpointError(f"block scales without an fp8 weight: {sorted(scales)[:20]}")
     model = model.to(dtype).to_empty(device=device)  # every parameter in `dtype`, as Hugging Face casts them
-    slots = model.checkpoint_slots()
+    slots = model.checkpoint_slots() | {name: slot for name, (_, slot) in model.checkpoint_aliases().items()}
     for name in list(weights):
         slots[name].load(weights.pop(name).to(device=device, dtype=dtype))  # each host copy freed once written
     model.init_non_persistent_buffers(device)

@@ -22,6 +22,8 @@ OPS = frozenset(
         "gdn_chunked",
         "gdn_recurrent",
         "linear",
+        "moe",
+        "moe_route",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",

@@ -32,9 +32,7 @@ class ModelPlan:
 
 def plan_model(config: ModelConfig) -> ModelPlan:
     moe = set(config.moe_layers)
-    layers = tuple(
-        LayerSpec(i, kind, config.moe if i in moe else None) for i, kind in enumerate(config.layer_types)
-    )
+    layers = tuple(LayerSpec(i, kind, config.moe if i in moe else None) for i, kind in enumerate(config.layer_types))
     # The MoE models' MTP block has the same MoE MLP as their decoder layers.
     mtp = tuple(LayerSpec(i, "attn", config.moe) for i in range(config.mtp_num_hidden_layers))
     return ModelPlan(layers, mtp)

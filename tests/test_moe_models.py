@@ -137,3 +137,26 @@ def test_gradients_match_hf_for_fine_tuning(checkpoint):
     slots = ours.checkpoint_slots()
     for name, param in ref.named_parameters():
         torch.testing.assert_close(slots[name].grad(), param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fp8_per_expert_checkpoint_dequantizes(checkpoint):
+    """A Qwen3-Next FP8 release's layout: e4m3 per-expert matrices and in_proj_qkvz with 128x128 block scales,
+    routers and in_proj_ba in high precision; every expert slice holds its dequantized tensor."""
+    from safetensors.torch import load_file
+
+    from qwen_mtp.quant.fp8 import dequantize_fp8_block
+
+    path = checkpoint("tiny-next", fp8=True)
+    on_disk = load_file(path / "model.safetensors")
+    assert on_disk["model.layers.0.mlp.experts.9.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert on_disk["mtp.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert on_disk["model.layers.0.linear_attn.in_proj_qkvz.weight"].dtype == torch.float8_e4m3fn
+    assert on_disk["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    model = load_model(path, dtype=torch.bfloat16)
+    slots = model.checkpoint_slots() | {name: slot for name, (_, slot) in model.checkpoint_aliases().items()}
+    for name, tensor in on_disk.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = dequantize_fp8_block(tensor, on_disk[name + "_scale_inv"], (128, 128))
+        assert torch.equal(slots[name].tensor(), tensor.to(torch.bfloat16)), name

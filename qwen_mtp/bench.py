@@ -1,4 +1,4 @@
-"""`qwen-mtp bench`: plain greedy decode vs MTP K=1..4 (oracle drafts at several accept rates, and the real
+"""`qwen-mtp bench`: plain decode vs MTP K=1..4 (oracle drafts at several accept rates, and the real
 head), in one process on one loaded model, with every MTP row checked token-for-token against plain decode.
 
 Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acceptance length, step time split
@@ -8,6 +8,7 @@ plus every request's KV cache once per attention layer (the MTP layer's once per
 state (the committed SSM state and conv window read, one SSM slot per verified position written), at the mean
 context of the decode phase; `% roof w` counts the weights alone, as earlier reports did. For MoE models the
 weights are those of the experts the step's tokens touch (expected distinct experts under uniform routing).
+Rows decode greedily, or sample with `bench.temperature` (and `bench.top_p`) for the sampler's cost.
 `bench.out_dir` is checked before the first run, and the JSON and table are rewritten after every row, so a
 failure late in a run keeps the rows before it.
 """
@@ -29,6 +30,7 @@ from qwen_mtp.engine.engine import Engine
 from qwen_mtp.engine.params import SamplingParams
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.errors import RecipeError
+from qwen_mtp.parallel import current
 from qwen_mtp.recipe import Recipe
 
 
@@ -77,7 +79,8 @@ def _sync(device: torch.device) -> None:
 
 def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
     """Bytes a step reads: the target (all but the embedding table, of which a step reads a few rows) and one
-    MTP draft step (the MTP block + the shared lm_head)."""
+    MTP draft step (the MTP block + the shared lm_head). Parameters are counted as stored: an FP8 projection
+    is its e4m3 weight (1 byte an element) plus its fp32 block scales; the rest in the model dtype."""
     model = loaded.model
 
     def size(module) -> int:
@@ -160,14 +163,17 @@ def _variant(
     return dataclasses.replace(recipe, cache=cache, mtp=mtp, compile=compile_)
 
 
-def _run(engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None) -> dict[str, Any]:
-    """Generate for all prompts as one batch; wall-clock figures and the tokens."""
+def _run(
+    engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None, sampled: dict
+) -> dict[str, Any]:
+    """Generate for all prompts as one batch; wall-clock figures and the tokens. `sampled`: temperature and
+    top_p (prompt i seeded with i, so every row samples the same tokens)."""
     device = engine.device
-    params = SamplingParams(output_len, ignore_eos=True)
+    params = [SamplingParams(output_len, ignore_eos=True, seed=i, **sampled) for i in range(len(prompts))]
     if oracles is None:
-        ids = [engine.submit(p, params) for p in prompts]
+        ids = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
     else:
-        ids = [engine.submit_with_oracle(p, oracle, params) for p, oracle in zip(prompts, oracles, strict=True)]
+        ids = [engine.submit_with_oracle(p, o, q) for p, o, q in zip(prompts, oracles, params, strict=True)]
     first: dict[int, float] = {}
     _sync(device)
     start = time.perf_counter()
@@ -213,7 +219,14 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     from tqdm import tqdm
 
     bench = recipe.bench
-    out = check_out_dir(bench.out_dir)
+    if recipe.parallel.tp != 1 and bench.temperature > 0:
+        raise RecipeError(
+            f"bench.temperature={bench.temperature} with parallel.tp={recipe.parallel.tp}: tensor parallelism decodes "
+            "greedily only for now; use bench.temperature 0 or parallel.tp 1"
+        )
+    parallel = current(recipe.parallel.tp)
+    lead = parallel is None or parallel.rank == 0  # tensor parallel: every rank runs the rows, rank 0 writes them
+    out = check_out_dir(bench.out_dir) if lead else None
     plain_recipe = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, enabled=False))
     started = time.perf_counter()
     loaded = load_from_recipe(plain_recipe, progress=progress)
@@ -253,11 +266,12 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 log(f"decode path: {engine.decode_path}; prefill: {prefill}")
             engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
-            _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]])  # warm-up
+            sampled = {"temperature": bench.temperature, "top_p": bench.top_p}
+            _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]], sampled)  # warm-up
             engine.timer.enabled = True
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            result = _run(engine, prompts, bench.output_len, oracles)
+            result = _run(engine, prompts, bench.output_len, oracles, sampled)
             peak = torch.cuda.max_memory_allocated(device) / (1 << 30) if device.type == "cuda" else 0.0
             tps = batch * (bench.output_len - 1) / result["decode_seconds"]
             if k is None:
@@ -289,7 +303,8 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 exact=result["tokens"] == plain_tokens,
             )
             report["rows"].append(dataclasses.asdict(row))
-            write_outputs(report, out, plot=False)  # the rows so far survive a failure in a later row
+            if lead:
+                write_outputs(report, out, plot=False)  # the rows so far survive a failure in a later row
             del engine
             gc.collect()  # the engine's CUDA graphs hold their memory pool until collected
             if device.type == "cuda":

@@ -1,7 +1,9 @@
-"""`qwen-mtp` command line: `qwen-mtp run recipe.yaml [--set key=value ...]`."""
+"""`qwen-mtp` command line: `qwen-mtp run|bench|serve|train recipe.yaml [--set key=value ...]`, `qwen-mtp acceptance
+DIR`."""
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from qwen_mtp.errors import QwenMTPError
 
 if TYPE_CHECKING:
     from qwen_mtp.engine import Engine, Result, SamplingParams
+    from qwen_mtp.recipe import Recipe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -36,58 +39,77 @@ def run(
         float, typer.Option(help="off a terminal: seconds between progress lines on stderr (0: every step)")
     ] = 5.0,
 ) -> None:
-    """Load the recipe's model and generate greedily for its prompts; print text, tokens and speed."""
-    from qwen_mtp.engine import Engine, SamplingParams
+    """Load the recipe's model and generate greedily for its prompts; print text, tokens and speed. With
+    `parallel.tp: N` it starts N ranks (or runs as the rank torchrun started)."""
+    from qwen_mtp.parallel.launch import run_ranks
     from qwen_mtp.recipe import load_recipe
 
     try:
         started = time.perf_counter()
         loaded_recipe = load_recipe(recipe, tuple(set_ or ()))
-        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
-        cfg = engine.config
-        typer.echo(
-            f"model: {loaded_recipe.model.path or 'fixture ' + str(loaded_recipe.model.fixture)} "
-            f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-            f"MTP head: {'yes' if engine.model.mtp is not None else 'no'}) "
-            f"dtype {loaded_recipe.model.dtype} on {engine.device}, loaded in {time.perf_counter() - started:.1f} s"
-        )
-        mtp = loaded_recipe.mtp
-        speculation = f"MTP k={mtp.k}, {mtp.draft} drafts" if mtp.enabled else "no MTP"
-        typer.echo(f"decode path: {engine.decode_path} on {engine.device} ({speculation})")
-        prompts = [engine.encode(p) for p in loaded_recipe.run.prompts]
-        params = SamplingParams(loaded_recipe.run.max_new_tokens, loaded_recipe.run.ignore_eos)  # run.* defaults
-        started = time.perf_counter()
-        results = _generate(engine, prompts, params, progress_every)
-        elapsed = time.perf_counter() - started
+        run_ranks(loaded_recipe, _run_rank, loaded_recipe, progress_every, started)
     except QwenMTPError as err:
         _fail(err)
+
+
+def _run_rank(loaded_recipe: Recipe, progress_every: float, started: float) -> None:
+    """`qwen-mtp run` on one rank (the whole of it at tp = 1): every rank runs the same steps, rank 0 prints."""
+    from qwen_mtp.engine import Engine, SamplingParams
+    from qwen_mtp.parallel import current
+
+    parallel = current(loaded_recipe.parallel.tp)
+    lead = parallel is None or parallel.rank == 0
+    echo = typer.echo if lead else _quiet
+    engine = Engine.from_recipe(loaded_recipe, progress=lead and sys.stderr.isatty(), log=None if lead else _quiet)
+    cfg = engine.config
+    ranks = f", tensor parallel over {parallel.degree} ranks" if parallel is not None else ""
+    echo(
+        f"model: {loaded_recipe.model.path or 'fixture ' + str(loaded_recipe.model.fixture)} "
+        f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+        f"MTP head: {'yes' if engine.model.mtp is not None else 'no'}) "
+        f"dtype {loaded_recipe.model.dtype} on {engine.device}{ranks}, loaded in {time.perf_counter() - started:.1f} s"
+    )
+    mtp = loaded_recipe.mtp
+    speculation = f"MTP k={mtp.k}, {mtp.draft} drafts" if mtp.enabled else "no MTP"
+    echo(f"decode path: {engine.decode_path} on {engine.device} ({speculation})")
+    prompts = [engine.encode(p) for p in loaded_recipe.run.prompts]
+    params = SamplingParams(loaded_recipe.run.max_new_tokens, loaded_recipe.run.ignore_eos)  # run.* defaults
+    started = time.perf_counter()
+    results = _generate(engine, prompts, params, progress_every, sys.stderr if lead else io.StringIO())
+    elapsed = time.perf_counter() - started
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
-        typer.echo(f"\n[{i}] prompt ({len(prompt)} tokens): {engine.decode(prompt)!r}")
-        typer.echo(
+        echo(f"\n[{i}] prompt ({len(prompt)} tokens): {engine.decode(prompt)!r}")
+        echo(
             f"[{i}] output ({len(result.token_ids)} tokens, {result.finish_reason}): "
             f"{engine.decode(result.token_ids)!r}"
         )
-        typer.echo(f"[{i}] token ids: {result.token_ids}")
+        echo(f"[{i}] token ids: {result.token_ids}")
         if result.spec is not None:
-            typer.echo(f"[{i}] MTP: {_acceptance(result.spec)}")
+            echo(f"[{i}] MTP: {_acceptance(result.spec)}")
     total = sum(len(r.token_ids) for r in results)
     note = "prefill included"
     if mtp.enabled and mtp.draft == "oracle":
         note += ", and the plain pass that computes the oracle continuations"
-    typer.echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({note})")
+    echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({note})")
     if engine.speculator is not None:
-        typer.echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
+        echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
 
 
-def _generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, progress_every: float) -> list[Result]:
-    """Every prompt as one continuous batch, reporting tokens generated / total as the steps run."""
+def _quiet(*args, **kwargs) -> None:
+    """What ranks other than 0 print: nothing (they run the same steps; rank 0 owns the output)."""
+
+
+def _generate(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, progress_every: float, stream: TextIO
+) -> list[Result]:
+    """Every prompt as one continuous batch, reporting tokens generated / total on `stream` as the steps run."""
     if engine.speculator is not None and engine.speculator.oracle:
         # Oracle drafts need each request's plain-greedy continuation first: only `generate` computes it.
-        typer.echo("oracle drafts: a plain pass computes the continuations first (no progress shown)", err=True)
+        print("oracle drafts: a plain pass computes the continuations first (no progress shown)", file=stream)
         return engine.generate(prompts, params)
     ids = [engine.submit(p, params) for p in prompts]
     generated = dict.fromkeys(ids, 0)
-    progress = TokenProgress(len(ids) * params.max_new_tokens, progress_every)
+    progress = TokenProgress(len(ids) * params.max_new_tokens, progress_every, stream)
     try:
         while engine.has_unfinished():
             updates = engine.step()
@@ -156,18 +178,124 @@ def bench(
         list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set bench.batch_sizes=[1,8]")
     ] = None,
 ) -> None:
-    """Plain decode vs MTP K=1..4 (oracle and real-head drafts) in one run: a table, JSON and a PNG plot."""
-    from qwen_mtp.bench import format_table, run_bench, write_outputs
+    """Plain decode vs MTP K=1..4 (oracle and real-head drafts) in one run: a table, JSON and a PNG plot. With
+    `parallel.tp: N` it starts N ranks (or runs as the rank torchrun started); rank 0 times and writes."""
+    from qwen_mtp.parallel.launch import run_ranks
     from qwen_mtp.recipe import load_recipe
 
     try:
         loaded_recipe = load_recipe(recipe, tuple(set_ or ()))
-        report = run_bench(loaded_recipe, progress=sys.stderr.isatty(), log=typer.echo)
+        run_ranks(loaded_recipe, _bench_rank, loaded_recipe)
     except QwenMTPError as err:
         _fail(err)
-    typer.echo(format_table(report))
-    for path in write_outputs(report, loaded_recipe.bench.out_dir):
-        typer.echo(f"wrote {path}")
+
+
+def _bench_rank(loaded_recipe: Recipe) -> None:
+    """`qwen-mtp bench` on one rank: every rank runs the same rows, rank 0 prints and writes the outputs."""
+    from qwen_mtp.bench import format_table, run_bench, write_outputs
+    from qwen_mtp.parallel import current
+
+    parallel = current(loaded_recipe.parallel.tp)
+    lead = parallel is None or parallel.rank == 0
+    report = run_bench(loaded_recipe, progress=lead and sys.stderr.isatty(), log=typer.echo if lead else _quiet)
+    if lead:
+        typer.echo(format_table(report))
+        for path in write_outputs(report, loaded_recipe.bench.out_dir):
+            typer.echo(f"wrote {path}")
+
+
+@app.command()
+def train(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe with a train section (see recipes/train-*.yaml)")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set train.steps=2000")
+    ] = None,
+    mtp_only: Annotated[
+        bool, typer.Option("--mtp-only", help="train only the MTP head, on the frozen target's own tokens")
+    ] = False,
+) -> None:
+    """Train (or resume) a model with its MTP head; writes an HF checkpoint, loss log, curve and summary."""
+    from qwen_mtp.recipe import load_recipe
+    from qwen_mtp.train import train as run_training
+
+    overrides = tuple(set_ or ()) + (("train.mode=mtp-head",) if mtp_only else ())
+    try:
+        loaded_recipe = load_recipe(recipe, overrides)
+        run_training(loaded_recipe, log=typer.echo, progress=sys.stderr.isatty())
+    except QwenMTPError as err:
+        _fail(err)
+
+
+@app.command()
+def acceptance(
+    checkpoint: Annotated[Path, typer.Argument(help="a checkpoint directory with an MTP head")],
+    prompts: Annotated[
+        Path | None, typer.Option(help="JSON {'prompts': [...]}; default: the held-out prompts qwen-mtp ships")
+    ] = None,
+    count: Annotated[int | None, typer.Option(help="use only the first COUNT prompts")] = None,
+    ks: Annotated[str, typer.Option(help="comma-separated K values")] = "1,2,3,4",
+    max_new_tokens: Annotated[int, typer.Option(help="tokens generated per prompt (EOS ignored)")] = 64,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "float32",
+    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+) -> None:
+    """Greedy MTP acceptance lengths for K=1..4 on held-out prompts (and a check that MTP-on == MTP-off)."""
+    import json
+
+    from qwen_mtp.train.evaluate import measure_acceptance, read_prompts
+
+    try:
+        k_values = tuple(int(k) for k in ks.split(","))
+        report = measure_acceptance(
+            checkpoint, read_prompts(prompts)[:count], k_values, max_new_tokens, device, dtype, log=typer.echo
+        )
+    except ValueError as err:
+        _fail(ValueError(f"--ks must be comma-separated integers 1..4: {err}"))
+    except QwenMTPError as err:
+        _fail(err)
+    text = json.dumps(report, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}")
+    else:
+        typer.echo(text)
+
+
+@app.command()
+def serve(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe (see recipes/; its server: section, docs/serving.md)")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a recipe key, e.g. --set mtp.k=4")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address (default: server.host)")] = None,
+    port: Annotated[int | None, typer.Option(help="port, 0 for any free one (default: server.port)")] = None,
+) -> None:
+    """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from qwen_mtp.engine import Engine
+    from qwen_mtp.errors import RecipeError
+    from qwen_mtp.recipe import load_recipe
+    from qwen_mtp.serve.server import serve as run_server
+
+    overrides = [
+        *(set_ or ()),
+        *([f"server.host={host}"] if host else []),
+        *([f"server.port={port}"] if port is not None else []),
+    ]
+    try:
+        loaded_recipe = load_recipe(recipe, tuple(overrides))
+        if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
+            raise RecipeError("mtp.draft: oracle drafts need each request's answer beforehand: serve with head")
+        if loaded_recipe.parallel.tp != 1:
+            raise RecipeError(
+                f"parallel.tp={loaded_recipe.parallel.tp}: the server runs one engine in one process; tensor-parallel "
+                "serving is not available yet: serve with parallel.tp 1"
+            )
+        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
+        engine.warmup()
+    except QwenMTPError as err:
+        _fail(err)
+    try:
+        run_server(engine, loaded_recipe.server, log=lambda line: typer.echo(line, err=True))
+    except OSError as err:  # the address is taken or not ours to bind
+        _fail(err)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class ModelSection:
 
 @dataclass
 class ParallelSection:
-    tp: int = 1
+    tp: int = 1  # tensor-parallel degree: ranks, one per GPU (docs/parallel.md)
+    timeout_s: float = 300.0  # how long a rank waits in a collective before it gives up (a peer died or hangs)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class MTPSection:
     k: int = 2
     draft: Literal["head", "oracle"] = "head"
     oracle_accept: float = 1.0
+    coupled_drafts: bool = True  # sampled requests: drafts use the target's noise (false: greedy drafts)
 
 
 @dataclass
@@ -56,6 +58,9 @@ class CacheSection:
     num_pages: int | None = None
     num_state_rows: int | None = None
     prefill_chunk: int = 512
+    prefix_caching: bool = False  # share full prefill chunks' KV pages + GDN state snapshots across requests
+    prefix_snapshots: int | None = None  # GDN state snapshot slots; None: sized from the pools (sizing.py)
+    prefix_cache_outputs: bool = True  # with prefix_caching: also cache a finished request's output chunks
 
 
 @dataclass
@@ -83,11 +88,69 @@ class BenchSection:
     prompt_len: int | list[int] = 128  # several: a sweep over context lengths
     output_len: int = 128
     out_dir: str = "bench-results"
+    temperature: float = 0.0  # > 0: every row samples (prompt i seeded with i), to compare step cost with greedy
+    top_p: float = 1.0  # with temperature: top-p (< 1 adds the per-row sort)
 
     @property
     def prompt_lens(self) -> list[int]:
         """`prompt_len` as a list: the context lengths the bench sweeps."""
         return self.prompt_len if isinstance(self.prompt_len, list) else [self.prompt_len]
+
+
+@dataclass
+class TrainSection:
+    """`qwen-mtp train`: corpus, tokenizer, model shape, optimisation, output (docs/training.md)."""
+
+    mode: Literal["joint", "target", "mtp-head"] = "joint"  # what trains (docs/training.md: modes)
+    init: str | None = None  # start from this checkpoint (its shape and tokenizer); None: from scratch
+    corpus: str = "stdlib"  # "stdlib" (this interpreter's standard library) or a directory of text files
+    include: list[str] = field(default_factory=lambda: ["**/*.py"])  # globs under the corpus root
+    exclude: list[str] = field(default_factory=list)
+    vocab_size: int = 4096  # byte-level BPE trained on the train split
+    hidden_size: int = 256
+    num_layers: int = 8
+    full_attention_interval: int = 4  # every 4th layer attention, the rest Gated DeltaNet
+    intermediate_size: int = 640
+    attention_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    gdn_key_heads: int = 2
+    gdn_value_heads: int = 4
+    gdn_head_dim: int = 64
+    seq_len: int = 512
+    batch_size: int = 32
+    steps: int = 1000
+    time_budget_s: float | None = None  # fewer steps if the measured speed would overrun this (wall clock)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.5  # joint loss = next-token CE + mtp_weight * MTP CE (mean over the draft steps)
+    mtp_chain: int = 1  # MTP draft steps trained: 1 = on the target's hidden states; more = chained (docs)
+    seed: int = 0
+    output_dir: str = "train-out"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["bf16", "fp32"] = "bf16"  # bf16: the model in bf16 with fp32 master weights
+    compile: bool = False  # torch.compile the loss (forward + backward)
+    log_every: int = 10
+    save_every: int = 250  # steps between resume points (and at the end)
+    eval_tokens: int = 131072  # held-out tokens for the perplexity at the end
+    eval_every: int = 0  # steps between held-out losses in the log (0: only at the end)
+    save_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the checkpoint's tensors
+
+
+@dataclass
+class ServerSection:
+    """`qwen-mtp serve`: where it listens and the limits it puts on clients (docs/serving.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "qwen-mtp"  # the `model` clients name; /v1/models lists it
+    max_queue: int = 64  # requests waiting beyond the cache.max_batch that run; past it, 429
+    request_timeout_s: float | None = 600.0  # from arrival; past it the request ends with finish_reason "timeout"
+    shutdown_grace_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are cancelled
+    default_max_tokens: int = 256  # max_tokens of a request that gives none
 
 
 @dataclass
@@ -100,6 +163,8 @@ class Recipe:
     compile: CompileSection = field(default_factory=CompileSection)
     run: RunSection = field(default_factory=RunSection)
     bench: BenchSection = field(default_factory=BenchSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    server: ServerSection = field(default_factory=ServerSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,7 +197,7 @@ def load_recipe(source: str | Path | dict[str, Any] | None = None, overrides: ty
     for item in overrides:
         _apply_override(raw, item)
     recipe = _build(Recipe, raw, "")
-    _validate(recipe)
+    _validate(recipe, trains="train" in raw)
     return recipe
 
 
@@ -217,10 +282,14 @@ def _require(ok: bool, message: str) -> None:
         raise RecipeError(message)
 
 
-def _validate(r: Recipe) -> None:
+def _validate(r: Recipe, trains: bool = False) -> None:
+    """`trains`: the recipe has a `train` section, whose model comes from `train` (a model section is optional)."""
     m = r.model
     sources = [key for key in ("path", "fixture", "synthetic") if getattr(m, key) is not None]
-    _require(len(sources) == 1, "model: set exactly one of model.path, model.fixture or model.synthetic")
+    _require(
+        len(sources) == 1 or (trains and not sources),
+        "model: set exactly one of model.path, model.fixture or model.synthetic",
+    )
     if m.fixture is not None:
         from qwen_mtp.testing import PRESETS
 
@@ -234,12 +303,19 @@ def _validate(r: Recipe) -> None:
         f"model.device must be auto, cpu, cuda or cuda:N (N a GPU index: 0, 1, ...), got {m.device!r}",
     )
     _require(r.parallel.tp >= 1, f"parallel.tp must be >= 1, got {r.parallel.tp}")
+    _require(r.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {r.parallel.timeout_s}")
     _require(1 <= r.mtp.k <= 4, f"mtp.k must be 1..4, got {r.mtp.k}")
     _require(0.0 <= r.mtp.oracle_accept <= 1.0, f"mtp.oracle_accept must be in 0..1, got {r.mtp.oracle_accept}")
     c = r.cache
     for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows"):
         value = getattr(c, key)
         _require(value is None or value >= 1, f"cache.{key} must be >= 1, got {value}")
+    _require(c.prefix_snapshots is None or c.prefix_snapshots >= 1, "cache.prefix_snapshots must be >= 1")
+    _require(
+        not c.prefix_caching or c.prefill_chunk % c.page_size == 0,
+        f"cache.prefix_caching shares whole pages of full prefill chunks: cache.prefill_chunk ({c.prefill_chunk}) "
+        f"must be a multiple of cache.page_size ({c.page_size})",
+    )
     _require(0.0 < c.memory_fraction <= 1.0, f"cache.memory_fraction must be in (0, 1], got {c.memory_fraction}")
     _require(
         all(b >= 1 for b in r.compile.batch_sizes), f"compile.batch_sizes must be positive, got {r.compile.batch_sizes}"
@@ -253,9 +329,61 @@ def _validate(r: Recipe) -> None:
         all(n >= 1 for n in b.prompt_lens) and b.prompt_lens and b.output_len >= 2,
         "bench.prompt_len must be >= 1 (or a non-empty list of such) and bench.output_len >= 2",
     )
+    _validate_train(r.train)
+    s = r.server
+    _require(0 <= s.port <= 65535, f"server.port must be in 0..65535 (0: any free port), got {s.port}")
+    _require(bool(s.model_name), "server.model_name must not be empty")
+    _require(s.max_queue >= 0, f"server.max_queue must be >= 0, got {s.max_queue}")
+    _require(
+        s.request_timeout_s is None or s.request_timeout_s > 0,
+        f"server.request_timeout_s must be > 0 or null (no timeout), got {s.request_timeout_s}",
+    )
+    _require(s.shutdown_grace_s >= 0, f"server.shutdown_grace_s must be >= 0, got {s.shutdown_grace_s}")
+    _require(s.default_max_tokens >= 1, f"server.default_max_tokens must be >= 1, got {s.default_max_tokens}")
     _require(r.run.max_new_tokens >= 1, f"run.max_new_tokens must be >= 1, got {r.run.max_new_tokens}")
     for i, prompt in enumerate(r.run.prompts):
         _require(
             isinstance(prompt, str) or all(t >= 0 for t in prompt),
             f"run.prompts[{i}]: token ids must be >= 0",
         )
+
+
+def _validate_train(t: TrainSection) -> None:
+    positive = (
+        "vocab_size", "hidden_size", "num_layers", "full_attention_interval", "intermediate_size",
+        "attention_heads", "kv_heads", "head_dim", "gdn_key_heads", "gdn_value_heads", "gdn_head_dim",
+        "seq_len", "batch_size", "steps", "log_every", "save_every", "eval_tokens",
+    )  # fmt: skip
+    for key in positive:
+        _require(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
+    _require(t.vocab_size >= 300, f"train.vocab_size must be >= 300 (256 bytes + special tokens), got {t.vocab_size}")
+    _require(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: off), got {t.eval_every}")
+    _require(
+        t.attention_heads % t.kv_heads == 0,
+        f"train.attention_heads ({t.attention_heads}) must be a multiple of train.kv_heads ({t.kv_heads})",
+    )
+    _require(
+        t.gdn_value_heads % t.gdn_key_heads == 0,
+        f"train.gdn_value_heads ({t.gdn_value_heads}) must be a multiple of train.gdn_key_heads ({t.gdn_key_heads})",
+    )
+    _require(
+        t.head_dim % 8 == 0, f"train.head_dim must be a multiple of 8 (partial RoPE on a quarter), got {t.head_dim}"
+    )
+    for key in ("lr", "grad_clip"):
+        _require(getattr(t, key) > 0, f"train.{key} must be > 0, got {getattr(t, key)}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in 0..1, got {t.min_lr_ratio}")
+    _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _require(t.mtp_weight >= 0, f"train.mtp_weight must be >= 0, got {t.mtp_weight}")
+    _require(1 <= t.mtp_chain <= 4, f"train.mtp_chain must be 1..4 (draft steps trained), got {t.mtp_chain}")
+    _require(
+        t.time_budget_s is None or t.time_budget_s > 0,
+        f"train.time_budget_s must be > 0 or null, got {t.time_budget_s}",
+    )
+    _require(
+        DEVICE.fullmatch(t.device) is not None,
+        f"train.device must be auto, cpu, cuda or cuda:N (N a GPU index: 0, 1, ...), got {t.device!r}",
+    )
+    _require(bool(t.include), "train.include must list at least one glob (e.g. '**/*.py')")
+    _require(bool(t.output_dir), "train.output_dir must be a directory path")

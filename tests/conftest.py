@@ -6,6 +6,9 @@ import os
 
 import torch
 
+# torchao (FP8 quantization; transformers imports it too) skips its compiled kernels, which we do not use and which
+# only warn when built for another torch.
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 if not torch.cuda.is_available():
     # Triton kernels run under the CPU interpreter here; this must be set before any kernel is created.
     os.environ.setdefault("TRITON_INTERPRET", "1")

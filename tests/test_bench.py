@@ -42,11 +42,11 @@ def test_rows_are_written_as_they_come(tmp_path, monkeypatch):
     """The MTP row fails: the plain row measured before it is on disk, in the JSON and the table."""
     calls, run = [], bench._run
 
-    def failing_run(engine, prompts, output_len, oracles):
+    def failing_run(engine, prompts, output_len, oracles, sampled):
         calls.append(oracles is not None)
         if oracles is not None:
             raise RuntimeError("injected failure in the MTP row")
-        return run(engine, prompts, output_len, oracles)
+        return run(engine, prompts, output_len, oracles, sampled)
 
     monkeypatch.setattr(bench, "_run", failing_run)
     with pytest.raises(RuntimeError, match="injected failure"):

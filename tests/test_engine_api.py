@@ -35,11 +35,16 @@ def test_bad_requests_raise(engine, prompt, max_new, message):
         engine.generate([[1, 2, 3], prompt], max_new_tokens=max_new)
 
 
-@pytest.mark.parametrize("override", ["parallel.tp=2", "model.quant=fp8-block"])
-def test_features_not_yet_available_are_refused_by_key(override):
-    key = override.split("=")[0]
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (("parallel.tp=2",), "parallel.tp"),  # outside started ranks
+        (("parallel.tp=2", "cache.prefix_caching=true"), "cache.prefix_caching with parallel.tp > 1"),
+    ],
+)
+def test_features_not_yet_available_are_refused_by_key(overrides, key):
     with pytest.raises(RecipeError, match=key):
-        Engine.from_recipe({"model": {"fixture": "tiny", "device": "cpu"}}, (override,))
+        Engine.from_recipe({"model": {"fixture": "tiny", "device": "cpu"}}, overrides)
 
 
 @pytest.mark.parametrize(

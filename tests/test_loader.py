@@ -154,7 +154,9 @@ def test_missing_directory_and_missing_shard_are_named(checkpoint, tmp_path):
         load_model(sharded)
 
 
-def test_fp8_block_checkpoint_dequantizes(checkpoint):
+def test_fp8_block_checkpoint_dequantizes_on_request(checkpoint):
+    """quant="dequantize": every FP8 tensor becomes transformers' dequantized weight (kept FP8 by default:
+    tests/test_fp8_loading.py)."""
     path = checkpoint("tiny-fp8", fp8=True)
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
@@ -163,7 +165,7 @@ def test_fp8_block_checkpoint_dequantizes(checkpoint):
     assert on_disk[name].dtype == torch.float8_e4m3fn and on_disk[name + "_scale_inv"].dtype == torch.bfloat16
     assert on_disk["mtp.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn  # the MTP block too
     assert on_disk["mtp.fc.weight"].dtype == torch.float32  # stays high precision
-    state = load_model(path, dtype=torch.bfloat16).state_dict()
+    state = load_model(path, dtype=torch.bfloat16, quant="dequantize").state_dict()
     for disk_name, tensor in on_disk.items():
         if disk_name.endswith("_scale_inv"):
             continue

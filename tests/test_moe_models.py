@@ -141,7 +141,8 @@ def test_gradients_match_hf_for_fine_tuning(checkpoint):
 
 def test_fp8_per_expert_checkpoint_dequantizes(checkpoint):
     """A Qwen3-Next FP8 release's layout: e4m3 per-expert matrices and in_proj_qkvz with 128x128 block scales,
-    routers and in_proj_ba in high precision; every expert slice holds its dequantized tensor."""
+    routers and in_proj_ba in high precision; every expert slice and in_proj_qkvz hold their dequantized tensors,
+    and the projections the model can keep in FP8 (whole 128-row segments) hold the checkpoint's e4m3 and scales."""
     from safetensors.torch import load_file
 
     from qwen_mtp.quant.fp8 import dequantize_fp8_block
@@ -154,9 +155,19 @@ def test_fp8_per_expert_checkpoint_dequantizes(checkpoint):
     assert on_disk["model.layers.0.mlp.gate.weight"].dtype == torch.float32
     model = load_model(path, dtype=torch.bfloat16)
     slots = model.checkpoint_slots() | {name: slot for name, (_, slot) in model.checkpoint_aliases().items()}
+    kept = 0
     for name, tensor in on_disk.items():
         if name.endswith("_scale_inv"):
             continue
+        stored = slots[name].tensor()
+        if stored.dtype == torch.float8_e4m3fn:  # kept as stored: the e4m3 bytes and the block scales
+            assert ".experts." not in name and "in_proj_qkvz" not in name, name
+            assert torch.equal(stored.view(torch.uint8), tensor.view(torch.uint8)), name
+            scale = on_disk[name + "_scale_inv"].float()
+            assert torch.equal(slots[name + "_scale_inv"].tensor(), scale), name
+            kept += 1
+            continue
         if tensor.dtype == torch.float8_e4m3fn:
             tensor = dequantize_fp8_block(tensor, on_disk[name + "_scale_inv"], (128, 128))
-        assert torch.equal(slots[name].tensor(), tensor.to(torch.bfloat16)), name
+        assert torch.equal(stored, tensor.to(torch.bfloat16)), name
+    assert kept > 0

@@ -6,6 +6,11 @@ reservation before each step, for every position the step may write, so a runnin
 pages (no preemption, no recomputation, which would break exactness). Finishing or cancelling returns both the
 pages and the unused reservation at once. The pool is host bookkeeping plus one device tensor; page tables
 reach the device through the runner's pinned staging.
+
+Pages are refcounted: with prefix caching a page table may start with full pages that the prefix cache holds
+(`share`) and other requests read too. Nobody writes into a shared page again (a request writes only positions
+past its restored prefix), so copy-on-write is never needed. A reservation counts only the pages the request
+will own; a page returns to the free list when its last holder lets it go.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class PagePool:
             len(layers), 2, num_pages + 1, page_size, kv_heads, head_dim, dtype=dtype, device=device
         )
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low page ids first
+        self._holders = [0] * num_pages  # per page: page tables + prefix-cache entries holding it
         self.tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # request -> pages it may still take
 
@@ -57,15 +63,21 @@ class PagePool:
     def bytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        return pages_for(num_tokens, self.page_size) <= self.available_pages
+    def pages_to_reserve(self, num_tokens: int, shared: int = 0) -> int:
+        """Pages a request of `num_tokens` positions must own when its first `shared` pages are shared."""
+        return max(pages_for(num_tokens, self.page_size) - shared, 0)
 
-    def reserve(self, request: int, num_tokens: int) -> None:
-        """Promise `request` enough pages for `num_tokens` positions; pages are taken later by `grow`."""
-        need = pages_for(num_tokens, self.page_size)
+    def can_reserve(self, num_tokens: int, shared: int = 0) -> bool:
+        return self.pages_to_reserve(num_tokens, shared) <= self.available_pages
+
+    def reserve(self, request: int, num_tokens: int, shared: list[int] | tuple[int, ...] = ()) -> None:
+        """Promise `request` enough pages for `num_tokens` positions; its table starts with the `shared` pages
+        (a cached prefix, held for it) and the rest are taken later by `grow`."""
+        need = self.pages_to_reserve(num_tokens, len(shared))
         if need > self.available_pages:
             raise RuntimeError(f"cannot reserve {need} pages: only {self.available_pages} available")
-        self.tables[request] = []
+        self.share(shared)
+        self.tables[request] = list(shared)
         self._reserved[request] = need
 
     def grow(self, request: int, num_tokens: int) -> None:
@@ -75,12 +87,31 @@ class PagePool:
             if self._reserved[request] == 0:
                 raise RuntimeError(f"request {request} grew past its reservation ({len(table)} pages)")
             self._reserved[request] -= 1
-            table.append(self._free.pop())
+            page = self._free.pop()
+            self._holders[page] = 1
+            table.append(page)
 
     def release(self, request: int) -> None:
-        """Return the request's pages and its unused reservation to the pool."""
-        self._free.extend(reversed(self.tables.pop(request, [])))
+        """Let go of the request's pages (those nobody else holds return to the pool) and its unused reservation."""
+        self.unshare(reversed(self.tables.pop(request, [])))
         self._reserved.pop(request, None)
+
+    def share(self, pages) -> None:
+        """One more holder (a page table or a prefix-cache entry) for each of `pages`, all allocated."""
+        for page in pages:
+            if self._holders[page] == 0:
+                raise RuntimeError(f"page {page} is free: only allocated pages can be shared")
+            self._holders[page] += 1
+
+    def unshare(self, pages) -> None:
+        """One holder fewer for each of `pages`; a page nobody holds any more returns to the free list."""
+        for page in pages:
+            self._holders[page] -= 1
+            if self._holders[page] == 0:
+                self._free.append(page)
+
+    def holders(self, page: int) -> int:
+        return self._holders[page]
 
     def layer_kv(self, layer: str) -> torch.Tensor:
         """The layer's cache memory [2 (k, v), pages, page_size, KV, D] (a contiguous view)."""

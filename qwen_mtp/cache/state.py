@@ -95,3 +95,56 @@ class StatePool:
     def commit(self, rows: torch.Tensor, accepted: torch.Tensor) -> None:
         """The next step starts from the state after `accepted` [B] draft tokens (0 without speculation)."""
         self.committed[rows] = accepted
+
+
+class StateSnapshots:
+    """Copies of one row's committed GDN state (conv window, SSM state of every GDN layer) taken after a prefill
+    chunk, in slots at fixed addresses: the prefix cache restores one into a new request's row so its prefill
+    starts at that chunk boundary. A GDN state is a running summary of every token before it, so it can only
+    be restored at exactly the position it was taken; prefill chunk boundaries never depend on the batch, which
+    is what makes a snapshot there equal a cold run's state bit for bit. Slots are a budget of their own."""
+
+    def __init__(self, states: StatePool, num_slots: int):
+        self.states = states
+        self.num_slots = num_slots
+        layers, _, conv_dim, _ = states.conv.shape
+        window = states.kernel - 1
+        # [layers, slots, conv_dim, kernel - 1] and [layers, slots, Hv, dk, dv]
+        self.conv = torch.zeros(layers, num_slots, conv_dim, window, dtype=states.conv.dtype, device=states.conv.device)
+        self.ssm = torch.zeros(
+            layers, num_slots, *states.ssm.shape[3:], dtype=states.ssm.dtype, device=states.ssm.device
+        )
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.bytes // max(self.num_slots, 1)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when all are taken."""
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def save(self, row: int, slot: int) -> None:
+        """Copy `row`'s state after a prefill chunk (window at offset 0, SSM slot 0) into `slot` (device copies,
+        ordered after the chunk on the device; no synchronisation)."""
+        window = self.conv.shape[-1]
+        self.conv[:, slot].copy_(self.states.conv[:, row, :, :window])
+        self.ssm[:, slot].copy_(self.states.ssm[:, row, 0])
+
+    def restore(self, slot: int, row: int) -> None:
+        """Make `slot`'s state the committed state of `row`, as if its prefill had just reached the boundary."""
+        window = self.conv.shape[-1]
+        self.states.conv[:, row, :, :window].copy_(self.conv[:, slot])
+        self.states.ssm[:, row, 0].copy_(self.ssm[:, slot])
+        self.states.committed[row] = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import queue
+import random
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from qwen_mtp.cache.kv import PagePool, pages_for
-from qwen_mtp.cache.state import StatePool
+from qwen_mtp.cache.prefix import PrefixCache
+from qwen_mtp.cache.state import StatePool, StateSnapshots
 from qwen_mtp.dtypes import STATE_DTYPES
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
@@ -37,6 +39,7 @@ from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, size_pools
 from qwen_mtp.engine.speculative import Speculator
+from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
@@ -53,6 +56,8 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt position (the first is None)
     seed: int | None = None  # the request's sampling seed (drawn at submit when not given)
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (cache.prefix_caching)
+    text: str | None = None  # token_ids decoded, cut before the first stop string (None without a tokenizer)
 
 
 @dataclass
@@ -68,7 +73,8 @@ class _Launched:
 
 class Engine:
     """Generation over one loaded model. Takes only the recipe sections it needs (`from_recipe` reads them
-    from a recipe); `seed` seeds the oracle drafts' choices (`mtp.draft: oracle`)."""
+    from a recipe); `seed` seeds the oracle drafts' choices (`mtp.draft: oracle`) and the generator that draws
+    the sampling seed of each request submitted without one."""
 
     def __init__(
         self,
@@ -93,9 +99,18 @@ class Engine:
         self.spec_tokens = mtp.k if mtp.enabled else 0
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
+        # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
+        self.parallel = self.model.parallel
+        if self.parallel is not None:
+            sizes = dataclasses.replace(sizes, num_pages=self.parallel.smallest(sizes.num_pages))
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
-        self.scheduler = Scheduler(self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens)
+        self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
+        self.cache_outputs = cache.prefix_cache_outputs
+        self.scheduler = Scheduler(
+            self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix
+        )
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
+        self.runner.coupled_drafts = mtp.coupled_drafts
         graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
         if compile.enabled or graphs:
             self.runner.graphs = self._build_graphs(compile, graphs, cache.max_batch, log)
@@ -107,14 +122,16 @@ class Engine:
         self.speculator = None
         if mtp.enabled:
             self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed)
-        self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance, decode)
+        self._seeds = random.Random(seed)  # draws the seed of a request submitted without one
         self.requests: dict[int, Request] = {}  # submitted and not yet read back (see `result`)
         self.timer = PhaseTimer(device=self.device)  # enable to split step time by phase (benchmarks)
         self._ids = itertools.count()
         self._submitted: queue.SimpleQueue[Request] = queue.SimpleQueue()  # the inbox (put is reentrant)
         self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # held for a whole step: steps never overlap
-        log(sizes.describe(self.pages.bytes, self.states.bytes))
+        log(sizes.describe(self.pages.bytes, self.states.bytes, self.snapshots.bytes if self.snapshots else 0))
 
     def _build_pools(self, sizes: PoolSizes, dtype: torch.dtype, state_dtype: str) -> tuple[PagePool, StatePool]:
         shapes = self.model.shapes
@@ -141,6 +158,23 @@ class Engine:
             device=self.device,
         )
         return pages, states
+
+    def _build_prefix_cache(
+        self, cache: CacheSection, sizes: PoolSizes
+    ) -> tuple[StateSnapshots | None, PrefixCache | None]:
+        if not cache.prefix_caching:
+            return None, None
+        if self.parallel is not None:
+            raise RecipeError(
+                "cache.prefix_caching is not available with tensor parallelism yet (parallel.tp > 1): turn one off"
+            )
+        if cache.prefill_chunk % cache.page_size:
+            raise RecipeError(
+                f"cache.prefix_caching shares whole pages of full prefill chunks: cache.prefill_chunk "
+                f"({cache.prefill_chunk}) must be a multiple of cache.page_size ({cache.page_size})"
+            )
+        snapshots = StateSnapshots(self.states, sizes.num_snapshots)
+        return snapshots, PrefixCache(self.pages, snapshots, cache.prefill_chunk)
 
     def _build_graphs(
         self, settings: CompileSection, capture: bool, max_batch: int, log: Callable[[str], None]
@@ -206,14 +240,10 @@ class Engine:
         """Raise `RequestError` for a request that can never run. Nothing is allocated."""
         if not prompt:
             raise RequestError("empty prompt: give at least one token")
-        unsupported = [
-            name for name, on in (
-                ("temperature > 0", not params.greedy), ("stop strings", bool(params.stop)),
-                ("logprobs", params.logprobs is not None), ("prompt_logprobs", params.prompt_logprobs is not None),
-            ) if on
-        ]  # fmt: skip
-        if unsupported:
-            raise RequestError(f"not supported by this engine yet: {', '.join(unsupported)} (greedy only)")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
+        if self.parallel is not None:
+            self._check_tensor_parallel(params)
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -230,6 +260,24 @@ class Engine:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} KV pages but the "
                 f"whole pool has {self.pages.num_pages}; raise cache.num_pages or cache.memory_fraction"
+            )
+
+    def _check_tensor_parallel(self, params: SamplingParams) -> None:
+        """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
+        cross-rank argmax (`parallel.vocab`): sampling and logprobs, which need the whole softmax, are refused."""
+        asked = [
+            name
+            for name, on in (
+                (f"temperature={params.temperature}", not params.greedy),
+                (f"logprobs={params.logprobs}", params.logprobs is not None),
+                (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
+            )
+            if on
+        ]
+        if asked:
+            raise RequestError(
+                f"{', '.join(asked)}: tensor parallelism (parallel.tp={self.parallel.degree}) decodes greedily only "
+                "for now; use temperature 0 without logprobs, or parallel.tp: 1"
             )
 
     def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> int:
@@ -255,7 +303,7 @@ class Engine:
     ) -> Request:
         speculate = self.speculator is not None if speculate is None else speculate
         self.check_request(prompt, params, speculate)
-        request = Request(next(self._ids), prompt, params)
+        request = Request(next(self._ids), prompt, self._seeded(params))
         if speculate:
             self.speculator.start(request, oracle)
         self.requests[request.id] = request
@@ -287,16 +335,32 @@ class Engine:
         request = self._request(request_id)
         if request.done:
             self.requests.pop(request_id, None)
-        return Result(request.output, request.finish_reason or "", len(request.prompt), request.spec, request.error)
+        output = request.output
+        text = None if self.tokenizer is None else self.tokenizer.decode(output)
+        if text is not None and request.params.stop:
+            text = cut_at_stop_string(text, request.params.stop)
+        return Result(
+            output, request.finish_reason or "", len(request.prompt), request.spec, request.error,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            seed=request.params.seed, text=text, cached_tokens=request.cached_tokens,
+        )  # fmt: skip
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or not self._submitted.empty())
+        """Whether any request (or prefix-cache fill) is queued or running."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting or scheduler.fills or scheduler.running or not self._submitted.empty())
 
     def _request(self, request_id: int) -> Request:
         request = self.requests.get(request_id)
         if request is None:
             raise RequestError(f"no request {request_id!r}: never submitted, or its result was already read")
         return request
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """`params` with a seed: drawn from the engine's generator when not given, so the request can be replayed
+        (`Result.seed`). Greedy requests draw one too: it costs nothing and keeps the draws in submission order."""
+        return params if params.seed is not None else dataclasses.replace(params, seed=self._seeds.getrandbits(63))
 
     def _params(
         self, params: SamplingParams | None, max_new_tokens: int | None = None, ignore_eos: bool | None = None
@@ -310,9 +374,12 @@ class Engine:
         return dataclasses.replace(params, **changes) if changes else params
 
     def _release(self, request: Request) -> None:
+        fill = self._output_fill(request)
         self.scheduler.remove(request)
         if self.speculator is not None:
             self.speculator.forget(request)
+        if fill is not None:
+            self.scheduler.add(fill)
 
     def _record_acceptance(self, request: Request, accepted: int) -> None:
         self.speculator.record(request, accepted)
@@ -341,8 +408,12 @@ class Engine:
         if plan.empty and self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
         launched = []
+        if self.prefix is not None:
+            self._restore_prefixes(plan.restores)
         with self.timer("prefill"):
             launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
+        if self.prefix is not None:
+            self._save_snapshots(plan.prefills, launched)
         if plan.decodes:
             with self.timer("decode"):
                 launched.append(self._guard(plan.decodes, self._launch_decode, plan.decodes))
@@ -351,6 +422,8 @@ class Engine:
         try:
             values = self.runner.read_back([part for item in launched for part in item.parts])
         except Exception as err:  # the device failed: no result of this step can be trusted
+            if self.parallel is not None:
+                raise  # the other ranks cannot know: the run ends on every rank (see _guard)
             launched, values = [_Launched(item.requests, error=err) for item in launched], []
         outcomes, offset = [], 0
         for item in launched:
@@ -359,14 +432,22 @@ class Engine:
                 continue
             outcomes += item.outcomes(values[offset : offset + len(item.parts)])
             offset += len(item.parts)
-        return self.updater.apply(outcomes)
+        if self.prefix is not None:
+            self._cache_chunks(plan.prefills, outcomes)
+        updates = self.updater.apply(outcomes)
+        if self.prefix is not None:
+            self._end_fills()
+        return updates
 
-    @staticmethod
-    def _guard(requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
-        """Launch one part of the step; if it raises, only its requests end (finish_reason "error")."""
+    def _guard(self, requests: list[Request], launch: Callable[..., _Launched], *args) -> _Launched:
+        """Launch one part of the step; if it raises, only its requests end (finish_reason "error"). Under
+        tensor parallelism the error ends the run instead: a collective that failed on one rank (a dead peer)
+        leaves the ranks' schedules apart, and agreeing on a partial failure would cost a host round trip."""
         try:
             return launch(*args)
         except Exception as err:
+            if self.parallel is not None:
+                raise
             return _Launched(requests, error=err)
 
     def _launch_prefill(self, chunk: PrefillChunk) -> _Launched:
@@ -374,29 +455,125 @@ class Engine:
         batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
         hidden = self.runner.prefill(batch)
         speculative = request.spec is not None and (chunk.drafts or not chunk.last)
+        scored = request.prompt[start + 1 : start + length + 1]  # the prompt tokens this chunk's logits predict
+        n_prompt = request.params.prompt_logprobs
+        prompt_parts = []
+        if n_prompt is not None and scored:
+            prompt_parts = list(self.runner.prompt_logprobs(hidden, scored, n_prompt))
+
+        def prompt_logprobs(values: list[list]) -> list[TokenLogprob] | None:
+            return _token_logprobs(scored, *values, n_prompt) if prompt_parts else None
+
         if not chunk.last:
             if speculative:
                 self.speculator.prefill_chunk(request, start, hidden, None)
-            return _Launched([request], [], lambda values: [Outcome(request, computed=length)])
-        parts = [self.runner.choose(hidden[:, -1])]  # the first output token [1]
+            return _Launched(
+                [request], prompt_parts,
+                lambda values: [Outcome(request, computed=length, prompt_logprobs=prompt_logprobs(values))],
+            )  # fmt: skip
+        first, logprobs = self.runner.choose(hidden[:, -1], request, start + length)  # the first output token [1]
+        parts = [first]
         if speculative:
-            parts.append(self.speculator.prefill_chunk(request, start, hidden, parts[0]))  # drafts [1, K]
+            parts.append(self.speculator.prefill_chunk(request, start, hidden, first))  # drafts [1, K]
+        logprob_parts = list(logprobs) if logprobs is not None else []
 
-        def outcomes(values: list[list[int]]) -> list[Outcome]:
-            return [Outcome(request, length, values[0], drafts=values[1] if speculative else None)]
+        def outcomes(values: list[list]) -> list[Outcome]:
+            tokens, rest = values[0], values[1 + speculative :]
+            chosen = _token_logprobs(tokens, *rest[:3], request.params.logprobs) if logprob_parts else None
+            return [
+                Outcome(
+                    request, length, tokens, drafts=values[1] if speculative else None, logprobs=chosen,
+                    prompt_logprobs=prompt_logprobs(rest[len(logprob_parts) :]),
+                )
+            ]  # fmt: skip
 
-        return _Launched([request], parts, outcomes)
+        return _Launched([request], parts + logprob_parts + prompt_parts, outcomes)
+
+    # ---- prefix caching (cache/prefix.py) ---------------------------------------------------------------------
+    def _restore_prefixes(self, restores: list[tuple[Request, int]]) -> None:
+        """Admitted prefix hits: their rows start from the cached GDN state, before their first chunk runs."""
+        for request, slot in restores:
+            self.snapshots.restore(slot, self.states.rows[request.id])
+
+    def _save_snapshots(self, chunks: list[PrefillChunk], launched: list[_Launched]) -> None:
+        """Copy the GDN state after each launched full chunk that was given a slot (the row is at the chunk's
+        end until the request's next step)."""
+        for chunk, item in zip(chunks, launched, strict=False):  # the prefill parts come first, in order
+            if chunk.snapshot is not None and item.error is None:
+                self.snapshots.save(self.states.rows[chunk.request.id], chunk.snapshot)
+
+    def _cache_chunks(self, chunks: list[PrefillChunk], outcomes: list[Outcome]) -> None:
+        """Index the full chunks that ran without error (before `apply`, which may release their pages)."""
+        succeeded = {o.request.id: o for o in outcomes if o.error is None and not o.request.done}
+        page = self.pages.page_size
+        for chunk in chunks:
+            request, end = chunk.request, chunk.start + chunk.length
+            outcome = succeeded.get(request.id)
+            if outcome is None or chunk.length != self.scheduler.prefill_chunk:
+                self.prefix.discard(chunk.snapshot)
+                continue
+            pages = self.pages.tables[request.id][chunk.start // page : end // page]
+            tokens = tuple(request.prompt[chunk.start : end])
+            self.prefix.add(request.id, tokens, pages, chunk.snapshot, self._mtp_next(chunk, outcome))
+
+    @staticmethod
+    def _mtp_next(chunk: PrefillChunk, outcome: Outcome) -> int | None:
+        """The token after `chunk` that its MTP KV entries were computed with (see `_launch_prefill`): the next
+        prompt token, or the first output token after the prompt's last chunk; None when the MTP head did not
+        run over the chunk."""
+        if chunk.request.spec is None or (chunk.last and not chunk.drafts):
+            return None
+        return outcome.tokens[0] if chunk.last else chunk.request.prompt[chunk.start + chunk.length]
+
+    def _output_fill(self, request: Request) -> Request | None:
+        """For a request that ends with output: a cache fill that prefills its full chunks past those it cached
+        (prompt + output), so the next turn of a conversation restores them. Decode computed those positions
+        token by token, not as a prefill chunk would, so their KV and state cannot be cached as they are."""
+        if self.prefix is None or not self.cache_outputs or request.fill_end is not None:
+            return None
+        if request.finish_reason == "error" or request.num_output == 0:
+            return None
+        chunk = self.scheduler.prefill_chunk
+        end = (len(request.tokens) - 1) // chunk * chunk  # the token after `end` must be known (the MTP KV)
+        if end <= self.prefix.held_length(request.id):
+            return None
+        tokens = request.tokens[: end + 1]
+        if self.prefix.lookup(tokens, request.spec is not None).length >= end:
+            return None
+        fill = Request(next(self._ids), tokens, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        fill.fill_end = end
+        if request.spec is not None:
+            self.speculator.start(fill)
+        return fill
+
+    def _end_fills(self) -> None:
+        for request in [r for r in self.scheduler.running if r.fill_end is not None]:
+            if request.num_computed >= request.fill_end and not request.done:
+                self.updater.finish(request, "length")
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached prefix that no running request holds (their pages and snapshot slots return to
+        the pools); returns how many chunks were evicted. 0 without prefix caching."""
+        if self.prefix is None:
+            return 0
+        with self._lock:
+            return self.prefix.clear()
 
     def _launch_decode(self, requests: list[Request]) -> _Launched:
         """Plain decode: one token per request."""
         tokens = [[r.tokens[r.num_computed]] for r in requests]
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
-        chosen = self.runner.decode(batch)[1][:, -1]
+        _, chosen, logprobs = self.runner.decode(batch)
+        logprob_parts = list(logprobs) if logprobs is not None else []
 
-        def outcomes(values: list[list[int]]) -> list[Outcome]:
-            return [Outcome(r, 1, [token]) for r, token in zip(requests, values[0], strict=True)]
+        def outcomes(values: list[list]) -> list[Outcome]:
+            result = []
+            for b, (r, token) in enumerate(zip(requests, values[0], strict=True)):
+                entries = _token_logprobs([token], *values[1:], r.params.logprobs, rows=[b]) if logprob_parts else None
+                result.append(Outcome(r, 1, [token], logprobs=entries))
+            return result
 
-        return _Launched(requests, [chosen], outcomes)
+        return _Launched(requests, [chosen] + logprob_parts, outcomes)
 
     def _launch_verify(self, requests: list[Request]) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
@@ -407,15 +584,22 @@ class Engine:
             drafts = self.speculator.propose(requests, verified)
         k = self.spec_tokens
 
-        def outcomes(values: list[list[int]]) -> list[Outcome]:
-            accepted, chosen, proposed = values
+        logprob_parts = list(verified.logprobs) if verified.logprobs is not None else []
+
+        def outcomes(values: list[list]) -> list[Outcome]:
+            accepted, chosen, proposed = values[:3]
             result = []
             for b, (request, j) in enumerate(zip(requests, accepted, strict=True)):
-                emitted = chosen[b * (k + 1) : b * (k + 1) + j + 1]
-                result.append(Outcome(request, j + 1, emitted, proposed[b * k : (b + 1) * k], accepted=j))
+                rows = list(range(b * (k + 1), b * (k + 1) + j + 1))
+                emitted = [chosen[i] for i in rows]
+                entries = None
+                if logprob_parts:
+                    entries = _token_logprobs(emitted, *values[3:], request.params.logprobs, rows=rows)
+                drafts = proposed[b * k : (b + 1) * k]
+                result.append(Outcome(request, j + 1, emitted, drafts=drafts, accepted=j, logprobs=entries))
             return result
 
-        return _Launched(requests, [verified.accepted, verified.chosen, drafts], outcomes)
+        return _Launched(requests, [verified.accepted, verified.chosen, drafts] + logprob_parts, outcomes)
 
     # ---- whole generations -----------------------------------------------------------------------------------
     def generate(
@@ -426,7 +610,7 @@ class Engine:
         max_new_tokens: int | None = None,
         ignore_eos: bool | None = None,
     ) -> list[Result]:
-        """Greedy continuation of each prompt (token ids), generated as one continuous batch (with whatever else
+        """The continuation of each prompt (token ids), generated as one continuous batch (with whatever else
         runs); results in prompt order. `max_new_tokens` / `ignore_eos` override those of `params`."""
         params = self._params(params, max_new_tokens, ignore_eos)
         requests = self._submit_all(self._check_prompts(prompts, params), params)
@@ -462,8 +646,9 @@ class Engine:
                     for r in live:
                         new = r.tokens[len(r.prompt) + sent[r.id] :]
                         if new or r.done:
+                            logprobs = None if r.logprobs is None else r.logprobs[sent[r.id] :]
                             sent[r.id] += len(new)
-                            updates.append(Update(r.id, new, r.done, r.finish_reason))
+                            updates.append(Update(r.id, new, r.done, r.finish_reason, logprobs))
                     live = [r for r in live if not r.done]
                 yield from updates
         finally:
@@ -489,15 +674,17 @@ class Engine:
 
     def _submit_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         oracles: list[list[int] | None] = [None] * len(prompts)
+        seeded = [self._seeded(params) for _ in prompts]
         if self.speculator is not None and self.speculator.oracle:
-            # Oracle drafts replay each request's plain-decoding continuation: compute it first, without MTP.
-            plain = [self._submit(p, params, speculate=False) for p in prompts]
+            # Oracle drafts replay each request's plain-decoding continuation (with its seed): compute it first,
+            # without MTP.
+            plain = [self._submit(p, s, speculate=False) for p, s in zip(prompts, seeded, strict=True)]
             try:
                 self._run_until_done(plain)
             finally:
                 self._abandon(plain)
             oracles = [r.output for r in plain]
-        return [self._submit(p, params, oracle=o) for p, o in zip(prompts, oracles, strict=True)]
+        return [self._submit(p, s, oracle=o) for p, s, o in zip(prompts, seeded, oracles, strict=True)]
 
     def _run_until_done(self, requests: list[Request]) -> None:
         while True:
@@ -518,9 +705,24 @@ class Engine:
             "free_pages": self.pages.free_pages,
             "total_state_rows": self.states.num_rows,
             "free_state_rows": self.states.free_rows,
-            "running": len(self.scheduler.running),
+            "running": sum(r.fill_end is None for r in self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
         }
+        if self.prefix is not None:
+            counts = self.prefix.stats
+            fills = len(self.scheduler.fills) + sum(r.fill_end is not None for r in self.scheduler.running)
+            stats.update(
+                prefix_lookups=counts.lookups,
+                prefix_hits=counts.hits,
+                prefix_tokens_saved=counts.tokens_saved,
+                prefix_evictions=counts.evictions,
+                prefix_cached_chunks=self.prefix.num_nodes,
+                prefix_cached_pages=self.prefix.cached_pages,
+                prefix_cached_snapshots=self.prefix.cached_snapshots,
+                prefix_snapshot_slots=self.snapshots.num_slots,
+                prefix_free_snapshot_slots=self.snapshots.free_slots,
+                prefix_fills=fills,
+            )
         if self.speculator is not None:
             totals = self.speculator.totals
             stats.update(
@@ -531,6 +733,20 @@ class Engine:
                 position_acceptance=totals.position_acceptance,
             )
         return stats
+
+
+def _token_logprobs(
+    tokens: list[int], chosen: list[float], ids: list[int], values: list[float], n: int | None, rows=None
+) -> list[TokenLogprob]:
+    """`TokenLogprob`s of `tokens` from read-back values: `chosen` one per row, `ids` / `values` a fixed number
+    per row (of which the request keeps its n); `rows` says which rows the tokens are (default: 0, 1, ...)."""
+    rows = range(len(tokens)) if rows is None else rows
+    width = len(ids) // len(chosen)
+    return [
+        TokenLogprob(token, chosen[row], tuple(zip(ids[row * width : row * width + (n or 0)],
+                                                   values[row * width : row * width + (n or 0)], strict=True)))
+        for token, row in zip(tokens, rows, strict=True)
+    ]  # fmt: skip
 
 
 def _stderr(message: str) -> None:

@@ -1,5 +1,5 @@
 """Static-shape execution of the decode-path steps: batch buckets, static input buffers, `torch.compile`, and
-one CUDA graph per (step, bucket, tokens per request).
+one CUDA graph per (step, bucket, tokens per request, sampler mode).
 
 A step over b requests runs in the smallest bucket B >= b (`compile.batch_sizes`). Its inputs are copied into
 buffers at fixed addresses; rows b..B-1 are padding that points at the pools' scratch state row and scratch
@@ -7,7 +7,9 @@ page, so they never touch a request's state, and since every kernel on this path
 (batch-invariant), they never change a real row's numbers either. A graph is captured the first time its
 shape is needed (or ahead of time by `Engine.warmup`): two eager warm-up runs on padding only (Triton JIT,
 `torch.compile`), then the capture; without capture, one warm-up run, which compiles. Replaying a graph costs
-a few microseconds of CPU instead of thousands of kernel launches from Python.
+a few microseconds of CPU instead of thousands of kernel launches from Python. A step whose requests sample (or
+report logprobs) runs the graph of its `sampling.Mode`, with the per-request sampler inputs in static buffers too
+(padding rows greedy); all-greedy steps run the greedy graphs, which contain no sampler at all.
 
 Every request that decodes under graphs must always decode under the same ones: a request that ran some steps
 eagerly and some compiled could round differently than in a run that did not. So the engine refuses a
@@ -16,11 +18,13 @@ eagerly and some compiled could round differently than in a run that did not. So
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 
+from qwen_mtp.engine.sampling import GREEDY, Mode, padding_rows
 from qwen_mtp.engine.steps import DecodeSteps
 from qwen_mtp.errors import RecipeError
 
@@ -116,15 +120,18 @@ class StepGraphs:
             "lens": torch.full((size,), length, dtype=torch.int32, device=device),
         }
 
-    def _get(self, kind: str, size: int, length: int) -> StaticStep:
-        key = (kind, size, length)
+    def _get(self, kind: str, size: int, length: int, mode: Mode = GREEDY) -> StaticStep:
+        key = (kind, size, length) if mode.greedy else (kind, size, length, mode)
         if key not in self._steps:
             started = time.perf_counter()
             what = "compiling" + (" and capturing" if self.capture else "") if self.compiled else "capturing"
-            self.log(f"{what} the {kind} step for batch {size} x {length} tokens ...")
+            sampler = "" if mode.greedy else f" ({mode})"
+            self.log(f"{what} the {kind} step for batch {size} x {length} tokens{sampler} ...")
             padding = self._padding(size, length)
+            if not mode.greedy:
+                padding |= padding_rows(size, padding["tokens"].device)
             if kind == "target":
-                step = StaticStep(self.target_fn, padding, self.capture, self.pool)
+                step = StaticStep(functools.partial(self.target_fn, mode=mode), padding, self.capture, self.pool)
             else:
                 k, hidden = self.steps.k, self.steps.model.config.hidden_size
                 device, dtype = padding["tokens"].device, self.steps.model.lm_head_weight.dtype
@@ -134,7 +141,7 @@ class StepGraphs:
                     "override": torch.zeros(size, k, dtype=torch.long, device=device),
                     "use_override": torch.zeros(size, k, dtype=torch.bool, device=device),
                 }
-                step = StaticStep(self.draft_fn, padding, self.capture, self.pool)
+                step = StaticStep(functools.partial(self.draft_fn, mode=mode), padding, self.capture, self.pool)
             self.log(f"... {kind} step for batch {size} x {length} ready in {time.perf_counter() - started:.1f} s")
             self._steps[key] = step
         return self._steps[key]
@@ -147,18 +154,24 @@ class StepGraphs:
             if draft_length is not None:
                 self._get("draft", size, draft_length)
 
-    def target(self, tokens, positions, rows, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
+    def target(self, tokens, positions, rows, tables, lens, mode: Mode = GREEDY, **sampling_rows):
         count, length = tokens.shape
-        step = self._get("target", self.bucket(count), length)
-        hidden, argmax = step(count, tokens=tokens, positions=positions, rows=rows, tables=tables, lens=lens)
-        return hidden[:count], argmax[:count]
+        step = self._get("target", self.bucket(count), length, mode)
+        hidden, chosen, logprobs = step(
+            count, tokens=tokens, positions=positions, rows=rows, tables=tables, lens=lens, **sampling_rows
+        )
+        if logprobs is not None:
+            logprobs = tuple(part[:count] for part in logprobs)
+        return hidden[:count], chosen[:count], logprobs
 
-    def draft(self, tokens, hidden, positions, rows, tables, lens, accepted, override, use_override) -> torch.Tensor:
+    def draft(
+        self, tokens, hidden, positions, rows, tables, lens, accepted, override, use_override, mode=GREEDY, **sampling
+    ) -> torch.Tensor:
         count, length = tokens.shape
-        step = self._get("draft", self.bucket(count), length)
+        step = self._get("draft", self.bucket(count), length, mode)
         drafts = step(
             count, tokens=tokens, hidden=hidden, positions=positions, rows=rows, tables=tables, lens=lens,
-            accepted=accepted, override=override, use_override=use_override,
+            accepted=accepted, override=override, use_override=use_override, **sampling,
         )  # fmt: skip
         return drafts[:count]
 

@@ -11,6 +11,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine.sampling import SamplingRows
 from qwen_mtp.ops import conv, gdn, paged_attention, prefill_attention  # noqa: F401  (registers the ops)
 
 
@@ -30,6 +31,7 @@ class StepBatch:
     block_tables: torch.Tensor  # [B, max pages] int32: each request's KV pages
     context_lens: torch.Tensor  # [B] int32: positions cached after this step
     fresh: bool  # the sequences start here: no conv window or SSM state yet
+    sampling: SamplingRows | None = None  # the requests' sampler inputs (decode-kind steps)
 
 
 class PagedStepCache:

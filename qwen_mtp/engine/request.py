@@ -62,6 +62,13 @@ class Request:
         self.error: BaseException | None = None  # what a failed step raised
         self.spec: SpecStats | None = None  # set when the request decodes speculatively
         self.drafts: list[int] = []  # the next verify's draft tokens d1..dK
+        self.cached_tokens = 0  # leading prompt positions restored from the prefix cache at admission
+        # A prefix-cache fill (internal, never returned): prefill the prompt's full chunks up to `fill_end` to
+        # cache a finished request's output with prefill numbers, then end. None for user requests.
+        self.fill_end: int | None = None
+        # one per output token / per prompt position (None for the first), when the request asks for them
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def output(self) -> list[int]:

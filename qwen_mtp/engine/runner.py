@@ -39,6 +39,7 @@ class Runner:
         self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, device: torch.device, k: int = 0
     ):
         self.model, self.pages, self.states, self.device = model, pages, states, device
+        self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
         self.steps = DecodeSteps(model, pages, states, k)
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
         self.prefill_steps = PrefillSteps(model, pages, states)
@@ -52,11 +53,16 @@ class Runner:
     def tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return to_device(values, dtype, self.device)
 
+    def sampling(self, requests: list[Request]) -> sampling.SamplingRows:
+        """The requests' sampler inputs on the device (nothing to copy when they are all greedy)."""
+        return sampling.rows_of([r.params for r in requests], self.tensor)
+
     def batch(
         self, kind: StepKind, requests: list[Request], tokens: list[list[int]] | torch.Tensor, starts: list[int]
     ) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` (host ids, or a [B, T] device tensor) at
-        positions starting at `starts[b]`. Their pages must already cover those positions."""
+        positions starting at `starts[b]`. Their pages must already cover those positions. Decode-kind steps
+        carry the requests' sampler inputs."""
         length = tokens.shape[1] if isinstance(tokens, torch.Tensor) else len(tokens[0])
         return StepBatch(
             kind=kind,
@@ -66,13 +72,20 @@ class Runner:
             block_tables=self.tensor(self.pages.block_rows([r.id for r in requests]), torch.int32),
             context_lens=self.tensor([first + length for first in starts], torch.int32),
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
+            sampling=self.sampling(requests) if kind is StepKind.DECODE else None,
         )
 
-    def read_back(self, parts: Sequence[torch.Tensor]) -> list[list[int]]:
-        """A step's integer results on the host, in one device->host copy: each part flattened to a list."""
+    def read_back(self, parts: Sequence[torch.Tensor]) -> list[list]:
+        """A step's results on the host, in one device->host copy: each part flattened to a list (of ints; of
+        floats for floating parts, which travel as float64 with the integers, exact for both)."""
         if not parts:
             return []
-        flat = torch.cat([part.reshape(-1).long() for part in parts]).tolist()
+        if not any(part.is_floating_point() for part in parts):
+            flat = torch.cat([part.reshape(-1).long() for part in parts]).tolist()
+        else:
+            joined = torch.cat([part.reshape(-1).double() for part in parts]).tolist()
+            kinds = [part.is_floating_point() for part in parts for _ in range(part.numel())]
+            flat = [value if floating else int(value) for value, floating in zip(joined, kinds, strict=True)]
         values, offset = [], 0
         for part in parts:
             values.append(flat[offset : offset + part.numel()])
@@ -92,24 +105,54 @@ class Runner:
         args = (batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
         return self.prefill_head(batch.token_ids, hidden, *args)
 
-    def choose(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The tokens chosen from `hidden` [..., H] (a prefill's last position): see `sampling.choose`."""
-        return sampling.choose(self.model.logits(hidden))
+    def choose(
+        self, hidden: torch.Tensor, request: Request, position: int
+    ) -> tuple[torch.Tensor, sampling.Logprobs | None]:
+        """The token [1] chosen from `hidden` [1, H] (a prefill's last position) for the token at `position`, and
+        its logprobs if the request asks: see `sampling.choose`."""
+        rows = self.sampling([request])
+        logits = self.model.logits(hidden)
+        return sampling.choose(logits, rows.mode, self.tensor([position]), **rows.tensors, shard=self.model.vocab_shard)
+
+    def prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], n: int) -> sampling.Logprobs:
+        """Logprobs of `targets` (the prompt tokens after each of the chunk's first len(targets) positions)
+        under a prefill chunk's logits (`hidden` [1, T, H]), and the n most likely tokens, computed a slice of
+        positions at a time (a chunk of logits at 248k tokens is large)."""
+        ids = self.tensor(targets)
+        parts = []
+        for start in range(0, len(targets), 128):
+            logits = self.model.logits(hidden[0, start : min(start + 128, len(targets))])
+            parts.append(sampling.token_logprobs(logits, ids[start : start + 128], n))
+        return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
     def chain(self, batch: StepBatch, hidden: torch.Tensor, first: torch.Tensor, override, use_override):
         """The MTP draft chain (eager) after a prefill: see `DecodeSteps.chain`."""
-        return self.steps.chain(hidden, first, batch.state_rows, batch.block_tables, override, use_override)
+        rows, mode = self.sampling_for_drafts(batch)
+        return self.steps.chain(
+            hidden, first, batch.state_rows, batch.block_tables, override, use_override, mode=mode, **rows
+        )
+
+    def sampling_for_drafts(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], sampling.Mode]:
+        rows = batch.sampling
+        mode = rows.mode.for_drafts(self.coupled_drafts) if rows is not None else sampling.GREEDY
+        return (rows.tensors if not mode.greedy else {}), mode
 
     # ---- decode path (graphs when enabled) -------------------------------------------------------------------
-    def decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target over a decode or verify batch: hidden [B, T, H] and chosen tokens [B, T]."""
+    def decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, sampling.Logprobs | None]:
+        """Target over a decode or verify batch: hidden [B, T, H], chosen tokens [B, T] and, when a request asks,
+        their logprobs (see `sampling.choose`)."""
         run = self.graphs.target if self.graphs is not None else self.steps.target
-        return run(batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
+        rows = batch.sampling or sampling.SamplingRows(sampling.GREEDY, {})
+        return run(
+            batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens,
+            mode=rows.mode, **rows.tensors,
+        )  # fmt: skip
 
     def draft(self, batch: StepBatch, hidden, accepted, override, use_override) -> torch.Tensor:
         """MTP catch-up over a verified batch plus the draft chain: drafts [B, K] (see `DecodeSteps.draft`)."""
         run = self.graphs.draft if self.graphs is not None else self.steps.draft
+        rows, mode = self.sampling_for_drafts(batch)
         return run(
             batch.token_ids, hidden, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens,
-            accepted, override, use_override,
+            accepted, override, use_override, mode=mode, **rows,
         )  # fmt: skip

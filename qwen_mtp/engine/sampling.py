@@ -1,21 +1,183 @@
 """Which token a step emits, and which drafts a verify accepts: the one place both rules live, on the device.
 
-Greedy: the token at a position is the argmax of its fp32 logits (the first maximal index, as Hugging Face's
-greedy search picks). A verify over `[t_n, d1..dK]` chooses `c_0..c_K`; draft `d_i` is accepted while every
-draft before it was, and `d_i == c_{i-1}`. The request then emits `c_0..c_j` (j accepted drafts, then the
-bonus `c_j`): the accepted drafts equal the chosen tokens, so the emitted tokens are always the chosen ones and
-MTP-on gives exactly MTP-off's tokens. Both are functions of device tensors, with no host read, so a verify,
-its acceptance, the state commit and the next draft run back to back on the GPU.
+The token at absolute position p of a request is `argmax_v(log pi_p(v) + g(seed, p, v))`. pi_p is
+softmax(logits_p / T) after top-k, then top-p (on the renormalised top-k), then min-p (relative to the most likely
+token); g is Gumbel noise from a counter-based generator keyed by (the request's seed, p, v) (`ops/sampling.py`).
+That is an exact sample from pi_p (the Gumbel-max trick). It depends only on the logits at p, which decode and
+verify compute identically for any batch (batch-invariant ops), and on (seed, p): so plain decoding and the verify
+of a speculative step choose the same token at every position, whatever else runs. Greedy is T = 0: the argmax of
+the fp32 logits (the first maximal index, as Hugging Face's greedy search picks), bit for bit as before sampling
+existed: a step whose requests are all greedy and ask no logprobs runs exactly that (`Mode.greedy`).
+
+Filtering is a threshold on the logits: the kept set is {v : logit_v >= tau} (ties with the last kept token are
+kept), tau the largest of top-k's k-th largest logit, top-p's last kept logit and min-p's
+`max logit + T * ln(min_p)`. Only steps where some sampled request filters sort (`Mode.filtered`), one row at a
+time; a row without filters gets tau = -inf there, so its token does not depend on which mode its step ran in.
+
+Accept: a verify over `[t_n, d1..dK]` chooses `c_0..c_K`; draft `d_i` is accepted while every draft before it
+was, and `d_i == c_{i-1}`. The request then emits `c_0..c_j` (j accepted drafts, then the bonus `c_j`): the
+accepted drafts equal the chosen tokens, so the emitted tokens are always the chosen ones and MTP-on gives exactly
+MTP-off's tokens, greedy or sampled. Drafts are coupled (`mtp.coupled_drafts`): the MTP head proposes
+`argmax_v(log q_p(v) + g(seed, p, v))` over its own filtered distribution q with the *same* noise, so it agrees
+with the target whenever the two perturbed argmaxes agree (with probability >= (1 - TV) / (1 + TV)).
+
+Logprobs are on the unfiltered temperature-1 distribution: `logit - logsumexp(logits)` for the chosen token and
+for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything here is a function of
+device tensors with no host read, so it runs inside the decode, verify and draft graphs.
+
+Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
+takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there
+(`Engine.check_request` refuses sampling and logprobs under tensor parallelism: their softmax, filters and noise
+need the whole vocabulary's logits).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
 import torch
 
+from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
+from qwen_mtp.ops import sampling as _ops  # noqa: F401  (registers qwen_mtp::sample_tokens / top_p_threshold)
 
-def choose(logits: torch.Tensor) -> torch.Tensor:
-    """The emitted token ids [...] for logits [..., V]."""
-    return logits.float().argmax(dim=-1)
+if TYPE_CHECKING:
+    from qwen_mtp.parallel.vocab import VocabShard
+
+ROW_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed")  # the per-request sampler inputs
+
+
+class Mode(NamedTuple):
+    """What a step's sampler must compute, from its requests' parameters (host values, never read back): the
+    key of its CUDA graph next to the bucket."""
+
+    noise: bool = False  # some request samples (temperature > 0)
+    filtered: bool = False  # some sampling request filters (top-k, top-p or min-p): one sort per row
+    logprobs: bool = False  # some request reports logprobs
+
+    @property
+    def greedy(self) -> bool:
+        return not (self.noise or self.filtered or self.logprobs)
+
+    def for_drafts(self, coupled: bool) -> Mode:
+        """The draft chain's mode: the same noise and filters when coupled, else greedy argmax."""
+        return Mode(self.noise, self.filtered, False) if coupled else GREEDY
+
+
+GREEDY = Mode()
+
+
+def mode_of(params: Sequence[SamplingParams]) -> Mode:
+    sampled = [p for p in params if not p.greedy]
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled)
+    return Mode(bool(sampled), filtered, any(p.logprobs is not None for p in params))
+
+
+@dataclass
+class SamplingRows:
+    """One step's sampler inputs: its `mode` and, unless greedy, per-request device tensors [B] named as in
+    `ROW_FIELDS` (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed)."""
+
+    mode: Mode
+    tensors: dict[str, torch.Tensor]
+
+
+def rows_of(params: Sequence[SamplingParams], to_device: Callable[[list, torch.dtype], torch.Tensor]) -> SamplingRows:
+    """The sampler inputs of requests with `params` (seeds already drawn), through two host->device copies."""
+    mode = mode_of(params)
+    if mode.greedy:
+        return SamplingRows(mode, {})
+    floats = to_device([[_inverse(p.temperature) for p in params], [p.top_p for p in params],
+                        [_min_p_offset(p) for p in params]], torch.float32)  # fmt: skip
+    ints = to_device([[p.top_k if not p.greedy else 0 for p in params], [p.seed or 0 for p in params]], torch.long)
+    names = dict(zip(ROW_FIELDS, (floats[0], ints[0], floats[1], floats[2], ints[1]), strict=True))
+    return SamplingRows(mode, names)
+
+
+def _inverse(temperature: float) -> float:
+    return 1.0 / temperature if temperature > 0 else 0.0
+
+
+def _min_p_offset(params: SamplingParams) -> float:
+    """min-p in logit space: keep logit >= max logit + T * ln(min_p), i.e. p >= min_p * p_max at temperature T."""
+    if params.greedy or params.min_p == 0.0:
+        return float("-inf")
+    return params.temperature * math.log(params.min_p)
+
+
+def padding_rows(size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Sampler inputs of padding rows (greedy, no filters): static buffers' defaults."""
+    return {
+        "inv_temperature": torch.zeros(size, dtype=torch.float32, device=device),
+        "top_k": torch.zeros(size, dtype=torch.long, device=device),
+        "top_p": torch.ones(size, dtype=torch.float32, device=device),
+        "min_p_offset": torch.full((size,), float("-inf"), dtype=torch.float32, device=device),
+        "seed": torch.zeros(size, dtype=torch.long, device=device),
+    }
+
+
+Logprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # chosen [...], top ids [..., N], top logprobs [..., N]
+
+
+def choose(
+    logits: torch.Tensor,  # [B, V] or [B, T, V]
+    mode: Mode = GREEDY,
+    positions: torch.Tensor | None = None,  # [B] or [B, T] long: the absolute position of each token chosen
+    inv_temperature: torch.Tensor | None = None,  # [B] per request (see `SamplingRows`)
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p_offset: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    shard: VocabShard | None = None,  # tensor parallel: `logits` are this rank's vocabulary shard [..., V/tp]
+) -> tuple[torch.Tensor, Logprobs | None]:
+    """The emitted token ids [B] or [B, T], and (with `mode.logprobs`) their logprobs."""
+    if shard is not None:
+        if not mode.greedy:
+            raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
+        return shard.argmax(logits.float()), None
+    if mode.greedy:
+        return logits.float().argmax(dim=-1), None
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:  # [B] -> one per row of `flat`
+        return values.view(-1, *([1] * (len(lead) - 1))).expand(lead).reshape(-1)
+
+    inv_t = per_row(inv_temperature)
+    threshold = None
+    if mode.filtered:
+        threshold = filter_threshold(flat, inv_t, per_row(top_k), per_row(top_p), per_row(min_p_offset))
+    tokens, lse = torch.ops.qwen_mtp.sample_tokens(flat, inv_t, threshold, per_row(seed), positions.reshape(-1))
+    if not mode.logprobs:
+        return tokens.view(lead), None
+    chosen = flat.gather(1, tokens[:, None])[:, 0].float() - lse
+    top = flat.topk(min(MAX_LOGPROBS, vocab), dim=-1)
+    top_logprobs = top.values.float() - lse[:, None]
+    return tokens.view(lead), (chosen.view(lead), top.indices.view(*lead, -1), top_logprobs.view(*lead, -1))
+
+
+def filter_threshold(
+    logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p_offset: torch.Tensor
+) -> torch.Tensor:
+    """tau [R] for logits [R, V]: the smallest logit the filters keep (-inf for a row without filters)."""
+    ordered = logits.float().sort(dim=-1, descending=True).values
+    vocab = ordered.shape[-1]
+    keep = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    none = torch.full_like(inv_t, float("-inf"))
+    by_k = torch.where(top_k > 0, ordered.gather(1, (keep - 1)[:, None])[:, 0], none)
+    by_p = torch.where(top_p < 1.0, torch.ops.qwen_mtp.top_p_threshold(ordered, keep, inv_t, top_p), none)
+    by_min_p = ordered[:, 0] + min_p_offset
+    return torch.maximum(torch.maximum(by_k, by_p), by_min_p)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, n: int) -> Logprobs:
+    """Logprobs on the temperature-1 distribution of `targets` [R] under `logits` [R, V], and the n most likely
+    tokens: what prompt positions report (a prefill chunk, one request: plain torch, no invariance needed)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
+    return logprobs.gather(1, targets[:, None])[:, 0], top.indices, top.values
 
 
 def accept(drafts: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,13 @@ The scheduler decides and allocates; it never touches tensors.
 - Every running request past its prefill decodes one token (plain) or verifies K drafts (speculative) per step.
 - Before the step runs, the scheduler grows each request's pages to cover every position the step may write
   (`Schedule.reach`), from the reservation: the runner never allocates.
+- Prefix caching (`prefix` given): admission looks up the longest cached prefix of the prompt that ends on a
+  state snapshot; the request's page table starts with its shared pages, its reservation counts only the pages
+  it will own, its prefill starts after the prefix (`num_computed`, set at admission) and the engine restores
+  the snapshot into its row first (`Schedule.restores`). Cached pages are evicted (LRU, leaves first) when
+  admission needs them. Each full chunk a request computes gets a snapshot slot when its chunk has none cached
+  yet (`PrefillChunk.snapshot`). Cache fills (internal requests that prefill a finished request's output
+  chunks, `Request.fill_end`) wait in their own queue and are admitted only when no user request waits.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from qwen_mtp.cache.kv import PagePool
+from qwen_mtp.cache.prefix import PrefixCache, PrefixHit
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine.request import Request, Status
 
@@ -28,6 +36,7 @@ class PrefillChunk:
     start: int  # first prompt position of the chunk
     length: int
     drafts: bool  # the prompt's last chunk of a speculative request: the MTP head drafts for the first verify
+    snapshot: int | None = None  # prefix caching: the slot that takes the GDN state after this full chunk
 
     @property
     def last(self) -> bool:
@@ -41,6 +50,8 @@ class Schedule:
     verifies: list[Request] = field(default_factory=list)  # speculative: verify, accept, commit, draft
     # request id -> the step may write positions [0, reach) (target and MTP KV); the pages are grown for them
     reach: dict[int, int] = field(default_factory=dict)
+    # prefix hits admitted this step: (request, snapshot slot) to restore into its state row before its prefill
+    restores: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -48,13 +59,23 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, pages: PagePool, states: StatePool, max_batch: int, prefill_chunk: int, k: int = 0):
+    def __init__(
+        self,
+        pages: PagePool,
+        states: StatePool,
+        max_batch: int,
+        prefill_chunk: int,
+        k: int = 0,
+        prefix: PrefixCache | None = None,
+    ):
         self.pages = pages
         self.states = states
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.k = k  # MTP draft length (0 without MTP)
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
+        self.fills: deque[Request] = deque()  # prefix-cache fills, admitted when no user request waits
         self.running: list[Request] = []
 
     def positions_reserved(self, max_len: int, speculative: bool) -> int:
@@ -64,38 +85,75 @@ class Scheduler:
         return max_len + (2 * self.k if speculative else 0)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        (self.waiting if request.fill_end is None else self.fills).append(request)
 
     def remove(self, request: Request) -> None:
-        """Take a finished or cancelled request out of the queues and give back its pages and state row."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self.running.remove(request)
+        """Take a finished or cancelled request out of the queues and give back its pages, state row and the
+        cached chunks it held."""
+        for queue in (self.waiting, self.fills, self.running):
+            if request in queue:
+                queue.remove(request)
         self.pages.release(request.id)
         self.states.release(request.id)
+        if self.prefix is not None:
+            self.prefix.release(request.id)
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch and self.states.free_rows > 0:
-            head = self.waiting[0]
-            reserve = self.positions_reserved(head.max_len, head.spec is not None)
-            if not self.pages.can_reserve(reserve):
-                break
+    def _admit(self, plan: Schedule) -> None:
+        while self.waiting and self._admit_one(self.waiting[0], plan):
             self.waiting.popleft()
-            self.pages.reserve(head.id, reserve)
-            self.states.allocate(head.id)
-            head.status = Status.RUNNING
-            self.running.append(head)
+        while not self.waiting and self.fills and self._admit_one(self.fills[0], plan):
+            self.fills.popleft()
+
+    def _admit_one(self, request: Request, plan: Schedule) -> bool:
+        """Admit `request` if a batch place, a state row and the pages it must own are free (evicting cached
+        prefixes for pages if needed)."""
+        if len(self.running) >= self.max_batch or self.states.free_rows == 0:
+            return False
+        if request.fill_end is not None:
+            positions = request.fill_end
+        else:
+            positions = self.positions_reserved(request.max_len, request.spec is not None)
+        hit = PrefixHit()
+        if self.prefix is not None:
+            if request.params.prompt_logprobs is None:  # prompt logprobs need every prompt position's logits
+                hit = self.prefix.lookup(request.prompt, request.spec is not None)
+            self.prefix.hold(request.id, hit)  # before making room, so the hit is not evicted for itself
+            if not self.prefix.make_room(self.pages.pages_to_reserve(positions, len(hit.pages))):
+                self.prefix.release(request.id)
+                return False
+            if request.fill_end is None:
+                self.prefix.record(hit)
+        elif not self.pages.can_reserve(positions):
+            return False
+        self.pages.reserve(request.id, positions, hit.pages)
+        self.states.allocate(request.id)
+        request.status = Status.RUNNING
+        request.num_computed = request.cached_tokens = hit.length  # prefill starts after the restored prefix
+        if hit.nodes:
+            plan.restores.append((request, hit.snapshot))
+        self.running.append(request)
+        return True
+
+    def _snapshot_slot(self, request: Request, start: int, end: int) -> int | None:
+        """A snapshot slot for the state after the full chunk [start, end), unless one is cached already."""
+        if self.prefix is None or end - start != self.prefill_chunk:
+            return None
+        if not self.prefix.wants_snapshot(request.id, tuple(request.prompt[start:end])):
+            return None
+        return self.prefix.snapshot_slot()
 
     def schedule(self) -> Schedule:
-        self._admit()
         plan = Schedule()
+        self._admit(plan)
         for request in self.running:
             n = request.num_computed
+            if request.fill_end is not None and n >= request.fill_end:
+                continue  # a cache fill that is done: the engine ends it after this step
             if request.in_prefill:
                 end = min(len(request.prompt), (n // self.prefill_chunk + 1) * self.prefill_chunk)
                 drafts = request.spec is not None and end == len(request.prompt) and request.max_new_tokens > 1
-                plan.prefills.append(PrefillChunk(request, n, end - n, drafts))
+                chunk = PrefillChunk(request, n, end - n, drafts, self._snapshot_slot(request, n, end))
+                plan.prefills.append(chunk)
                 # the chain after the last chunk writes the MTP KV of positions end..end+K-2
                 plan.reach[request.id] = end + (self.k - 1 if drafts else 0)
             elif request.spec is None:

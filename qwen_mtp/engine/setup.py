@@ -13,6 +13,8 @@ from qwen_mtp.dtypes import torch_dtype
 from qwen_mtp.errors import CheckpointError, RecipeError
 from qwen_mtp.loader import check_device, load_model
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.parallel import current
+from qwen_mtp.quant.fp8 import quantize_
 from qwen_mtp.recipe import Recipe
 
 
@@ -35,14 +37,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_supported(recipe: Recipe) -> None:
-    """Refuse, by key, the recipe features whose code has not landed yet, rather than silently ignore them."""
+    """Refuse, by key, the recipe features (or combinations) whose code has not landed yet, rather than silently
+    ignore them. Also checked before tensor-parallel ranks start (`parallel.launch.check_recipe`)."""
     later = {
-        "parallel.tp": recipe.parallel.tp != 1,
-        "model.quant": recipe.model.quant != "none",
+        # The prefix cache has not been proven under SPMD ranks (each rank's snapshot pool and evictions must
+        # agree, and the restores have no tensor-parallel test yet).
+        "cache.prefix_caching with parallel.tp > 1": recipe.cache.prefix_caching and recipe.parallel.tp != 1,
     }
     for key, requested in later.items():
         if requested:
-            raise RecipeError(f"{key}: this feature is not available in this version of qwen-mtp yet")
+            raise RecipeError(f"{key}: this combination is not available in this version of qwen-mtp yet; drop one")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -73,12 +77,21 @@ def _tokenizer_problem(path: Path, files: list[Path], err: Exception) -> str:
 
 
 def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
+    """The recipe's model; with `parallel.tp` > 1 (inside a started rank) this rank's shard, on its GPU."""
     check_supported(recipe)
+    if recipe.model.path is None and recipe.model.fixture is None and recipe.model.synthetic is None:
+        raise RecipeError("model: set one of model.path, model.fixture or model.synthetic (a train recipe has none)")
+    parallel = current(recipe.parallel.tp)
     device = resolve_device(recipe.model.device)
+    if parallel is not None and device.type == "cuda":
+        device = torch.device("cuda", parallel.local_rank)
     if recipe.model.synthetic is not None:
         from qwen_mtp.testing.synthetic import synthetic_model
 
-        model = synthetic_model(recipe.model.synthetic, torch_dtype(recipe.model.dtype), device, recipe.model.seed)
+        dtype = torch_dtype(recipe.model.dtype)
+        model = synthetic_model(recipe.model.synthetic, dtype, device, recipe.model.seed, parallel)
+        if recipe.model.quant == "fp8-block":
+            quantize_(model)  # a rank quantizes its own shard
         return LoadedModel(model, None, Path(f"synthetic:{recipe.model.synthetic}"), device)
     if recipe.model.fixture is not None:
         from qwen_mtp.testing import fixture_path
@@ -86,5 +99,8 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
         checkpoint = fixture_path(recipe.model.fixture, seed=recipe.model.seed)
     else:
         checkpoint = Path(recipe.model.path).expanduser()
-    model = load_model(checkpoint, dtype=torch_dtype(recipe.model.dtype), device=device, progress=progress)
+    dtype = torch_dtype(recipe.model.dtype)
+    model = load_model(
+        checkpoint, dtype=dtype, device=device, progress=progress, quant=recipe.model.quant, parallel=parallel
+    )
     return LoadedModel(model, load_tokenizer(checkpoint), checkpoint, device)

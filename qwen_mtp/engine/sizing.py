@@ -1,5 +1,7 @@
-"""How big the KV page pool and the state pool are: explicit counts from `cache.*`, or (GPU) a share of the
-free memory after the model is loaded, or (CPU) enough for `max_batch` sequences of up to 4096 tokens."""
+"""How big the KV page pool, the state pool and the prefix cache's snapshot slots are: explicit counts from
+`cache.*`, or (GPU) a share of the free memory after the model is loaded, or (CPU) enough for `max_batch`
+sequences of up to 4096 tokens. With prefix caching the snapshot slots come out of the same budget as the pages:
+on the GPU `PREFIX_SNAPSHOT_SHARE` of it unless `cache.prefix_snapshots` says how many."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.recipe import CacheSection
 
 CPU_DEFAULT_TOKENS = 4096
+# Share of the GPU cache budget (after state rows) given to GDN state snapshots when prefix caching sizes them:
+# at 27B a snapshot (~147 MiB fp32) is ~4x a 512-token chunk's KV, so pages still get most of the memory.
+PREFIX_SNAPSHOT_SHARE = 0.2
 MiB = 1 << 20
 
 
@@ -25,12 +30,18 @@ class PoolSizes:
     num_state_rows: int
     spec_tokens: int
     state_dtype: str
+    num_snapshots: int = 0  # prefix cache GDN state snapshot slots (0: prefix caching off)
 
-    def describe(self, kv_bytes: int, state_bytes: int) -> str:
+    def describe(self, kv_bytes: int, state_bytes: int, snapshot_bytes: int = 0) -> str:
+        snapshots = (
+            f"; prefix cache: {self.num_snapshots} state snapshots ({snapshot_bytes / MiB:.1f} MiB)"
+            if self.num_snapshots
+            else ""
+        )
         return (
             f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.num_pages * self.page_size} "
             f"positions ({kv_bytes / MiB:.1f} MiB); state pool: {self.num_state_rows} rows x "
-            f"{1 + self.spec_tokens} SSM slots, {self.state_dtype} ({state_bytes / MiB:.1f} MiB)"
+            f"{1 + self.spec_tokens} SSM slots, {self.state_dtype} ({state_bytes / MiB:.1f} MiB){snapshots}"
         )
 
 
@@ -63,13 +74,18 @@ def size_pools(
     in `state_dtype`."""
     rows = cache.num_state_rows or cache.max_batch
     attention_layers = config.layer_types.count("attn") + config.mtp_num_hidden_layers
+    gdn_layers = config.layer_types.count("gdn")
+    snapshot = state_row_bytes(shapes, gdn_layers, 0, dtype, state_dtype)  # one row's committed state
+    snapshots = (cache.prefix_snapshots or 0) if cache.prefix_caching else 0
     if cache.num_pages is not None:
         pages = cache.num_pages
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cache.memory_fraction - rows * state_row_bytes(
-            shapes, config.layer_types.count("gdn"), spec_tokens, dtype, state_dtype
-        )
+        row = state_row_bytes(shapes, gdn_layers, spec_tokens, dtype, state_dtype)
+        budget = free * cache.memory_fraction - rows * row
+        if cache.prefix_caching and cache.prefix_snapshots is None:
+            snapshots = max(1, int(budget * PREFIX_SNAPSHOT_SHARE // snapshot))
+        budget -= snapshots * snapshot
         pages = int(budget // page_bytes(shapes, attention_layers, cache.page_size, dtype))
         if pages < 1:
             raise RecipeError(
@@ -78,4 +94,6 @@ def size_pools(
             )
     else:
         pages = rows * pages_for(min(config.max_position_embeddings, CPU_DEFAULT_TOKENS), cache.page_size)
-    return PoolSizes(pages, cache.page_size, rows, spec_tokens, state_dtype)
+    if cache.prefix_caching and not snapshots:  # one snapshot per chunk the page pool can hold
+        snapshots = max(1, pages * cache.page_size // cache.prefill_chunk)
+    return PoolSizes(pages, cache.page_size, rows, spec_tokens, state_dtype, snapshots)

@@ -1,4 +1,4 @@
-"""Greedy MTP speculation: draft K tokens with the model's MTP head, verify them in one packed target forward,
+"""MTP speculation: draft K tokens with the model's MTP head, verify them in one packed target forward,
 accept the longest matching prefix plus a bonus token, and commit the GDN state by index, all on the device.
 
 Per running request, between steps: `num_computed = n` target positions are cached, the last emitted token
@@ -15,7 +15,9 @@ Per running request, between steps: `num_computed = n` target positions are cach
 `j` stays on the device from the verify to the commit and the draft: the host learns it, with the chosen
 tokens and the next drafts, in the step's one read-back. The emitted tokens are always the target's choice, so
 the output equals plain decoding whenever the verify computes each position as a 1-token decode does
-(batch-invariant ops).
+(batch-invariant ops) and chooses with the same noise there (`sampling.py`: keyed by seed and position, greedy
+or sampled). The head's drafts use that noise too (coupled drafts), or greedy argmax (`mtp.coupled_drafts`
+false): either way only acceptance changes, never the tokens.
 
 Oracle drafts (`mtp.draft: oracle`, for benchmarks and tests) replace the head's proposal for output index i
 with the plain-decoding token there when a seeded draw for (seed, request, i) falls under `oracle_accept`, so
@@ -44,6 +46,7 @@ class Verified:
     hidden: torch.Tensor  # target hidden [B, K+1, H]
     chosen: torch.Tensor  # chosen tokens [B, K+1]
     accepted: torch.Tensor  # drafts accepted per request [B] (j)
+    logprobs: sampling.Logprobs | None  # of the chosen tokens, when a request asks
 
 
 class Speculator:
@@ -83,6 +86,7 @@ class Speculator:
         mtp_hidden = self.runner.prefill_mtp(batch, hidden)
         if first is None:
             return None
+        batch = replace(batch, sampling=self.runner.sampling([request]))  # the chain drafts as the verify chooses
         accepted = torch.zeros(1, dtype=torch.long, device=hidden.device)
         override, use = self._overrides([request], [1], accepted)  # d1 is output index 1
         return self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
@@ -93,10 +97,10 @@ class Speculator:
         request's state at its accepted boundary."""
         tokens = [[r.tokens[r.num_computed]] + r.drafts for r in requests]
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
-        hidden, chosen = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
+        hidden, chosen, logprobs = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
         accepted = sampling.accept(batch.token_ids[:, 1:], chosen)
         self.runner.states.commit(batch.state_rows, accepted)
-        return Verified(batch, hidden, chosen, accepted)
+        return Verified(batch, hidden, chosen, accepted, logprobs)
 
     def propose(self, requests: list[Request], verified: Verified) -> torch.Tensor:
         """MTP catch-up over the verified positions, then the draft chain: the next drafts [B, K]."""

@@ -4,12 +4,13 @@ decode path, run them on static buffers in CUDA graphs); eagerly they are the sa
 
 `DecodeSteps`, shapes fixed per batch bucket:
 - `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and the tokens it
-            chooses (`sampling.choose`).
+            chooses (`sampling.choose`: the token after input position i sits at position i + 1).
 - `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
             accepted position (see speculative.py for the algorithm).
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
 Their caches are DECODE-kind (`batch_invariant`), so every linear computes each row on its own and a row's
-numbers never depend on the other rows (padding rows included).
+numbers never depend on the other rows (padding rows included). Each takes the sampler's `mode` (a Python
+constant: one graph per mode) and its per-request inputs (`sampling.ROW_FIELDS`, absent when greedy).
 
 `PrefillSteps`, one request's prompt chunk of any length (compiled with the length dynamic, no graphs):
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
@@ -24,6 +25,7 @@ from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
+from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
 
 
@@ -35,8 +37,9 @@ class DecodeSteps:
         batch = StepBatch(StepKind.DECODE, tokens, positions, rows, tables, lens, fresh=False)
         return PagedStepCache(batch, self.pages, self.states)
 
-    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return sampling.choose(self.model.logits(hidden, invariant=True))
+    def _choose(self, hidden: torch.Tensor, mode: Mode, chosen_positions: torch.Tensor, sampling_rows: dict):
+        logits = self.model.logits(hidden, invariant=True)
+        return sampling.choose(logits, mode, chosen_positions, **sampling_rows, shard=self.model.vocab_shard)
 
     def target(
         self,
@@ -45,11 +48,15 @@ class DecodeSteps:
         rows: torch.Tensor,  # [B] long: state pool rows
         tables: torch.Tensor,  # [B, W] int32: page tables
         lens: torch.Tensor,  # [B] int32: positions cached after the step
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-norm hidden states [B, T, H] and the tokens chosen from them [B, T]."""
+        mode: Mode = GREEDY,
+        **sampling_rows: torch.Tensor,  # [B] each: `sampling.ROW_FIELDS`
+    ) -> tuple[torch.Tensor, torch.Tensor, sampling.Logprobs | None]:
+        """Post-norm hidden states [B, T, H], the tokens chosen from them [B, T], and their logprobs when the
+        mode reports them."""
         cache = self._cache(tokens, positions, rows, tables, lens)
         hidden = self.model.hidden_states(tokens, positions, cache)
-        return hidden, self._argmax(hidden)
+        chosen, logprobs = self._choose(hidden, mode, positions + 1, sampling_rows)
+        return hidden, chosen, logprobs
 
     def draft(
         self,
@@ -62,23 +69,27 @@ class DecodeSteps:
         accepted: torch.Tensor,  # [B] long: drafts accepted by the verify (j)
         override: torch.Tensor,  # [B, K] long: oracle tokens
         use_override: torch.Tensor,  # [B, K] bool: where the oracle replaces the head's proposal
+        mode: Mode = GREEDY,  # the drafts' sampler (`Mode.for_drafts`)
+        **sampling_rows: torch.Tensor,
     ) -> torch.Tensor:
         """MTP catch-up over the verified positions, then the chain from index j. Returns drafts [B, K]."""
         cache = self._cache(tokens, positions, rows, tables, lens)
         mtp_hidden = self.model.mtp_hidden_states(tokens, hidden, positions, cache)
         index = accepted[:, None, None].expand(-1, 1, mtp_hidden.shape[-1])
         start = torch.gather(mtp_hidden, 1, index)[:, 0]
-        return self._chain(start, positions[:, 0] + accepted + 1, rows, tables, override, use_override)
+        first = positions[:, 0] + accepted + 1
+        return self._chain(start, first, rows, tables, override, use_override, mode, sampling_rows)
 
-    def chain(self, hidden, first, rows, tables, override, use_override) -> torch.Tensor:
+    def chain(self, hidden, first, rows, tables, override, use_override, mode=GREEDY, **sampling_rows):
         """Drafts [B, K] from the MTP output `hidden` [B, H] at each request's last consumed position;
         `first` [B] = that position + 1, where the chain's second step sits."""
-        return self._chain(hidden, first, rows, tables, override, use_override)
+        return self._chain(hidden, first, rows, tables, override, use_override, mode, sampling_rows)
 
-    def _chain(self, hidden, first, rows, tables, override, use_override) -> torch.Tensor:
+    def _chain(self, hidden, first, rows, tables, override, use_override, mode, sampling_rows) -> torch.Tensor:
         drafts = []
         for step in range(self.k):
-            proposed = self._argmax(hidden)
+            # draft `step` proposes the token at position first + step + 1 (the noise of that position)
+            proposed, _ = self._choose(hidden, mode, first + step + 1, sampling_rows)
             drafts.append(torch.where(use_override[:, step], override[:, step], proposed))
             if step == self.k - 1:
                 break

@@ -1,6 +1,7 @@
 """The one writer of request state. After a step's results are read back, `RequestUpdater.apply` is the only
-code that advances `num_computed`, appends output tokens, stores the next drafts, and finishes requests (EOS,
-a stop token or `max_new_tokens`, cut exactly where plain decoding stops; or the error a step raised); `finish`
+code that advances `num_computed`, appends output tokens (and their logprobs), stores the next drafts, and
+finishes requests (EOS, a stop token, a stop string or `max_new_tokens`, cut exactly where plain decoding stops,
+token by token also inside a verify's accepted tokens; or the error a step raised); `finish`
 (called by it and by `Engine.cancel`) is the only code that ends a request and gives back its pages and row.
 The scheduler's one write is admission (waiting -> running); the runner and the speculator write nothing."""
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qwen_mtp.engine.request import Request, Status
+from qwen_mtp.engine.stop_strings import completes_stop_string
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Outcome:
     request: Request
     computed: int = 0  # positions the target consumed
     tokens: tuple[int, ...] | list[int] = ()  # tokens emitted, before any cut
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when the request asks
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt positions a prefill chunk scored
     drafts: list[int] | None = None  # the next verify's drafts
     accepted: int | None = None  # drafts the verify accepted
     error: BaseException | None = None  # the step raised: the request ends with finish_reason "error"
@@ -50,8 +54,10 @@ class RequestUpdater:
         eos_ids: Callable[[], set[int]],
         release: Callable[[Request], None],
         record_acceptance: Callable[[Request, int], None],
+        decode: Callable[[list[int]], str] | None = None,
     ):
         self.eos_ids, self.release, self.record_acceptance = eos_ids, release, record_acceptance
+        self.decode = decode  # the tokenizer's, for stop strings (requests with stop strings need one)
 
     def apply(self, outcomes: list[Outcome]) -> list[Update]:
         """Write each outcome into its request; returns the new tokens of every request that got some or ended."""
@@ -68,20 +74,28 @@ class RequestUpdater:
             request.num_computed += outcome.computed
             if outcome.accepted is not None:
                 self.record_acceptance(request, outcome.accepted)
-            new = self._append(request, outcome.tokens, eos)
+            if outcome.prompt_logprobs is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(outcome.prompt_logprobs)
+            new = self._append(request, outcome.tokens, eos, outcome.logprobs)
             if outcome.drafts is not None:
                 request.drafts = outcome.drafts
             if new or request.done:
-                updates.append(Update(request.id, new, request.done, request.finish_reason))
+                logprobs = None if request.logprobs is None else request.logprobs[len(request.logprobs) - len(new) :]
+                updates.append(Update(request.id, new, request.done, request.finish_reason, logprobs))
         return updates
 
-    def _append(self, request: Request, tokens, eos: set[int]) -> list[int]:
-        """Append tokens, cutting exactly where plain decoding would stop."""
+    def _append(self, request: Request, tokens, eos: set[int], logprobs: list[TokenLogprob] | None = None):
+        """Append tokens, cutting exactly where plain decoding would stop: each token is checked as a 1-token
+        decode step would check it, so a verify's accepted tokens end where plain decoding ends."""
         params, new = request.params, []
-        for token in tokens:
+        for i, token in enumerate(tokens):
             new.append(token)
             request.tokens.append(token)
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs.append(logprobs[i])
             if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                self.finish(request, "stop")
+            elif params.stop and completes_stop_string(request, self.decode):
                 self.finish(request, "stop")
             elif request.num_output >= params.max_new_tokens:
                 self.finish(request, "length")

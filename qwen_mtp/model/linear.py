@@ -1,21 +1,31 @@
 """Linear layers that own their weight: `Linear` (one projection) and `MergedLinear` (projections that read the
-same input, stored as one fused weight). Both compute through the one linear op, `qwen_mtp::linear`.
+same input, stored as one fused weight). Both compute through the one linear op, `qwen_mtp::linear`, or, with
+FP8 block weights, its sibling `qwen_mtp::linear_fp8`.
 
 The module, not the caller, knows how its weight is stored, so loading a checkpoint tensor is its method
 (`weight_loader`): the FP8 block scale and the tensor-parallel shard that later land here change these
 modules and nothing above them. Batch invariance is an argument of each call (the decode path asks for it),
 not a mode.
+
+FP8 storage (`to_fp8`, done by the loader for an FP8 checkpoint and by `quant.fp8.quantize_`): `weight` becomes
+float8_e4m3fn [N, K] and `weight_scale_inv` its fp32 block scales [ceil(N/128), ceil(K/128)] (a multiplier, the
+checkpoint's name and meaning). A merged projection concatenates its FP8 segments' weights and scales along N,
+so every FP8 segment but the last must have a multiple of 128 rows (a scale block must not straddle two
+segments); segments kept in the model dtype (the GDN's in_proj_b/a in Qwen's releases) move to
+`unquantized_weight`, a second fused weight with its own GEMM. Cast a model (`.to(dtype)`) before `to_fp8`:
+Module.to casts every floating tensor, e4m3 included.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from qwen_mtp.ops.linear import linear
+from qwen_mtp.ops.linear import linear, linear_fp8
+from qwen_mtp.quant.fp8 import FP8_BLOCK, quantize_fp8_block, scale_grid
 
 
 def _init_like_nn_linear(weight: torch.Tensor) -> None:
@@ -23,26 +33,76 @@ def _init_like_nn_linear(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def _fp8_storage(weight: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+    """(e4m3 weight, fp32 block scale) parameters for `weight`'s values (empty ones on the meta device)."""
+    if weight.is_meta:
+        q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device="meta")
+        scale = torch.empty(scale_grid(weight.shape), dtype=torch.float32, device="meta")
+    else:
+        q, scale = quantize_fp8_block(weight)
+    return nn.Parameter(q, requires_grad=False), nn.Parameter(scale, requires_grad=False)
+
+
+def _copy_into(stored: torch.Tensor, tensor: torch.Tensor) -> None:
+    if stored.dtype == torch.float8_e4m3fn and tensor.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"cannot copy a {tensor.dtype} tensor into an FP8 weight (it needs its block scale): store the model "
+            "in its dtype and quantize it with qwen_mtp.quant.fp8.quantize_"
+        )
+    stored.copy_(tensor)
+
+
 class Linear(nn.Module):
-    """y = x W^T with W [out_features, in_features] (no bias: no Qwen3.5 projection has one)."""
+    """y = x W^T with W [out_features, in_features] (no bias: no Qwen3.5 projection has one).
+
+    Under tensor parallelism a row-parallel linear holds a block of W's columns and its product is a partial
+    sum: `reduce(partial, invariant)` (set by `qwen_mtp.parallel.apply_tensor_parallel`) sums it over the ranks.
+    At tp = 1 it is None and the forward has no collective."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         _init_like_nn_linear(self.weight)
+        self.register_parameter("weight_scale_inv", None)  # FP8 storage: the weight's block scales
+        self.reduce: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        fp8 = ", fp8_block=128x128" if self.weight_scale_inv is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{fp8}"
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path)."""
-        return linear(x, self.weight, invariant)
+        if self.weight_scale_inv is not None:
+            out = linear_fp8(x, self.weight, self.weight_scale_inv, invariant)
+        else:
+            out = linear(x, self.weight, invariant)
+        return out if self.reduce is None else self.reduce(out, invariant)
 
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor [out, in] into the weight (cast to its dtype and device)."""
-        self.weight.copy_(tensor)
+        _copy_into(self.weight, tensor)
+
+    def fp8_candidates(self, path: str) -> list[tuple[None, str]]:
+        """(segment, Hugging Face module name) of what `to_fp8` can convert: the one weight, at `path`."""
+        return [] if self.weight_scale_inv is not None else [(None, path)]
+
+    def fp8_unsupported(self, segments: list[None]) -> str | None:
+        """Why `to_fp8` cannot store this weight in FP8 blocks (never: edge blocks may be partial)."""
+        return None
+
+    @torch.no_grad()
+    def to_fp8(self, segments: list[None] | None = None) -> None:
+        """Store the weight as e4m3 with 128x128 block scales, quantizing its current values."""
+        if self.weight_scale_inv is not None:
+            raise ValueError("Linear.to_fp8: already in FP8 (a module is converted once)")
+        self.weight, self.weight_scale_inv = _fp8_storage(self.weight)
+
+    @torch.no_grad()
+    def scale_loader(self, tensor: torch.Tensor, segment: None = None) -> None:
+        """Copy a checkpoint `weight_scale_inv` [ceil(out/128), ceil(in/128)] into the block scales."""
+        self.weight_scale_inv.copy_(tensor)
 
 
 class MergedLinear(nn.Module):
@@ -53,7 +113,8 @@ class MergedLinear(nn.Module):
     instead of several per layer on the decode path). Elsewhere each segment is its own product over its rows
     of the fused weight, which is what Hugging Face computes with separate projections: CPU results stay
     bit-exact with it. `one_gemm` (set with `QwenHybridForCausalLM.use_one_gemm`) forces either path, so
-    the CUDA layout can be tested on CPU.
+    the CUDA layout can be tested on CPU. With FP8 storage of only some segments, the others live in
+    `unquantized_weight` (same layout, in segment order) and the one-GEMM path runs one GEMM per stored weight.
     """
 
     def __init__(self, in_features: int, segments: Sequence[tuple[str, int]]):
@@ -63,36 +124,119 @@ class MergedLinear(nn.Module):
         if len(self.segments) != len(segments):
             raise ValueError(f"segment names must be distinct, got {[name for name, _ in segments]}")
         self.sizes = list(self.segments.values())
-        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self.rows = {name: slice(start, start + size) for (name, size), start in zip(segments, starts, strict=True)}
+        self.home = dict.fromkeys(self.segments, "weight")  # segment -> the parameter holding its rows
+        self.rows = self._row_slices()  # segment -> its rows of that parameter
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
         _init_like_nn_linear(self.weight)
+        self.register_parameter("weight_scale_inv", None)  # FP8 storage: block scales of `weight`
+        self.register_parameter("unquantized_weight", None)  # FP8 storage: the segments kept in the model dtype
         self.one_gemm: bool | None = None  # None: one GEMM on CUDA, a product per segment elsewhere
 
+    def _row_slices(self) -> dict[str, slice]:
+        rows, start = {}, dict.fromkeys(self.home.values(), 0)
+        for name, size in self.segments.items():
+            home = self.home[name]
+            rows[name], start[home] = slice(start[home], start[home] + size), start[home] + size
+        return rows
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, segments={self.segments}"
+        fp8 = [name for name in self.segments if self.is_fp8(name)]
+        return f"in_features={self.in_features}, segments={self.segments}" + (f", fp8_block={fp8}" if fp8 else "")
+
+    def is_fp8(self, segment: str) -> bool:
+        return self.home[segment] == "weight" and self.weight_scale_inv is not None
+
+    def stored_segments(self, name: str) -> list[str]:
+        """The segments whose rows parameter `name` holds, in row order (a scale: those of `weight`)."""
+        home = "weight" if name == "weight_scale_inv" else name
+        return [segment for segment in self.segments if self.home[segment] == home]
 
     def segment_weight(self, segment: str) -> torch.Tensor:
         """Segment `segment`'s weight [N_i, K]: a view of its rows of the fused weight."""
-        return self.weight[self.rows[segment]]
+        return getattr(self, self.home[segment])[self.rows[segment]]
+
+    def segment_scale(self, segment: str) -> torch.Tensor:
+        """An FP8 segment's block scales [ceil(N_i/128), ceil(K/128)]: a view of its rows of `weight_scale_inv`."""
+        rows = self.rows[segment]
+        return self.weight_scale_inv[rows.start // FP8_BLOCK[0] : -(-rows.stop // FP8_BLOCK[0])]
+
+    def segment_tensor(self, name: str, segment: str) -> torch.Tensor:
+        """Segment `segment`'s part of parameter `name` (a weight or the block scales)."""
+        return self.segment_scale(segment) if name == "weight_scale_inv" else self.segment_weight(segment)
 
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor, segment: str) -> None:
         """Copy the checkpoint tensor of projection `segment` [N_i, K] into its rows (cast to the weight's dtype)."""
-        self.segment_weight(segment).copy_(tensor)
+        _copy_into(self.segment_weight(segment), tensor)
+
+    @torch.no_grad()
+    def scale_loader(self, tensor: torch.Tensor, segment: str) -> None:
+        """Copy projection `segment`'s checkpoint `weight_scale_inv` into its rows of the block scales."""
+        self.segment_scale(segment).copy_(tensor)
+
+    def fp8_candidates(self, path: str) -> list[tuple[str, str]]:
+        """(segment, Hugging Face module name) of the segments `to_fp8` can convert (none once converted)."""
+        if self.weight_scale_inv is not None:
+            return []
+        parent = path.rpartition(".")[0]
+        return [(seg, f"{parent}.{seg}" if parent else seg) for seg in self.segments]
+
+    def fp8_unsupported(self, segments: Sequence[str]) -> str | None:
+        """Why `to_fp8(segments)` cannot hold these segments in one FP8 weight, or None: their scales are
+        concatenated along N, so each but the last must have a multiple of 128 rows."""
+        chosen = [name for name in self.segments if name in segments]
+        uneven = [name for name in chosen[:-1] if self.segments[name] % FP8_BLOCK[0]]
+        if uneven:
+            return (
+                f"segments {uneven} have {[self.segments[n] for n in uneven]} rows, not multiples of "
+                f"{FP8_BLOCK[0]}: their block scales cannot be concatenated with the next segment's"
+            )
+        return None
+
+    @torch.no_grad()
+    def to_fp8(self, segments: Sequence[str] | None = None) -> None:
+        """Store `segments` (default: all) as e4m3 with 128x128 block scales in `weight`, quantizing their current
+        values (none on the meta device), and any others in `unquantized_weight`, keeping their values."""
+        if self.weight_scale_inv is not None:
+            raise ValueError("MergedLinear.to_fp8: already in FP8 (a module is converted once)")
+        chosen = [name for name in self.segments if segments is None or name in segments]
+        problem = self.fp8_unsupported(chosen)
+        if problem:
+            raise ValueError(f"MergedLinear.to_fp8: {problem}")
+        values = {name: self.segment_weight(name) for name in self.segments}
+        kept = [name for name in self.segments if name not in chosen]
+        self.weight, self.weight_scale_inv = _fp8_storage(torch.cat([values[name] for name in chosen]))
+        if kept:
+            rest = torch.cat([values[name] for name in kept])
+            self.unquantized_weight = nn.Parameter(rest, requires_grad=values[kept[0]].requires_grad)
+        self.home = {name: "weight" if name in chosen else "unquantized_weight" for name in self.segments}
+        self.rows = self._row_slices()
 
     def _uses_one_gemm(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.one_gemm is None else self.one_gemm
 
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant: bool):
+        return linear(x, weight, invariant) if scale is None else linear_fp8(x, weight, scale, invariant)
+
+    def _segment_product(self, x: torch.Tensor, segment: str, invariant: bool) -> torch.Tensor:
+        scale = self.segment_scale(segment) if self.is_fp8(segment) else None
+        return self._product(x, self.segment_weight(segment), scale, invariant)
+
     def forward(self, x: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, ...]:
-        """x [..., K] -> one output [..., N_i] per segment, in order (strided slices of one GEMM's output on
-        the one-GEMM path)."""
-        if self._uses_one_gemm(x):
-            return torch.split(linear(x, self.weight, invariant), self.sizes, dim=-1)
-        return tuple(linear(x, self.segment_weight(name), invariant) for name in self.segments)
+        """x [..., K] -> one output [..., N_i] per segment, in order (strided slices of one GEMM's output per
+        stored weight on the one-GEMM path)."""
+        if not self._uses_one_gemm(x):
+            return tuple(self._segment_product(x, name, invariant) for name in self.segments)
+        outputs = {}
+        for home, scale in (("weight", self.weight_scale_inv), ("unquantized_weight", None)):
+            names = self.stored_segments(home)
+            if names:
+                out = self._product(x, getattr(self, home), scale, invariant)
+                outputs.update(zip(names, torch.split(out, [self.segments[n] for n in names], dim=-1), strict=True))
+        return tuple(outputs[name] for name in self.segments)
 
     def fused(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """All segments side by side, [..., sum N] (for an op that reads them together, like SwiGLU)."""
-        if self._uses_one_gemm(x):
-            return linear(x, self.weight, invariant)
+        if self._uses_one_gemm(x) and self.unquantized_weight is None:
+            return self._product(x, self.weight, self.weight_scale_inv, invariant)
         return torch.cat(self.forward(x, invariant), dim=-1)

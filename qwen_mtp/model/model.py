@@ -59,12 +59,18 @@ class QwenHybridForCausalLM(nn.Module):
     - `model(input_ids)` -> logits [B, T, V] for the whole sequence (training / evaluation).
     - `hidden_states(...)` + `logits(...)` let generation compute the lm_head only where it needs it.
     - `mtp_hidden_states(...)` / `mtp_logits(...)` run the MTP head.
+
+    `tp` > 1 builds one tensor-parallel rank's shard (`RankShapes.of(config, tp)`); `qwen_mtp.parallel` loads
+    its slices and applies the collectives. Its `logits` are then the rank's vocabulary shard [..., V/tp], and
+    `vocab_shard` chooses greedy tokens across the ranks.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: int = 1):
         super().__init__()
         self.config = config
-        self.shapes = RankShapes.of(config)
+        self.shapes = RankShapes.of(config, tp)
+        self.parallel = None  # the rank's TensorParallel, once `parallel.apply_tensor_parallel` ran
+        self.vocab_shard = None  # the lm_head's part of the vocabulary under tensor parallelism (VocabShard)
         self.model = QwenHybridModel(config, self.shapes)
         self.tied = config.tie_word_embeddings
         # With tied embeddings there is no `lm_head.weight`: the embedding matrix serves both.

@@ -58,6 +58,10 @@ class Experts(nn.Module):
         """Per-expert tensor `segment` ("3.up_proj"): a view of its rows of the 3-D weight."""
         return self._weight_of(segment)[self.rows[segment]]
 
+    def segment_tensor(self, name: str, segment: str) -> torch.Tensor:
+        """`WeightSlot.tensor` of a per-expert tensor (the experts hold no block scales: FP8 ones are dequantized)."""
+        return self.segment_weight(segment)
+
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor, segment: str) -> None:
         """Copy one expert's checkpoint tensor into its slice (cast to the weight's dtype)."""

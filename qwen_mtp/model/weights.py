@@ -21,9 +21,9 @@ class WeightSlot:
     segment: str | None = None
 
     def tensor(self) -> torch.Tensor:
-        """The stored values (for a segment: a view of its rows of the fused weight)."""
+        """The stored values (for a segment: a view of its rows of the fused weight or block scales)."""
         if self.segment is not None:
-            return self.module.segment_weight(self.segment)
+            return self.module.segment_tensor(self.name, self.segment)
         return getattr(self.module, self.name)
 
     def grad(self) -> torch.Tensor | None:
@@ -40,7 +40,9 @@ class WeightSlot:
     @torch.no_grad()
     def load(self, value: torch.Tensor) -> None:
         """Copy `value` (same shape; cast to the stored dtype and device) into the model."""
-        if self.segment is not None:
+        if self.name == "weight_scale_inv":
+            self.module.scale_loader(value, self.segment)
+        elif self.segment is not None:
             self.module.weight_loader(value, self.segment)
         elif isinstance(self.module, Linear):
             self.module.weight_loader(value)
@@ -51,15 +53,18 @@ class WeightSlot:
 def weight_slots(model: nn.Module) -> dict[str, WeightSlot]:
     """Every tensor a checkpoint of `model` holds, by its Hugging Face name, in module order. A MergedLinear
     `<parent>.<module>` holds `<parent>.<segment>.weight` for each segment (`...linear_attn.in_proj` ->
-    `...linear_attn.in_proj_qkv.weight`, ...); everything else keeps its module path."""
+    `...linear_attn.in_proj_qkv.weight`, ...), and, for its FP8 segments, `<parent>.<segment>.weight_scale_inv`
+    (its segments kept in the model dtype are `.weight` too, stored in `unquantized_weight`); everything else
+    keeps its module path (an FP8 `Linear`: `.weight` and `.weight_scale_inv`)."""
     slots: dict[str, WeightSlot] = {}
     for key in nn.Module.state_dict(model, keep_vars=True):  # the plain module tree's names
         path, _, name = key.rpartition(".")
         module = model.get_submodule(path)
         if isinstance(module, MergedLinear):
             parent = path.rpartition(".")[0]
-            for segment in module.segments:
-                slots[f"{parent}.{segment}.{name}" if parent else f"{segment}.{name}"] = WeightSlot(
+            tensor = "weight" if name == "unquantized_weight" else name  # the checkpoint's name for it
+            for segment in module.stored_segments(name):
+                slots[f"{parent}.{segment}.{tensor}" if parent else f"{segment}.{tensor}"] = WeightSlot(
                     module, name, segment
                 )
         else:

@@ -22,13 +22,16 @@ OPS = frozenset(
         "gdn_chunked",
         "gdn_recurrent",
         "linear",
+        "linear_fp8",
         "moe",
         "moe_route",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",
         "rms_norm",
+        "sample_tokens",
         "swiglu",
+        "top_p_threshold",
     }
 )
 

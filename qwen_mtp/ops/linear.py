@@ -17,6 +17,14 @@ else shares its batch, so on that path every row's reduction order must not depe
   `row_tiles x block_m` rows through each weight block it loads; see `_stream_kernel`).
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
+
+`qwen_mtp::linear_fp8(x, weight, scale, invariant)` is the same product with an FP8 e4m3 weight [N, K] and its
+128x128 block scales [ceil(N/128), ceil(K/128)] (W8A16: activations stay in their dtype). Its reference, on CPU
+and wherever the reference is forced, dequantizes as transformers does, `(fp8.float() * scale).to(x.dtype)`,
+then runs the product above. On CUDA the invariant path is the same two kernel families with the weight tile
+dequantized in registers by that formula (so with the same plan it equals the bf16 kernel on the dequantized
+weight bit for bit), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other path (prefill) is
+`FP8_PREFILL`'s choice (see `_fp8_prefill`).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch.nn.functional as F
 from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.triton_utils import INTERPRET
+from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_block
 
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
 FAMILIES = ("grid", "stream")
@@ -126,6 +135,15 @@ TUNED: dict[tuple[int, int], GemmPlan] = {
 }
 
 
+# W8A16 plans (fp8 weights, benchmarks/gemm_fp8.py --sweep prints this table); a shape not here takes its bf16 plan.
+TUNED_FP8: dict[tuple[int, int], GemmPlan] = {}
+
+
+def gemm_plan_fp8(n: int, k: int) -> GemmPlan:
+    """The W8A16 plan for an [N, K] fp8 weight: tuned, else the bf16 plan of the shape."""
+    return TUNED_FP8.get((n, k)) or gemm_plan(n, k)
+
+
 def gemm_plan(n: int, k: int) -> GemmPlan:
     """The tuned plan for this shape, else the sweep's lessons: a weight with a handful of output tiles
     (in_proj_a/b) splits K into many short pieces; others split K at most 4 ways, enough to fill the GPU
@@ -148,11 +166,13 @@ def _matmul_kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
     def kernel(
-        x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-        sx_m, sw_n, so_m, k_per_split,
+        x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
+        # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
+        # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
         # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
         # every row tile from L2.
         pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -170,6 +190,8 @@ def _matmul_kernel():
             w = tl.load(
                 w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
             )
+            if FP8:
+                w = triton_utils.fp8_dequantize(w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
             acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
         tile = ms[:, None] * N + ns[None, :]
         mask = (ms[:, None] < M) & (ns[None, :] < N)
@@ -220,11 +242,13 @@ def _stream_kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
     def kernel(
-        x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-        sx_m, sw_n, so_m, k_per_split,
+        x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
+        # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
@@ -244,6 +268,10 @@ def _stream_kernel():
                             w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :],
                             mask=(ns[:, None] < N) & kmask[None, :], other=0.0,
                         )  # fmt: skip
+                        if FP8:
+                            w = triton_utils.fp8_dequantize(
+                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty
+                            )
                         updated = ()
                         for t in tl.static_range(tiles):
                             ms = row0 + t * BLOCK_M + rows
@@ -297,16 +325,23 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
-def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None) -> torch.Tensor:
+def invariant_matmul_triton(
+    x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation), by the plan's
-    kernel family (default: the shape's `gemm_plan`)."""
+    kernel family (default: the shape's `gemm_plan`, or `gemm_plan_fp8` with a `scale`). With `scale`, weight is
+    e4m3 and `scale` its 128x128 block scales (W8A16)."""
     import triton
 
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     assert weight.stride(1) == 1
-    plan = plan or gemm_plan(n, k)
+    fp8 = scale is not None
+    if fp8:
+        assert weight.dtype == torch.float8_e4m3fn and scale.stride(1) == 1
+        assert tuple(scale.shape) == (-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1])), "scale grid of 128x128 blocks"
+    plan = plan or (gemm_plan_fp8(n, k) if fp8 else gemm_plan(n, k))
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -322,9 +357,10 @@ def invariant_matmul_triton(x: torch.Tensor, weight: torch.Tensor, plan: GemmPla
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     counters = _tile_counters(x.device, sums) if splits > 1 else out
     kernel[grid](
-        x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.k_per_split,
+        x, weight, scale if fp8 else weight, out, part, counters, m, n, k,
+        x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
-        INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
@@ -374,3 +410,181 @@ def _linear_backward(ctx, grad):
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_setup_linear_backward)
+
+
+# ---- FP8 block weights (W8A16 on the decode path) --------------------------------------------------------------
+
+# The non-invariant (prefill) FP8 GEMM on CUDA, chosen by measurement (benchmarks/gemm_fp8.py, prefill rows):
+# "scaled_mm": activations quantized to e4m3 per 1x128 group by one Triton kernel, then cuBLASLt's blockwise
+#   `F.scaled_mm` (Hopper, K a multiple of 512; other shapes fall back to "dequantize");
+# "dequantize": the weight dequantized by one Triton kernel into a temporary, then cuBLAS (`F.linear`);
+# "w8a16": the invariant kernel (then prefill rows would also be batch-invariant).
+FP8_PREFILL = "scaled_mm"
+FP8_PREFILL_METHODS = ("scaled_mm", "dequantize", "w8a16")
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [N, K] + block scales -> `dtype` [N, K] as transformers dequantizes: `(fp8.float() * scale).to(dtype)`."""
+    return dequantize_fp8_block(weight, scale).to(dtype)
+
+
+def linear_fp8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """The dequantized weight through the plain linear op's reference (row-wise when `invariant`)."""
+    dense = dequantize_weight(weight, scale, x.dtype)
+    return rowwise_linear(x, dense) if invariant else F.linear(x, dense).contiguous()
+
+
+@torch.library.custom_op("qwen_mtp::linear_fp8", mutates_args=())
+def linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """Custom op: x [..., K] @ dequantized(weight e4m3 [N, K], scale [ceil(N/128), ceil(K/128)])^T -> [..., N]
+    in x's dtype; `invariant` as for `qwen_mtp::linear`."""
+    return linear_fp8_reference(x, weight, scale, invariant)
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """`qwen_mtp::linear_fp8`: `linear` with an FP8 block weight; batch-invariant when `invariant`."""
+    return linear_fp8_op(x, weight, scale, invariant)
+
+
+@linear_fp8_op.register_kernel("cuda")
+def _(x, weight, scale, invariant):
+    if reference_forced("linear_fp8"):
+        return linear_fp8_reference(x, weight, scale, invariant)
+    rows = x.reshape(-1, x.shape[-1])
+    out = invariant_matmul_triton(rows, weight, scale=scale) if invariant else _fp8_prefill(rows, weight, scale)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@linear_fp8_op.register_fake
+def _(x, weight, scale, invariant):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _setup_linear_fp8_backward(ctx, inputs, output):
+    _, weight, scale, _ = inputs
+    ctx.save_for_backward(weight, scale)
+
+
+def _linear_fp8_backward(ctx, grad):
+    """grad_x = grad @ W (dequantized); the FP8 weight and its scales are frozen (no gradient)."""
+    weight, scale = ctx.saved_tensors
+    return grad.matmul(dequantize_weight(weight, scale, grad.dtype)), None, None, None
+
+
+linear_fp8_op.register_autograd(_linear_fp8_backward, setup_context=_setup_linear_fp8_backward)
+
+
+def _fp8_prefill(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if FP8_PREFILL not in FP8_PREFILL_METHODS:
+        raise ValueError(f"ops.linear.FP8_PREFILL must be one of {FP8_PREFILL_METHODS}, got {FP8_PREFILL!r}")
+    if FP8_PREFILL == "w8a16":
+        return invariant_matmul_triton(x, weight, scale=scale)
+    if FP8_PREFILL == "scaled_mm" and scaled_mm_supported(x, weight):
+        return scaled_mm_linear(x, weight, scale)
+    return F.linear(x, dequantize_triton(weight, scale, x.dtype))
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def scaled_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether cuBLASLt's blockwise FP8 GEMM runs this product: Hopper only; bf16 activations; K a multiple of
+    512, so the weight scale's K-block count is a multiple of 4 and its transpose is the layout cuBLASLt wants
+    (the legacy `torch._scaled_mm` returned inf for other K); N a multiple of 128."""
+    n, k = weight.shape
+    return (
+        hasattr(F, "scaled_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and k % (4 * FP8_BLOCK[1]) == 0
+        and n % FP8_BLOCK[0] == 0
+        and _is_hopper(x.device)
+    )
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8: x quantized per 1x128 group (one Triton kernel), times the e4m3 weight with its 128x128 scales in
+    cuBLASLt (fp32 accumulation), in x's dtype. cuBLASLt wants M a multiple of 4: the padding rows are zeros."""
+    q, q_scale = quantize_activations_triton(x)
+    out = F.scaled_mm(
+        q, weight.t(), q_scale, F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )  # fmt: skip
+    return out[: x.shape[0]]
+
+
+def quantize_activations_reference(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128) -> (e4m3 [rows, K], fp32 scales [rows, K/128]): each 1x128 group's amax
+    maps to 448 (transformers' and DeepSeek's dynamic activation scheme); rows past M (padding) are zeros."""
+    m, k = x.shape
+    rows = m if rows is None else rows
+    groups = F.pad(x.float(), (0, 0, 0, rows - m)).view(rows, k // FP8_BLOCK[1], FP8_BLOCK[1])
+    scale = groups.abs().amax(-1).clamp(min=SCALE_FLOOR) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows, k), scale
+
+
+@functools.cache
+def _quantize_activations_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M", "M_PAD"])
+    def kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+        # A program per (row block, 128-column group): its rows' amax, scale and e4m3 values, in one pass.
+        ms = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        ks = tl.program_id(1) * 128 + tl.arange(0, 128)
+        x = tl.load(x_ptr + ms[:, None] * sx_m + ks[None, :], mask=ms[:, None] < M, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / 448.0
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+        live = ms < M_PAD
+        tl.store(q_ptr + ms[:, None].to(tl.int64) * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(s_ptr + tl.program_id(1) * M_PAD + ms, scale, mask=live)  # M-major: [K/128, M_PAD] in memory
+
+    return kernel
+
+
+def quantize_activations_triton(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations_reference` with M padded to a multiple of 4, in one launch; the scales come back as
+    an M-major [M_PAD, K/128] view (cuBLASLt's layout for 1x128 scales)."""
+    import triton
+
+    m, k = x.shape
+    rows = -(-m // 4) * 4
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(k // FP8_BLOCK[1], rows, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, block_rows), k // FP8_BLOCK[1])
+    _quantize_activations_kernel()[grid](x, q, scale, m, rows, k, x.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=block_rows)
+    return q, scale.t()
+
+
+@functools.cache
+def _dequantize_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        offsets, mask = ns[:, None].to(tl.int64) * K + ks[None, :], (ns[:, None] < N) & (ks[None, :] < K)
+        w = tl.load(w_ptr + offsets, mask=mask, other=0.0)
+        dense = triton_utils.fp8_dequantize(w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, dense, mask=mask)
+
+    return kernel
+
+
+def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_weight` in one launch (no fp32 temporary)."""
+    import triton
+
+    n, k = weight.shape
+    assert weight.is_contiguous() and scale.stride(1) == 1
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
+    _dequantize_kernel()[grid](weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128)
+    return out

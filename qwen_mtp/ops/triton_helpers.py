@@ -25,6 +25,24 @@ def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
 
 
 @triton.jit
+def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # noqa: N803
+    """An e4m3 weight tile w [BLOCK_N, BLOCK_K] (rows `ns`, columns k0..k0+BLOCK_K) -> `dtype`, each element times
+    its 128x128 block's scale (scale_ptr: [ceil(N/128), ceil(K/128)], row stride s_n) in fp32 and rounded once:
+    transformers' `(fp8.float() * scale.float()).to(dtype)`, so the tile equals the dequantized weight's.
+    A tile of at most 128 columns lies in one block column (k0 is a multiple of BLOCK_K); a wider one spans
+    BLOCK_K // 128 of them."""
+    if BLOCK_K <= 128:
+        scale = tl.load(scale_ptr + (ns // 128) * s_n + k0 // 128, mask=ns < N, other=0.0)  # [BLOCK_N]
+        return (w.to(tl.float32) * scale[:, None]).to(dtype)
+    else:
+        blocks = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        mask = (ns[:, None] < N) & (blocks[None, :] < tl.cdiv(K, 128))
+        scale = tl.load(scale_ptr + (ns // 128)[:, None] * s_n + blocks[None, :], mask=mask, other=0.0)
+        scaled = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 128, 128)) * scale[:, :, None]
+        return tl.reshape(scaled, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@triton.jit
 def kv_slots(table_ptr, pos, mask, PAGE: tl.constexpr, s_page, s_slot):  # noqa: N803
     """Element offsets of positions `pos` in a request's KV pages (`table_ptr`: its row of the page table; `mask`:
     which positions exist) in the cache [2, pages, PAGE, KV, D]. In int64: pages x page stride passes 2^31 elements
@@ -60,3 +78,15 @@ def attend_block(q, k, v, visible, scale, m, denom, acc, INTERPRETED: tl.constex
     denom = denom * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERPRETED, PRECISION)
     return m_new, denom, acc
+
+
+@triton.jit
+def mix32(x):
+    """The `lowbias32` integer finalizer on uint32 values (wrapping multiplies, logical shifts): the sampler's
+    counter-based noise (`ops/sampling.py`, whose torch reference computes the same bits in int64)."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x

@@ -24,7 +24,7 @@ from qwen_mtp.quant.fp8 import quantize_fp8_block
 from qwen_mtp.testing.tokenizer import build_tokenizer
 
 FIXTURE_DTYPES = ("float32", "bfloat16")  # what the fixtures are written in
-FIXTURE_VERSION = 1  # bump when the builder's output changes, so cached fixtures are rebuilt
+FIXTURE_VERSION = 2  # bump when the builder's output changes, so cached fixtures are rebuilt
 
 _TINY: dict[str, Any] = {
     "model_type": "qwen3_5_text",
@@ -103,6 +103,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 32,
     },
 }
+
+FP8_PRESETS = ("tiny-fp8",)  # fixtures written as FP8 block checkpoints
 
 # Matrices that Qwen's FP8 releases store as e4m3 blocks; everything else stays bf16 (modules_to_not_convert).
 FP8_SUFFIXES = (
@@ -252,7 +254,8 @@ def build_checkpoint(
     for name, value in weights.items():
         disk = _disk_name(name, layout)
         if fp8 and value.ndim == 2 and name.endswith(FP8_SUFFIXES):
-            tensors[disk], tensors[disk + "_scale_inv"] = quantize_fp8_block(value)
+            q, scale = quantize_fp8_block(value)
+            tensors[disk], tensors[disk + "_scale_inv"] = q, scale.to(torch.bfloat16)  # bf16, as Qwen's releases
         else:
             tensors[disk] = value.to(dtype_of_tensors).contiguous()
     if layout == "vlm":
@@ -296,14 +299,15 @@ def cache_root() -> Path:
 
 
 def fixture_path(preset: str = "tiny", seed: int = 0, dtype: str = "float32", layout: str = "text") -> Path:
-    """A cached fixture checkpoint, built on first use (atomically, so concurrent users never see half of it)."""
+    """A cached fixture checkpoint, built on first use (atomically, so concurrent users never see half of it).
+    FP8 presets (`FP8_PRESETS`) are FP8 block checkpoints."""
     target = cache_root() / "fixtures" / f"{preset}-seed{seed}-{dtype}-{layout}-v{FIXTURE_VERSION}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        build_checkpoint(staging, preset=preset, seed=seed, dtype=dtype, layout=layout)
+        build_checkpoint(staging, preset=preset, seed=seed, dtype=dtype, layout=layout, fp8=preset in FP8_PRESETS)
         try:
             staging.rename(target)
         except OSError:  # another process finished first

@@ -36,6 +36,12 @@ SYNTHETIC: dict[str, dict] = {
                      "linear_num_key_heads": 16, "linear_num_value_heads": 16, "intermediate_size": 3584,
                      "tie_word_embeddings": True},
 }  # fmt: skip
+# FP8 variants (`<name>-fp8`): the config of a Qwen FP8 release; the projections it quantizes are FP8 128x128
+# blocks (`quant.fp8.quantize_` of the random bf16 weights, on the device).
+FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+SYNTHETIC.update(
+    {f"{name}-fp8": {**dims, "quantization_config": FP8_RELEASE} for name, dims in list(SYNTHETIC.items())}
+)
 
 # The MoE families (same section of the note): Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B. In bf16 the 35B takes
 # ~70 GB, the 80B ~160 GB (one H200 needs its FP8 form). The "-8l" variants keep every per-layer shape with 8
@@ -61,13 +67,15 @@ def synthetic_config(name: str) -> ModelConfig:
 
 
 @torch.no_grad()
-def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
-    """A `QwenHybridForCausalLM` with random weights of the right scale, allocated on `device` directly."""
+def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0, parallel=None):
+    """A `QwenHybridForCausalLM` with random weights of the right scale, allocated on `device` directly; with
+    `parallel` (a `TensorParallel` rank) that rank's shard, its collectives applied. Every rank draws the same
+    values for the same shapes, so the replicated weights agree across ranks."""
     from qwen_mtp.model import QwenHybridForCausalLM
 
     config = synthetic_config(name)
     with torch.device("meta"):
-        model = QwenHybridForCausalLM(config)
+        model = QwenHybridForCausalLM(config, 1 if parallel is None else parallel.degree)
     model = model.to(dtype).to_empty(device=device)  # never materialize an fp32 copy (27B: 108 GB)
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, param in model.named_parameters():
@@ -82,4 +90,12 @@ def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, s
         else:
             param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=gen)
     model.init_non_persistent_buffers(device)
+    if config.weight_block_size is not None:
+        from qwen_mtp.quant.fp8 import quantize_
+
+        quantize_(model)
+    if parallel is not None and parallel.degree > 1:
+        from qwen_mtp.parallel.apply import apply_tensor_parallel
+
+        apply_tensor_parallel(model, parallel)
     return model.eval()

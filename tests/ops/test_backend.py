@@ -10,7 +10,7 @@ import torch
 from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_attention_step
 
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
-from qwen_mtp.ops import backend, conv, linear, moe, norm, paged_attention, rope, swiglu
+from qwen_mtp.ops import backend, conv, linear, moe, norm, paged_attention, rope, sampling, swiglu
 from qwen_mtp.ops.backend import reference_ops
 from qwen_mtp.ops.gdn import chunked, recurrent
 
@@ -49,6 +49,24 @@ def moe_args():
     return (x, *experts, rand(3, 2, seed=3).softmax(-1), ids, rand(3, 16, seed=4), rand(3, 1, seed=5), True)
 
 
+def sample_args():
+    seed, position = torch.tensor([3, 2**40, 7], device=DEVICE), torch.tensor([0, 9, 4000], device=DEVICE)
+    inv_t, threshold = torch.tensor([0.0, 1.5, 0.8], device=DEVICE), torch.tensor([-9.0, 0.0, -1.0], device=DEVICE)
+    return (rand(3, 100, seed=15), inv_t, threshold, seed, position)
+
+
+def top_p_args():
+    ordered = rand(3, 100, seed=16).sort(dim=-1, descending=True).values
+    keep = torch.tensor([100, 10, 1], device=DEVICE)
+    return (ordered, keep, torch.tensor([1.0, 2.0, 0.5], device=DEVICE), torch.tensor([0.9, 0.5, 0.99], device=DEVICE))
+
+
+def fp8_weight(n, k):
+    from qwen_mtp.quant.fp8 import quantize_fp8_block
+
+    return tuple(t.to(DEVICE) for t in quantize_fp8_block(rand(n, k).cpu()))
+
+
 # op -> (module, its Triton launcher that the CUDA implementation calls, fresh arguments)
 CUDA_PATHS = {
     "rms_norm": (norm, "norm_triton", lambda: norm_args(0)),
@@ -64,6 +82,9 @@ CUDA_PATHS = {
     "linear": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), rand(5, 16), True)),
     "moe": (moe, "moe_triton", moe_args),
     "moe_route": (moe, "route_triton", lambda: (rand(3, 6), 2, True)),
+    "sample_tokens": (sampling, "sample_tokens_triton", sample_args),
+    "top_p_threshold": (sampling, "top_p_threshold_triton", top_p_args),
+    "linear_fp8": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), *fp8_weight(5, 16), True)),
 }
 
 

@@ -1,0 +1,98 @@
+"""On CUDA with FP8 block weights: the W8A16 GEMMs at real shapes equal the bf16 GEMMs on the dequantized weights
+bit for bit and never depend on M, the prefill GEMMs are within a stated tolerance of the dequantized model,
+and MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs."""
+
+import pytest
+import torch
+from helpers import random_prompt
+
+from qwen_mtp import Engine, load_model
+from qwen_mtp.ops import linear as linear_ops
+from qwen_mtp.ops.linear import (
+    dequantize_weight,
+    gemm_plan_fp8,
+    invariant_matmul_triton,
+    quantize_activations_reference,
+    scaled_mm_linear,
+    scaled_mm_supported,
+)
+from qwen_mtp.quant.fp8 import quantize_fp8_block
+
+SHAPES = [(34816, 5120), (5120, 17408), (16480, 5120), (5120, 6144), (6144 + 2048, 1024), (1024, 3584)]
+
+
+def fp8_weight(n, k, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k**-0.5)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_w8a16_equals_bf16_kernel_on_dequantized_weights_and_is_invariant(n, k):
+    weight, scale = fp8_weight(n, k)
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    plan = gemm_plan_fp8(n, k)
+    full = invariant_matmul_triton(x, weight, plan, scale=scale)
+    assert torch.equal(full, invariant_matmul_triton(x, dequantize_weight(weight, scale, torch.bfloat16), plan))
+    for m in (1, 2, 8, 16, 17, 32, 64, 96, 128, 200):
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, scale=scale), full[:m]), f"M={m}"
+    assert torch.equal(invariant_matmul_triton(x[150:151], weight, scale=scale), full[150:151])
+
+
+@pytest.mark.parametrize("m", [1, 5, 512, 2048])
+@pytest.mark.parametrize("n,k", [(34816, 5120), (5120, 17408)])
+def test_scaled_mm_prefill_is_the_w8a8_product(n, k, m):
+    """cuBLASLt's blockwise GEMM equals the W8A8 product (activations quantized per 1x128 group) to fp32
+    rounding, and is within the activation quantization's error of the bf16 product."""
+    weight, scale = fp8_weight(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert scaled_mm_supported(x, weight)
+    out = scaled_mm_linear(x, weight, scale).float()
+    q, q_scale = quantize_activations_reference(x)
+    w8a8 = (q.float() * q_scale.repeat_interleave(128, 1)) @ dequantize_weight(weight, scale, torch.float32).T
+    dense = x.float() @ dequantize_weight(weight, scale, torch.float32).T
+    assert (out - w8a8).norm() / w8a8.norm() < 5e-3
+    assert (out - dense).norm() / dense.norm() < 4e-2  # e4m3 activations: ~2.6e-2 measured (kernels.md)
+
+
+# prefill method -> largest relative (Frobenius) error of the logits against the dequantized-bf16 model
+PREFILL_TOLERANCE = {"dequantize": 0.0, "w8a16": 1e-2, "scaled_mm": 6e-2}
+
+
+@pytest.mark.parametrize("method", sorted(PREFILL_TOLERANCE))
+def test_fp8_logits_against_the_dequantized_bf16_model(checkpoint, method, monkeypatch):
+    """Prefill logits of an FP8 checkpoint (hidden 512, so K = 512 and 1024 take the scaled_mm path) against the
+    same checkpoint dequantized at load: "dequantize" is the same cuBLAS product (equal), "w8a16" our kernel
+    (fp32 accumulation in another order), "scaled_mm" adds e4m3 activations. Greedy tokens agree almost always."""
+    path = checkpoint("tiny-fp8", "text", dtype="bfloat16", fp8=True, hidden_size=512, intermediate_size=1024)
+    ids = torch.randint(0, 512, (2, 200), generator=torch.Generator().manual_seed(3)).cuda()
+    monkeypatch.setattr(linear_ops, "FP8_PREFILL", method)
+    with torch.inference_mode():
+        ours = load_model(path, dtype=torch.bfloat16, device="cuda")(ids).float()
+        ref = load_model(path, dtype=torch.bfloat16, device="cuda", quant="dequantize")(ids).float()
+    error = ((ours - ref).norm() / ref.norm()).item()
+    assert error <= PREFILL_TOLERANCE[method], error
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (1.0 if method == "dequantize" else 0.95)
+
+
+def engine_for(k=None, mode_graphs=True, max_batch=32):
+    cache = {"max_batch": max_batch, "num_state_rows": max_batch, "num_pages": 40 * max_batch}
+    recipe = {
+        "model": {"synthetic": "qwen3.5-0.8b-fp8", "dtype": "bfloat16", "device": "cuda"},
+        "cache": cache,
+        "compile": {"cuda_graphs": mode_graphs},
+    }
+    if k is not None:
+        recipe["mtp"] = {"enabled": True, "k": k, "draft": "oracle", "oracle_accept": 0.7}
+    return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_fp8_mtp_equals_plain_batch_1_8_32_graphs(k):
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
+    plain, spec = engine_for(), engine_for(k=k)
+    for batch in (1, 8, 32):
+        expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        assert got == expected, f"K={k} batch={batch}"
+    eager = engine_for(mode_graphs=False, max_batch=8)  # graphs change how a step is launched, never its numbers
+    assert [r.token_ids for r in eager.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]

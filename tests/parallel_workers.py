@@ -1,0 +1,104 @@
+"""What the two gloo ranks of tests/test_parallel.py run. Spawned processes import this module (not the test
+module, which pulls in transformers): one spawn serves every check, since a spawn costs seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from qwen_mtp.engine import Engine, SamplingParams
+from qwen_mtp.engine.setup import load_from_recipe
+from qwen_mtp.parallel import current
+from qwen_mtp.parallel.collectives import all_reduce_sum, sum_in_rank_order
+from qwen_mtp.parallel.vocab import VocabShard
+from qwen_mtp.recipe import load_recipe
+
+TP = 2
+
+
+def quiet(message: str) -> None:
+    pass
+
+
+def tp_checks(spec_file: str) -> None:
+    """Run the spec's generations at TP=2 and write this rank's tokens to `rank<r>.json`; then the dead-rank
+    check: rank 1 kills itself mid-generation and rank 0, still generating, must exit on its own."""
+    spec = json.loads(Path(spec_file).read_text())
+    out = Path(spec["out"])
+    parallel = current(TP)
+    rank = parallel.rank
+    err = os.open(out / f"rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)  # the launcher's messages (a failed rank's report) land here for the test to read
+    results = {"vocab_argmax": vocab_argmax_cases(parallel), "sum_in_rank_order": rank_order_sum_case(parallel)}
+    for name, path in spec["checkpoints"].items():
+        results[name] = generations(path, spec["prompts"], spec["max_new_tokens"], name == spec["compiled"])
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dead_rank(path, out, rank)
+
+
+def vocab_argmax_cases(parallel) -> list[list[int]]:
+    """Greedy choices over a vocab split in two, ties across and within the shards included, next to
+    `torch.argmax` over the whole row."""
+    full = torch.zeros(4, 8)
+    full[0, [2, 6]] = 5.0  # a tie across the shards: the lowest id (2, on rank 0)
+    full[1, [5, 7]] = 5.0  # a tie within rank 1's shard: its lowest id (5)
+    full[2, 6], full[2, 1] = 3.0, 2.5  # rank 1 holds the maximum
+    full[3] = -1.0  # every logit equal: id 0
+    shard = VocabShard(parallel.rank * 4, parallel.group)
+    chosen = shard.argmax(full[:, parallel.rank * 4 : (parallel.rank + 1) * 4])
+    return [chosen.tolist(), full.argmax(dim=-1).tolist()]
+
+
+def rank_order_sum_case(parallel) -> bool:
+    """The decode path's rank-order sum (used from 3 ranks on) equals the all-reduce at 2 ranks, bit for bit."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(parallel.rank))
+    return bool(torch.equal(sum_in_rank_order(x, parallel.group), all_reduce_sum(x, parallel.group)))
+
+
+def generations(path: str, prompts: list[list[int]], max_new_tokens: int, compiled: bool) -> dict[str, list]:
+    """TP=2 tokens: MTP off, MTP K=2 (batched, then each prompt alone) and, if `compiled`, MTP K=2 through
+    torch.compile (aot_eager: the collectives traced inside full graphs; ~10 s, so for one checkpoint only)."""
+    base = {
+        "model": {"path": path, "device": "cpu", "dtype": "float32"},
+        "parallel": {"tp": TP},
+        "cache": {"prefill_chunk": 16, "max_batch": 4},
+    }
+    recipe = load_recipe(base)
+    loaded = load_from_recipe(recipe)
+
+    def run(prompts, mtp=False, compiled=False):
+        variant = dataclasses.replace(
+            recipe,
+            mtp=dataclasses.replace(recipe.mtp, enabled=mtp, k=2),
+            compile=dataclasses.replace(recipe.compile, enabled=compiled, backend="aot_eager", batch_sizes=[4]),
+        )
+        engine = Engine.from_recipe(variant, loaded=loaded, log=quiet)
+        return [r.token_ids for r in engine.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=True)]
+
+    tokens = {
+        "off": run(prompts),
+        "mtp": run(prompts, mtp=True),
+        "mtp_alone": [run([p], mtp=True)[0] for p in prompts],
+    }
+    if compiled:
+        tokens["mtp_compiled"] = run(prompts, mtp=True, compiled=True)
+    return tokens
+
+
+def dead_rank(path: str, out: Path, rank: int) -> None:
+    recipe = load_recipe({"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": TP}})
+    engine = Engine.from_recipe(recipe, log=quiet)
+    engine.submit([1, 2, 3], SamplingParams(max_new_tokens=1000, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    if rank == 1:
+        (out / "killed_at").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    while engine.has_unfinished():  # fails at the next collective: rank 1 is gone
+        engine.step()

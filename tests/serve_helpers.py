@@ -1,0 +1,118 @@
+"""Live servers for the serving and lm-eval tests: uvicorn in a thread on a loopback port the OS picks, over a
+tiny checkpoint; and `needs_sampling`, the one mark of the tests that need issue #17's sampling engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwen_mtp.engine import Engine, SamplingParams
+from qwen_mtp.errors import RequestError
+from qwen_mtp.recipe import load_recipe
+from qwen_mtp.serve.server import bind, uvicorn_server
+
+# A ChatML template like Qwen's (the tiny tokenizer has <|im_start|> / <|im_end|> as special tokens).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _engine_samples() -> bool:
+    """Whether this engine runs sampling, stop strings, logprobs and prompt_logprobs (issue #17)."""
+    engine = Engine.__new__(Engine)  # check_request refuses them before it touches the engine's state
+    try:
+        params = SamplingParams(temperature=1.0, stop=("x",), logprobs=1, prompt_logprobs=1)
+        Engine.check_request(engine, [1], params)
+    except RequestError as err:
+        return "not supported by this engine yet" not in str(err)
+    except AttributeError:  # it went on to the engine's state: nothing was refused
+        return True
+    return True
+
+
+_until_sampling = pytest.mark.skipif(
+    not _engine_samples(), reason="needs issue #17's sampling, stop strings and logprobs in the engine"
+)
+
+
+def needs_sampling(test):
+    """The one mark of the tests that need sampling / stop strings / logprobs / prompt_logprobs: skipped while
+    the engine refuses those, run as soon as it takes them (all of them: `pytest -m needs_sampling -rs`)."""
+    return pytest.mark.needs_sampling(_until_sampling(test))
+
+
+def with_chat_template(checkpoint: Path, target: Path) -> Path:
+    """A copy of `checkpoint` whose tokenizer_config.json carries `CHAT_TEMPLATE`."""
+    if not target.exists():
+        shutil.copytree(checkpoint, target)
+        config_file = target / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config["chat_template"] = CHAT_TEMPLATE
+        config_file.write_text(json.dumps(config, indent=2))
+    return target
+
+
+def tiny_recipe(path: Path, *overrides: str):
+    base = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}}
+    return load_recipe(base, ("server.port=0", *overrides))
+
+
+class LiveServer:
+    """`qwen_mtp.serve` in a background thread (uvicorn skips signal handling off the main thread)."""
+
+    def __init__(self, engine: Engine, recipe):
+        self.engine, self.settings = engine, recipe.server
+        self.sock = bind("127.0.0.1", 0)
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn_server(engine, self.settings, log=lambda line: None)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @classmethod
+    def from_recipe(cls, recipe) -> LiveServer:
+        return cls(Engine.from_recipe(recipe, log=lambda line: None), recipe)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics parsed by prometheus-client's own parser: sample name (with labels) -> value."""
+        text = httpx.get(self.base + "/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+        return values
+
+    def wait_all_free(self, timeout: float = 10.0) -> dict[str, float]:
+        """Poll /metrics until no request holds a KV page or a state row; returns the last scrape."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["qwen_mtp_kv_pages_in_use"] == 0 and m["qwen_mtp_state_rows_in_use"] == 0:
+                if m["qwen_mtp_requests_in_flight"] == 0:
+                    return m
+            assert time.monotonic() < deadline, f"pages / rows still in use: {m}"
+            time.sleep(0.05)

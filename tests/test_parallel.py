@@ -1,0 +1,362 @@
+"""Tensor parallel on CPU: two gloo ranks (spawned once for the module, see parallel_workers.py) against MTP off,
+TP=1 and Hugging Face; the loader's per-rank slices; the errors a user can meet before any rank starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import parallel_workers
+import pytest
+import torch
+from helpers import hf_greedy_with_margins, load_hf
+from typer.testing import CliRunner
+
+from qwen_mtp import Engine, load_model
+from qwen_mtp import loader as loader_module
+from qwen_mtp.bench import run_bench
+from qwen_mtp.cli import app
+from qwen_mtp.config import ModelConfig
+from qwen_mtp.engine import SamplingParams, sampling
+from qwen_mtp.engine.setup import LoadedModel
+from qwen_mtp.errors import CheckpointError, ConfigError, RecipeError, RequestError
+from qwen_mtp.model.shapes import RankShapes
+from qwen_mtp.parallel import ShardPlan, TensorParallel
+from qwen_mtp.parallel.launch import check_recipe, spawn_ranks
+from qwen_mtp.parallel.vocab import VocabShard
+from qwen_mtp.recipe import CacheSection, load_recipe
+
+PRESETS = ("tiny", "tiny-8l")  # GQA 4/2 (one KV head per rank) and MQA (the KV head replicated on both ranks)
+MAX_NEW = 16
+TIMEOUT_S = 10.0  # the ranks' process-group timeout
+DEADLINE_S = 240.0  # the whole spawn, so that a bug cannot hang CI
+
+# Across TP degrees the row-parallel products are two partial sums added, not one sum: the logits round
+# differently, so a greedy token may differ where the top-2 logits nearly tie. A near-tie: at the first position
+# where TP=2 and the reference differ, the reference's top-1 minus top-2 logit is below this many fp32 ulps (at the
+# top logit's magnitude; 2^-23 relative each). The tiny models' logits move by a few ulps between degrees.
+TP_NEAR_TIE_ULPS = 256.0
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    # 40 tokens: three prefill chunks of 16 (the ranks run with cache.prefill_chunk 16)
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 40, 3)]
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint, tmp_path_factory):
+    """Spawn the two ranks once; while they run, compute TP=1 and HF tokens here. Yields what both produced."""
+    out = tmp_path_factory.mktemp("tp2")
+    paths = {preset: checkpoint(preset) for preset in PRESETS}
+    spec = {"out": str(out), "checkpoints": {p: str(path) for p, path in paths.items()}, "prompts": prompts()}
+    spec.update(max_new_tokens=MAX_NEW, compiled=PRESETS[0])
+    (out / "spec.json").write_text(json.dumps(spec))
+    started = time.monotonic()
+    ranks = spawn_ranks(2, "gloo", TIMEOUT_S, parallel_workers.tp_checks, (str(out / "spec.json"),))
+    try:
+        reference = {}
+        for preset, path in paths.items():
+            engine = Engine.from_recipe({"model": {"path": str(path), "device": "cpu", "dtype": "float32"}})
+            tp1 = [r.token_ids for r in engine.generate(prompts(), max_new_tokens=MAX_NEW, ignore_eos=True)]
+            hf = load_hf(path, torch.float32)
+            reference[preset] = {"tp1": tp1, "hf": [hf_greedy_with_margins(hf, p, MAX_NEW, None) for p in prompts()]}
+        exited_at = [None, None]
+        while None in exited_at and time.monotonic() - started < DEADLINE_S:
+            for r, process in enumerate(ranks.processes):
+                if exited_at[r] is None and process.exitcode is not None:
+                    exited_at[r] = time.time()
+            time.sleep(0.05)
+        results = [
+            json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()
+        ]
+        yield {
+            "ranks": results,
+            "reference": reference,
+            "exited_at": exited_at,
+            "exit_codes": [p.exitcode for p in ranks.processes],
+            "killed_at": float((out / "killed_at").read_text()) if (out / "killed_at").exists() else None,
+            "rank0_stderr": (out / "rank0.err").read_text() if (out / "rank0.err").exists() else "",
+        }
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+
+
+def rank_results(tp2) -> list[dict]:
+    assert len(tp2["ranks"]) == 2, f"the ranks did not finish their checks; rank 0 said:\n{tp2['rank0_stderr']}"
+    return tp2["ranks"]
+
+
+def test_tp2_ranks_agree_on_every_token(tp2):
+    first, second = rank_results(tp2)
+    assert first == second
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tp2_mtp_k2_gives_exactly_the_mtp_off_tokens(tp2, preset):
+    run = rank_results(tp2)[0][preset]
+    assert run["mtp"] == run["off"]  # MTP K=2, the three prompts batched
+    assert run["mtp_alone"] == run["off"]  # each alone: no dependence on the batch
+    if preset == PRESETS[0]:  # torch.compile(fullgraph) with the collectives inside the steps
+        assert run["mtp_compiled"] == run["off"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tp2_tokens_equal_tp1_and_hf_up_to_near_ties(tp2, preset):
+    ours = rank_results(tp2)[0][preset]["off"]
+    reference = tp2["reference"][preset]
+    compared = 0
+    for b, (tokens, tp1, (hf, margins)) in enumerate(zip(ours, reference["tp1"], reference["hf"], strict=True)):
+        assert tp1 == hf, f"prompt {b}: TP=1 {tp1} != HF {hf} (fp32 must be exact)"
+        differ = next((i for i, (a, e) in enumerate(zip(tokens, hf, strict=True)) if a != e), len(hf))
+        if differ < len(hf):
+            assert margins[differ] < TP_NEAR_TIE_ULPS, (
+                f"prompt {b}: TP=2 {tokens} != TP=1/HF {hf} at {differ}, where HF's top-2 margin is "
+                f"{margins[differ]:.0f} fp32 ulps: not a near-tie (< {TP_NEAR_TIE_ULPS:.0f})"
+            )
+        compared += differ
+    assert compared >= len(ours) * MAX_NEW // 2, "too few tokens compared before a near-tie"
+
+
+def test_vocab_parallel_argmax_breaks_ties_to_the_lowest_id_as_torch_argmax(tp2):
+    chosen, expected = rank_results(tp2)[0]["vocab_argmax"]
+    assert chosen == expected
+
+
+def test_rank_order_sum_equals_the_all_reduce_at_two_ranks(tp2):
+    assert all(r["sum_in_rank_order"] for r in rank_results(tp2))
+
+
+def test_killing_a_rank_ends_the_other_within_the_timeout(tp2):
+    assert tp2["killed_at"] is not None, f"rank 1 never reached its kill; rank 0 said:\n{tp2['rank0_stderr']}"
+    assert tp2["exit_codes"][1] == -9
+    assert tp2["exit_codes"][0] == 1, f"rank 0 did not fail on its own: {tp2['exit_codes']}"
+    assert tp2["exited_at"][0] - tp2["killed_at"] < TIMEOUT_S
+    assert "rank 0 of 2 stopped" in tp2["rank0_stderr"]
+    assert "parallel.timeout_s" in tp2["rank0_stderr"]
+
+
+# ---- the loader: each rank reads only its slices ------------------------------------------------------------
+
+
+class CountingHandle:
+    """A safetensors handle that counts the bytes each read returns (whole tensors and slices)."""
+
+    def __init__(self, handle, counts):
+        self.handle, self.counts = handle, counts
+
+    def __enter__(self):
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def keys(self):
+        return self.handle.keys()
+
+    def _count(self, name, tensor):
+        self.counts[name] = self.counts.get(name, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    def get_tensor(self, name):
+        return self._count(name, self.handle.get_tensor(name))
+
+    def get_slice(self, name):
+        handle = self
+
+        class Slice:
+            def __getitem__(self, index):
+                return handle._count(name, handle.handle.get_slice(name)[index])
+
+        return Slice()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_loader_reads_only_each_ranks_slices(checkpoint, monkeypatch, preset):
+    path = checkpoint(preset)
+    full = load_model(path).state_dict()
+    opened = loader_module._open
+    totals = []
+    for rank in range(2):
+        counts: dict[str, int] = {}
+        monkeypatch.setattr(loader_module, "_open", lambda file, c=counts: CountingHandle(opened(file), c))
+        model = load_model(path, parallel=TensorParallel(rank, 2, rank, None))
+        plan = ShardPlan(model.config, 2, rank)
+        for name, tensor in model.state_dict().items():
+            shard = plan.shard(name)
+            expected = full[name] if shard is None else shard.read(full[name])
+            assert torch.equal(tensor, expected), f"rank {rank}: {name} is not its slice of the checkpoint"
+            # bytes read from disk for this tensor: exactly the rank's part (fp32 on disk and in the model)
+            assert counts[name] == expected.numel() * expected.element_size(), name
+        assert sum(counts.values()) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        totals.append(sum(counts.values()))
+    whole = sum(t.numel() * t.element_size() for t in full.values())
+    assert max(totals) < 0.6 * whole  # replicated norms, fc and (tiny-8l) KV heads are what exceeds half
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor `torch.equal` can compare: e4m3 as its bytes."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+
+
+@pytest.mark.parametrize("quant", ["none", "dequantize"])
+def test_fp8_scales_are_sliced_with_their_blocks(checkpoint, quant):
+    """Each rank holds its slice of every tensor: FP8 projections kept in FP8 (quant none: the e4m3 weight and
+    its 128-row/column blocks of `weight_scale_inv`) or dequantized at load, exactly as the whole model does."""
+    # head dims of 128: every TP=2 shard boundary falls on a 128-wide scale block
+    path = checkpoint("tiny-fp8", fp8=True, head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128)
+    full = load_model(path, quant=quant).state_dict()
+    kept = [name for name, tensor in full.items() if tensor.dtype == torch.float8_e4m3fn]
+    assert bool(kept) == (quant == "none")
+    for rank in range(2):
+        model = load_model(path, quant=quant, parallel=TensorParallel(rank, 2, rank, None))
+        plan = ShardPlan(model.config, 2, rank)
+        sharded_scales = 0
+        for name, tensor in model.state_dict().items():
+            if name.endswith("_scale_inv"):
+                shard = plan.shard(name[: -len("_scale_inv")])
+                shard = None if shard is None else shard.blocks(128)
+                sharded_scales += shard is not None
+            else:
+                shard = plan.shard(name)
+            expected = full[name] if shard is None else shard.read(full[name])
+            assert tensor.dtype == expected.dtype, name  # FP8 where the whole model is FP8
+            assert torch.equal(bits(tensor), bits(expected)), name
+        assert (sharded_scales > 0) == (quant == "none")
+
+
+def test_fp8_shard_boundary_off_the_128_blocks_is_refused(checkpoint):
+    path = checkpoint("tiny-fp8", fp8=True)  # head_dim 64: TP=2 splits k_proj's 128 rows at 64
+    with pytest.raises(CheckpointError, match=r"fp8 tensor \S+\.weight: parallel.tp=2 splits its rows .* 128-wide"):
+        load_model(path, parallel=TensorParallel(1, 2, 1, None))
+
+
+# ---- errors before any rank starts --------------------------------------------------------------------------
+
+
+def test_heads_tp2_cannot_divide_give_a_clear_error(checkpoint, tmp_path):
+    path = checkpoint("tiny", linear_num_key_heads=1, linear_num_value_heads=3)
+    with pytest.raises(ConfigError, match=r"degree 2 does not divide linear_num_key_heads=1"):
+        load_model(path, parallel=TensorParallel(0, 2, 0, None))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{path: {path}, device: cpu}}\nparallel: {{tp: 2}}\n")
+    result = CliRunner().invoke(app, ["run", str(recipe)])  # refused before any rank is spawned
+    assert result.exit_code == 2
+    assert "parallel.tp: tensor parallel degree 2 does not divide linear_num_key_heads=1" in result.output
+
+
+def test_kv_heads_are_replicated_when_fewer_than_ranks_and_refused_when_uneven(checkpoint):
+    config = ModelConfig.from_pretrained(checkpoint("tiny"))
+    wide = dataclasses.replace(
+        config, vocab_size=768, num_attention_heads=12, num_key_value_heads=4, linear_num_key_heads=12,
+        linear_num_value_heads=24, intermediate_size=120,
+    )  # fmt: skip
+    assert RankShapes.of(wide, 12).kv_heads == 1  # 4 KV heads, 12 ranks: each KV head serves three ranks
+    assert ShardPlan(wide, 12, 5).shard("model.layers.3.self_attn.k_proj.weight").ranges == ((32, 64),)  # head 1
+    with pytest.raises(ConfigError, match="KV heads cannot be replicated evenly"):
+        RankShapes.of(wide, 6)
+    with pytest.raises(RecipeError, match="parallel.tp: tensor parallel degree 3 does not divide"):
+        check_recipe(load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 3}}))
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-next"])
+def test_moe_models_under_tp_are_refused_before_the_ranks_start(checkpoint, preset):
+    """The MoE blocks (and Qwen3-Next's interleaved GDN projections) have no sharding plan: refused, never loaded
+    replicated or sliced wrong."""
+    with pytest.raises(ConfigError, match=r"degree 2: \S+ \(MoE\) models are not sharded yet"):
+        load_model(checkpoint(preset), parallel=TensorParallel(0, 2, 0, None))
+    with pytest.raises(RecipeError, match=r"parallel.tp: .*\(MoE\) models are not sharded yet.*parallel.tp 1"):
+        check_recipe(load_recipe({"model": {"fixture": preset, "device": "cpu"}, "parallel": {"tp": 2}}))
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    recipe = load_recipe({"model": {"synthetic": "qwen3.5-0.8b", "device": "cuda"}, "parallel": {"tp": 2}})
+    with pytest.raises(RecipeError, match="parallel.tp=2 needs 2 GPUs, one per rank, but 1 are visible"):
+        check_recipe(recipe)
+
+
+# ---- what tensor parallelism cannot combine with yet: refused, never run wrong ------------------------------
+
+
+def rank_engine(checkpoint, **sections) -> Engine:
+    """An engine over rank 0's TP=2 shard without a process group: enough for the checks a recipe or request
+    meets before any step runs (no collective is called)."""
+    path = checkpoint("tiny")
+    model = load_model(path, dtype=torch.float32, parallel=TensorParallel(0, 2, 0, None))
+    model.parallel = TensorParallel(0, 2, 0, None)  # what apply_tensor_parallel sets inside started ranks
+    return Engine(LoadedModel(model, None, path, torch.device("cpu")), **sections)
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (SamplingParams(4, temperature=0.7, seed=1), "temperature=0.7"),
+        (SamplingParams(4, temperature=1.0, top_p=0.9, seed=1), "temperature=1.0"),
+        (SamplingParams(4, logprobs=2), "logprobs=2"),
+        (SamplingParams(4, prompt_logprobs=1), "prompt_logprobs=1"),
+    ],
+)
+def test_sampling_and_logprobs_under_tp_are_refused_at_submit(checkpoint, params, message):
+    engine = rank_engine(checkpoint)
+    with pytest.raises(RequestError, match=rf"{message}.*parallel.tp=2\) decodes greedily only"):
+        engine.submit([1, 2, 3], params)
+    engine.check_request([1, 2, 3], SamplingParams(4))  # greedy without logprobs runs
+
+
+def test_the_sampler_refuses_a_vocabulary_shard_outside_greedy():
+    with pytest.raises(ValueError, match="only greedy steps run tensor-parallel"):
+        sampling.choose(torch.zeros(1, 8), sampling.Mode(noise=True), shard=VocabShard(0, None))
+
+
+def test_prefix_caching_under_tp_is_refused_before_the_ranks_start_and_by_the_engine(checkpoint):
+    recipe = load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2},
+                          "cache": {"prefix_caching": True}})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"cache.prefix_caching with parallel.tp > 1: .* not available"):
+        check_recipe(recipe)
+    with pytest.raises(RecipeError, match="cache.prefix_caching is not available with tensor parallelism"):
+        rank_engine(checkpoint, cache=CacheSection(prefix_caching=True))
+
+
+def test_sampled_bench_and_the_server_under_tp_are_refused(tmp_path):
+    recipe = load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2},
+                          "bench": {"temperature": 0.8, "out_dir": str(tmp_path / "out")}})  # fmt: skip
+    with pytest.raises(RecipeError, match=r"bench.temperature=0.8 with parallel.tp=2: .* greedily only"):
+        run_bench(recipe, progress=False)
+    file = tmp_path / "serve.yaml"
+    file.write_text("model: {fixture: tiny, device: cpu}\nparallel: {tp: 2}\n")
+    result = CliRunner().invoke(app, ["serve", str(file)])
+    assert result.exit_code == 2
+    assert "parallel.tp=2: the server runs one engine in one process" in result.output
+
+
+def test_an_engine_outside_started_ranks_says_how_to_start_them():
+    with pytest.raises(RecipeError, match="torchrun --nproc-per-node 2"):
+        Engine.from_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2}})
+
+
+def test_qwen_mtp_run_starts_two_ranks_and_rank_0_prints(tp2, checkpoint, tmp_path):
+    """`qwen-mtp run` with parallel.tp=2 spawns the ranks itself; only rank 0 prints, and its MTP tokens are the
+    TP=2 MTP-off tokens of the spawned check (same degree, same prefill chunks: exact)."""
+    import shutil
+    import subprocess
+
+    recipe = tmp_path / "tp2.yaml"
+    recipe.write_text(
+        f"model: {{path: {checkpoint(PRESETS[0])}, device: cpu, dtype: float32}}\n"
+        f"parallel: {{tp: 2, timeout_s: {TIMEOUT_S}}}\nmtp: {{enabled: true, k: 2}}\n"
+        f"cache: {{prefill_chunk: 16}}\nrun: {{prompts: {json.dumps(prompts())}, max_new_tokens: {MAX_NEW}, "
+        "ignore_eos: true}\n"
+    )
+    exe = shutil.which("qwen-mtp")
+    assert exe, "the qwen-mtp console script is not installed (pip install -e .)"
+    proc = subprocess.run([exe, "run", str(recipe)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("tensor parallel over 2 ranks") == 1  # rank 1 prints nothing
+    printed = [json.loads(line.split(": ", 1)[1]) for line in proc.stdout.splitlines() if "token ids:" in line]
+    assert printed == rank_results(tp2)[0][PRESETS[0]]["off"]

@@ -1,0 +1,348 @@
+"""`qwen-mtp serve` on loopback, driven by the real `openai` client and `httpx`: answers equal the engine's own
+greedy output (MTP on == MTP off), streaming, concurrency, cancellation on disconnect, limits, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serve_helpers import LiveServer, needs_sampling, tiny_recipe, with_chat_template
+
+from qwen_mtp.engine import Engine, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"model": "qwen-mtp", "temperature": 0}
+LONG = {"extra_body": {"ignore_eos": True}}  # an extension (vLLM's name): the openai client sends it as extra_body
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(checkpoint, tmp_path_factory):
+    return with_chat_template(checkpoint(), tmp_path_factory.getbasetemp() / "tiny-chat")
+
+
+@pytest.fixture(scope="module")
+def reference(chat_checkpoint):
+    """The same checkpoint on its own engine (MTP off): what every answer must equal."""
+    return Engine.from_recipe(tiny_recipe(chat_checkpoint), log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def server(chat_checkpoint):
+    with LiveServer.from_recipe(tiny_recipe(chat_checkpoint)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def mtp_server(chat_checkpoint):
+    with LiveServer.from_recipe(tiny_recipe(chat_checkpoint, "mtp.enabled=true", "mtp.k=3")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def small_server(checkpoint):
+    """One running request, one waiting, a 2 s timeout; the plain checkpoint (no chat template)."""
+    recipe = tiny_recipe(checkpoint(), "cache.max_batch=1", "server.max_queue=1", "server.request_timeout_s=2.0")
+    with LiveServer.from_recipe(recipe) as live:
+        yield live
+
+
+def client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url, api_key="none", max_retries=0)
+
+
+def aclient(live: LiveServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=live.url, api_key="none", max_retries=0)
+
+
+def expected(reference: Engine, prompt: list[int], max_tokens: int) -> str:
+    (result,) = reference.generate([prompt], SamplingParams(max_tokens))
+    return text_of(reference, result.token_ids)
+
+
+def text_of(engine: Engine, token_ids: list[int]) -> str:
+    """Output text as the API returns it: without special tokens (an EOS that ended the request)."""
+    return engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def test_completion_equals_engine_greedy_output(server, reference):
+    prompt = reference.encode("The quick brown fox")
+    out = client(server).completions.create(prompt="The quick brown fox", max_tokens=12, **GREEDY)
+    assert out.choices[0].text == expected(reference, prompt, 12)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens <= 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streamed_completion_equals_unstreamed(server, reference):
+    prompt = [5, 17, 42, 99, 3]
+    chunks = list(
+        client(server).completions.create(
+            prompt=prompt, max_tokens=16, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected(reference, prompt, 16)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert len([c for c in chunks if c.choices]) > 1  # it really streamed
+
+
+def test_several_prompts_and_echo(server, reference):
+    prompts = [[7, 8, 9], [100, 200, 300, 400]]
+    out = client(server).completions.create(prompt=prompts, max_tokens=5, echo=True, **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, prompt in zip(out.choices, prompts, strict=True):
+        assert choice.text == reference.decode(prompt) + expected(reference, prompt, 5)
+    assert out.usage.prompt_tokens == 7
+
+
+def test_chat_completion_through_the_template(server, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+    prompt = reference.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n"
+    )
+    want = expected(reference, prompt, 10)
+    out = client(server).chat.completions.create(messages=messages, max_tokens=10, **GREEDY)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
+    assert out.usage.prompt_tokens == len(prompt)
+    stream = client(server).chat.completions.create(messages=messages, max_tokens=10, stream=True, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    tokens = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == prompt
+
+
+def test_chat_without_a_template_is_a_clear_400(small_server):
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client(small_server).chat.completions.create(messages=[{"role": "user", "content": "hi"}], **GREEDY)
+
+
+def test_mtp_on_answers_equal_mtp_off(server, mtp_server, reference):
+    prompts = [reference.encode(t) for t in ("Hello world! How are you", "Once upon a time", "def add(a, b):")]
+    prompts += [[3, 1, 4, 1, 5, 9, 2, 6]]
+
+    async def answers(live):
+        async with aclient(live) as c:
+            outs = await asyncio.gather(
+                *(c.completions.create(prompt=p, max_tokens=20, **LONG, **GREEDY) for p in prompts)
+            )
+        return [o.choices[0].text for o in outs]
+
+    assert asyncio.run(answers(mtp_server)) == asyncio.run(answers(server))
+    m = mtp_server.metrics()
+    assert m["qwen_mtp_spec_drafted_tokens_total"] > 0 and m["qwen_mtp_spec_acceptance_length"] >= 1.0
+    assert "qwen_mtp_spec_position_acceptance{position=3}" in m
+
+
+def test_64_concurrent_requests_all_answered_correctly(server, reference):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 400) for _ in range(rng.randrange(1, 24))] for _ in range(64)]
+    lengths = [rng.randrange(1, 12) for _ in prompts]
+    ids = [reference.submit(p, SamplingParams(n)) for p, n in zip(prompts, lengths, strict=True)]
+    while reference.has_unfinished():
+        reference.step()
+    want = [text_of(reference, reference.result(i).token_ids) for i in ids]
+
+    async def one(c, prompt, n, stream):
+        if not stream:
+            return (await c.completions.create(prompt=prompt, max_tokens=n, **GREEDY)).choices[0].text
+        chunks = await c.completions.create(prompt=prompt, max_tokens=n, stream=True, **GREEDY)
+        return "".join([chunk.choices[0].text async for chunk in chunks])
+
+    async def run():
+        limits = httpx.Limits(max_connections=64)
+        async with openai.AsyncOpenAI(
+            base_url=server.url, api_key="none", max_retries=0, http_client=httpx.AsyncClient(limits=limits)
+        ) as c:
+            return await asyncio.gather(
+                *(one(c, p, n, i % 2 == 0) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)))
+            )
+
+    assert asyncio.run(run()) == want
+    server.wait_all_free()
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True, **GREEDY}
+    before = server.metrics().get("qwen_mtp_requests_finished_total{finish_reason=cancelled}", 0.0)
+    with httpx.stream("POST", server.url + "/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        m = server.metrics()
+        assert m["qwen_mtp_kv_pages_in_use"] > 0 and m["qwen_mtp_state_rows_in_use"] == 1
+    m = server.wait_all_free()  # the client closed the connection: the request was cancelled
+    assert m["qwen_mtp_requests_finished_total{finish_reason=cancelled}"] == before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_pages(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/completions", json=body, timeout=0.5)  # the client gives up and closes
+    server.wait_all_free()
+
+
+def test_queue_bound_answers_429_then_frees(small_server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True, **GREEDY}
+    with httpx.Client(base_url=small_server.url, timeout=30) as http:
+        with http.stream("POST", "/completions", json=body) as running, http.stream("POST", "/completions", json=body):
+            assert running.status_code == 200
+            with pytest.raises(openai.RateLimitError, match="requests in flight"):
+                client(small_server).completions.create(prompt=[1], max_tokens=1, **GREEDY)
+    small_server.wait_all_free()
+
+
+def test_request_timeout_ends_with_finish_reason_timeout(small_server):
+    out = client(small_server).completions.create(prompt=[1, 2], max_tokens=4000, **LONG, **GREEDY)
+    assert out.choices[0].finish_reason == "timeout"
+    assert 0 < out.usage.completion_tokens < 4000
+    small_server.wait_all_free()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b'{"prompt": "hi", "max_tokens": ', 400, "not valid JSON"),
+        ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_token": 3}, 400, "max_token"),
+        ({"prompt": [1, 2, True]}, 400, "prompt"),
+        ({"prompt": [1] * 4097, "max_tokens": 1, **GREEDY}, 400, "max_position_embeddings"),
+        ({"prompt": [1], "max_tokens": 4096, **GREEDY}, 400, "max_position_embeddings"),
+        ({"prompt": [10**9], "max_tokens": 1, **GREEDY}, 400, "outside the vocabulary"),
+        ({"prompt": "hi", "max_tokens": 0, **GREEDY}, 400, "needs echo"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
+        ({"prompt": "hi", "presence_penalty": 0.5, **GREEDY}, 400, "presence_penalty"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_reason(server, body, status, message):
+    if isinstance(body, bytes):
+        response = httpx.post(server.url + "/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(server.url + "/completions", json=body)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]["message"] + str(response.json()["error"]["param"])
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}  # and it goes on serving
+
+
+def test_models_health_tokenize_detokenize(server, reference):
+    assert client(server).models.list().data[0].id == "qwen-mtp"
+    ids = httpx.post(server.base + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert ids == reference.encode("Hello world")
+    assert httpx.post(server.base + "/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello world"}
+
+
+def test_metrics_parse_and_count(server):
+    client(server).completions.create(prompt=[4, 5, 6], max_tokens=3, **LONG, **GREEDY)
+    m = server.metrics()
+    assert m["qwen_mtp_time_to_first_token_seconds_count"] >= 1
+    assert m["qwen_mtp_time_per_output_token_seconds_count"] >= 1
+    assert m["qwen_mtp_generation_tokens_total"] >= 3 and m["qwen_mtp_generation_tokens_per_second"] > 0
+    assert m["qwen_mtp_kv_pages_total"] == server.engine.pages.num_pages
+    assert m["qwen_mtp_state_rows_total"] == server.engine.states.num_rows
+    assert {"qwen_mtp_queue_depth", "qwen_mtp_requests_running"} <= set(m)
+
+
+def test_sigterm_stops_the_cli_server_gracefully(tmp_path, chat_checkpoint):
+    exe = shutil.which("qwen-mtp")
+    assert exe, "the qwen-mtp console script is not installed (pip install -e .)"
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(f"model:\n  path: {chat_checkpoint}\n  dtype: float32\n  device: cpu\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [exe, "serve", str(recipe), "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server exited before serving"
+        url = line.split(" on ")[1].split()[0]
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True, **GREEDY}
+        with httpx.stream("POST", url + "/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)  # mid-stream: the running request still finishes
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "server stopped" in proc.stderr.read()
+
+
+def test_load_test_script_reports_and_finds_pages_free(server, tmp_path):
+    """benchmarks/load_test.py against a running server (--base-url), as the H200 run uses it."""
+    out = tmp_path / "load.json"
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "load_test.py"),
+        "--base-url",
+        server.url,
+        "--concurrency",
+        "8",
+        "--requests",
+        "16",
+        "--prompt-len",
+        "12",
+        "--max-tokens",
+        "6",
+        "--vocab",
+        "200",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["completed"] == 16 and report["errors"] == {} and report["output_tokens"] == 16 * 6
+    assert report["ttft_s"]["p50"] > 0 and report["tpot_s"]["p99"] > 0 and report["output_tokens_per_s"] > 0
+    assert report["server"]["all_free_after"] is True
+
+
+@needs_sampling
+def test_echo_logprobs_with_max_tokens_0_are_prompt_logprobs(server, reference):
+    """lm-eval's local-completions loglikelihood: echo + logprobs returns every prompt position's logprob."""
+    prompt = reference.encode("The quick brown fox jumps")
+    out = client(server).completions.create(prompt=prompt, max_tokens=0, echo=True, logprobs=1, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == reference.decode(prompt) and out.usage.completion_tokens == 0
+    assert len(lp.token_logprobs) == len(prompt) and lp.token_logprobs[0] is None
+    (direct,) = reference.generate([prompt], SamplingParams(1, prompt_logprobs=1))
+    assert lp.token_logprobs[1:] == [e.logprob for e in direct.prompt_logprobs[1:]]
+
+
+@needs_sampling
+def test_stop_strings_cut_the_text(server, reference):
+    prompt = reference.encode("Hello world")
+    (result,) = reference.generate([prompt], SamplingParams(16, ignore_eos=True))
+    full = text_of(reference, result.token_ids)
+    stop = full[3:5]
+    out = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], **LONG, **GREEDY)
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+    chunks = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], stream=True, **LONG, **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
+
+
+@needs_sampling
+def test_seeded_sampling_is_reproducible(server):
+    kwargs = {"model": "qwen-mtp", "prompt": [1, 2, 3], "max_tokens": 12, "temperature": 1.0, "seed": 7, **LONG}
+    a, b = (client(server).completions.create(**kwargs).choices[0].text for _ in range(2))
+    other = client(server).completions.create(**(kwargs | {"seed": 8})).choices[0].text
+    assert a == b and len(a) > 0
+    assert other != a  # 12 sampled tokens at T = 1 over the tiny vocabulary: a collision is vanishingly rare

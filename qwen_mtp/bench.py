@@ -6,7 +6,8 @@ Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acce
 copy bandwidth measured at start) / measured step time. The bytes (`step_bytes`) are the weights one step reads,
 plus every request's KV cache once per attention layer (the MTP layer's once per draft step) and its recurrent
 state (the committed SSM state and conv window read, one SSM slot per verified position written), at the mean
-context of the decode phase; `% roof w` counts the weights alone, as earlier reports did.
+context of the decode phase; `% roof w` counts the weights alone, as earlier reports did. For MoE models the
+weights are those of the experts the step's tokens touch (expected distinct experts under uniform routing).
 Rows decode greedily, or sample with `bench.temperature` (and `bench.top_p`) for the sampler's cost.
 `bench.out_dir` is checked before the first run, and the JSON and table are rewritten after every row, so a
 failure late in a run keeps the rows before it.
@@ -89,7 +90,31 @@ def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
     embed = size(model.model.embed_tokens)
     target = size(model.model) - embed + lm_head
     mtp = size(model.mtp) + lm_head if model.mtp is not None else 0
-    return {"target": target, "mtp_step": mtp}
+    return {"target": target, "mtp_step": mtp} | moe_expert_bytes(model)
+
+
+def moe_expert_bytes(model) -> dict[str, Any]:
+    """MoE models: per MoE block of the target and of the MTP head, (experts, top-k, bytes of one expert), so
+    `step_bytes` can count the experts a step touches instead of all of them (empty for dense models)."""
+    from qwen_mtp.model.moe import SparseMoeBlock
+
+    def blocks(module) -> list[tuple[int, int, int]]:
+        found = [m for m in module.modules() if isinstance(m, SparseMoeBlock)] if module is not None else []
+        return [
+            (m.experts.num_experts, m.top_k, sum(p.numel() * p.element_size() for p in m.experts.parameters())
+             // m.experts.num_experts)
+            for m in found
+        ]  # fmt: skip
+
+    return {"target_moe": blocks(model.model), "mtp_moe": blocks(model.mtp)}
+
+
+def touched_expert_bytes(moe_blocks: list[tuple[int, int, int]], tokens: int) -> tuple[float, float]:
+    """(bytes of the experts `tokens` tokens touch, bytes of all experts) over `moe_blocks`. Touched: the expected
+    number of distinct experts when each token picks its top-k uniformly, E * (1 - (1 - k/E)^tokens): the
+    synthetic models' random routers route about uniformly; a trained router's skew touches fewer."""
+    touched = sum(e * (1 - (1 - k / e) ** tokens) * size for e, k, size in moe_blocks)
+    return touched, float(sum(e * size for e, _, size in moe_blocks))
 
 
 def step_bytes(engine: Engine, weights: dict[str, int], batch: int, k: int, context: float) -> dict[str, float]:
@@ -108,7 +133,12 @@ def step_bytes(engine: Engine, weights: dict[str, int], batch: int, k: int, cont
     slot = states.ssm[0, 0, 0].numel() * states.ssm.element_size()  # one SSM state of one layer
     window = states.conv[0, 0].numel() * states.conv.element_size()  # one conv window of one layer
     state = batch * gdn_layers * (slot * (1 + (k + 1)) + window)
-    return {"weights": weights["target"] + k * weights["mtp_step"], "kv": kv, "state": state}
+    # MoE: only the experts some token of the step picked are read (a verify's k + 1 tokens per request).
+    target_touched, target_experts = touched_expert_bytes(weights.get("target_moe", []), batch * (k + 1))
+    mtp_touched, mtp_experts = touched_expert_bytes(weights.get("mtp_moe", []), batch)
+    target = weights["target"] - target_experts + target_touched
+    mtp = weights["mtp_step"] - mtp_experts + mtp_touched
+    return {"weights": target + k * mtp, "kv": kv, "state": state}
 
 
 def _quiet(message: str) -> None:

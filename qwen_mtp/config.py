@@ -2,7 +2,8 @@
 
 Reads the Qwen3.5 VLM wrapper (`qwen3_5`, the text model under `text_config`) and the bare text config
 (`qwen3_5_text`); rope parameters in the v5 (`rope_parameters`) and the legacy top-level form; `layer_types` or
-`full_attention_interval`. MoE families are recognised and refused until MoE lands.
+`full_attention_interval`. The MoE families too: Qwen3.5-MoE (`qwen3_5_moe` wrapper, `qwen3_5_moe_text`) and
+Qwen3-Next (`qwen3_next`, flat), their router, experts and shared expert in `MoeConfig`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,28 @@ from typing import Any
 from qwen_mtp.errors import ConfigError
 
 DENSE_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_text": "qwen3_5_text"}
-MOE_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+MOE_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5_moe_text": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
+TEXT_TYPES = {**DENSE_TEXT_TYPES, **MOE_TYPES}  # config.json model_type -> the text model's type
+WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # VLM configs: the text model under `text_config`
 LAYER_KINDS = {"linear_attention": "gdn", "full_attention": "attn"}
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MoE MLP: a softmax router over `num_experts` picks `top_k` (renormalised when `norm_topk_prob`),
+    each expert a SwiGLU of width `intermediate_size`, plus one shared expert (width
+    `shared_intermediate_size`) scaled by a sigmoid gate."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    norm_topk_prob: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The text model of a Qwen3.5 dense checkpoint (the vision tower, if any, is ignored)."""
+    """The text model of a Qwen3.5 (dense or MoE) or Qwen3-Next checkpoint (the vision tower, if any, is ignored)."""
 
     model_type: str
     vocab_size: int
@@ -47,6 +63,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     weight_block_size: tuple[int, int] | None = None  # FP8 block checkpoints: (128, 128)
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None  # the MoE MLP of the layers in `moe_layers` (and of the MTP block)
+    moe_layers: tuple[int, ...] = ()  # decoder layers whose MLP is `moe`; the others are dense
+
+    @property
+    def interleaved_gdn_projections(self) -> bool:
+        """Qwen3-Next stores the GDN input projections grouped by key head (`in_proj_qkvz`, `in_proj_ba`)."""
+        return self.model_type == "qwen3_next"
 
     @property
     def rotary_dim(self) -> int:
@@ -72,20 +95,19 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if not isinstance(model_type, str):
             raise ConfigError(f"config.json: model_type must be a string such as 'qwen3_5', got {model_type!r}")
-        if model_type in MOE_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} (MoE) is recognised but not supported yet; "
-                "qwen-mtp currently runs the dense Qwen3.5 models (qwen3_5, qwen3_5_text)"
-            )
-        if model_type not in DENSE_TEXT_TYPES:
-            raise ConfigError(f"unsupported model_type {model_type!r}; expected one of {sorted(DENSE_TEXT_TYPES)}")
-        wrapped = model_type == "qwen3_5" and "text_config" in raw
+        if model_type not in TEXT_TYPES:
+            raise ConfigError(f"unsupported model_type {model_type!r}; expected one of {sorted(TEXT_TYPES)}")
+        wrapped = model_type in WRAPPERS and "text_config" in raw
         text = raw["text_config"] if wrapped else raw
         if not isinstance(text, dict):
             raise ConfigError("config.json: text_config must be an object")
         keys = _Keys(text, "text_config." if wrapped else "")
-        if keys.optional("model_type", str, "qwen3_5_text") in MOE_TYPES:
-            raise ConfigError(f"text_config.model_type {text['model_type']!r} (MoE) is not supported yet")
+        text_type = keys.optional("model_type", str, TEXT_TYPES[model_type]) if wrapped else TEXT_TYPES[model_type]
+        if text_type not in (TEXT_TYPES[model_type], model_type):
+            raise ConfigError(
+                f"config.json: text_config.model_type {text_type!r} does not belong in a {model_type!r} config "
+                f"(expected {TEXT_TYPES[model_type]!r})"
+            )
 
         act = text.get("hidden_act", "silu")
         if act != "silu":
@@ -107,11 +129,14 @@ class ModelConfig:
                 "rotary dimensions"
             )
         quant = raw.get("quantization_config") or text.get("quantization_config")
+        moe, moe_layers = _moe(keys, text_type, num_layers)
         return cls(
-            model_type=DENSE_TEXT_TYPES[model_type],
+            model_type=text_type,
             vocab_size=keys.count("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=keys.count("intermediate_size"),
+            intermediate_size=keys.count("intermediate_size")
+            if len(moe_layers) < num_layers  # the dense width: Qwen3.5-MoE has no dense layer and no such key
+            else keys.count("intermediate_size", 0, minimum=0),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -129,10 +154,15 @@ class ModelConfig:
             # Tie if either level says so: the VLM class reads the top level, the text class text_config.
             tie_word_embeddings=_Keys(raw, "").optional("tie_word_embeddings", bool, False)
             or keys.optional("tie_word_embeddings", bool, False),
-            mtp_num_hidden_layers=keys.count("mtp_num_hidden_layers", 1, minimum=0),
+            # Qwen3-Next has no MTP-count key (vLLM reads num_nextn_predict_layers, default 1).
+            mtp_num_hidden_layers=keys.count(
+                "mtp_num_hidden_layers", keys.count("num_nextn_predict_layers", 1, minimum=0), minimum=0
+            ),
             eos_token_ids=_eos_ids([_Keys(generation or {}, "", "generation_config.json"), keys, _Keys(raw, "")]),
             weight_block_size=_block_size(quant),
             torch_dtype=_torch_dtype(keys, _Keys(raw, "")),
+            moe=moe,
+            moe_layers=moe_layers,
         )
 
 
@@ -221,6 +251,34 @@ def _layer_types(text: _Keys, num_layers: int) -> tuple[str, ...]:
     if unknown:
         raise ConfigError(f"unknown layer_types {', '.join(unknown)}; expected {sorted(LAYER_KINDS)}")
     return tuple(LAYER_KINDS[n] for n in names)
+
+
+def _moe(text: _Keys, text_type: str, num_layers: int) -> tuple[MoeConfig | None, tuple[int, ...]]:
+    """The MoE MLP and which layers have it, as Hugging Face decides: Qwen3.5-MoE has it in every layer and always
+    renormalises the top-k; Qwen3-Next in layer i iff num_experts > 0, i is not in `mlp_only_layers` and
+    (i + 1) % decoder_sparse_step == 0, renormalising iff `norm_topk_prob`."""
+    if text_type == "qwen3_5_text":
+        return None, ()
+    experts = text.count("num_experts", minimum=0 if text_type == "qwen3_next" else 1)
+    if experts == 0:
+        return None, ()
+    top_k = text.count("num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"config.json: num_experts_per_tok={top_k} is more than num_experts={experts}")
+    moe = MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=text.count("moe_intermediate_size"),
+        shared_intermediate_size=text.count("shared_expert_intermediate_size"),
+        norm_topk_prob=text.optional("norm_topk_prob", bool, True) if text_type == "qwen3_next" else True,
+    )
+    if text_type != "qwen3_next":
+        return moe, tuple(range(num_layers))
+    step = text.count("decoder_sparse_step", 1)
+    dense = text.raw("mlp_only_layers", [])
+    if not isinstance(dense, list) or not all(_is_int(i) for i in dense):
+        raise text.bad("mlp_only_layers", "a list of layer indices", dense)
+    return moe, tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _eos_ids(sources: list[_Keys]) -> tuple[int, ...]:

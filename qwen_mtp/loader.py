@@ -3,14 +3,17 @@
 Accepts one `model.safetensors`, shards listed in `model.safetensors.index.json`, or a folder of shards; the
 prefixes `model.language_model.` (VLM layout) and `model.` (text layout); ignores the vision tower. Each tensor
 is written where the model's name table (`QwenHybridForCausalLM.checkpoint_slots`) says: a parameter, or a
-segment of a merged projection. Every error names the tensor or file.
+segment of a merged projection. MoE experts load from either layout: one tensor per expert
+(`experts.{e}.gate_proj.weight`, ...) or the 3-D `experts.gate_up_proj` / `experts.down_proj`. Every error names
+the tensor or file.
 
 FP8 block checkpoints (`weight` e4m3 + `weight_scale_inv`, `quantization_config.weight_block_size` [128, 128]):
 every projection the checkpoint stores in FP8 stays FP8 (weights and scales as stored; the scales in fp32, an
 exact upcast of bf16 ones), and whatever it keeps in bf16 (`modules_to_not_convert`: lm_head, embeddings, norms,
 conv1d, A_log, dt_bias, in_proj_a/b, mtp.fc) loads as usual. An FP8 tensor the model cannot hold in FP8 (the
 lm_head, which `model.logits` reads as a plain weight; an embedding or norm; the segments of a merged projection
-whose rows are not multiples of 128, with a warning) is dequantized at load exactly as transformers does
+whose rows are not multiples of 128, with a warning; MoE experts; Qwen3-Next's interleaved `in_proj_qkvz`, whose
+rows scatter over the fused weight) is dequantized at load exactly as transformers does
 (`(fp8.float() * scale.float()).to(dtype)`), which gives the numbers the FP8 reference path computes.
 `quant="dequantize"` dequantizes every FP8 tensor (any block size); `quant="fp8-block"` also quantizes the bf16
 projections Qwen's FP8 releases quantize (`quant.fp8.quantize_`), so a BF16 checkpoint loads in FP8.
@@ -32,6 +35,7 @@ from qwen_mtp.config import ModelConfig
 from qwen_mtp.dtypes import DTYPES
 from qwen_mtp.errors import CheckpointError
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.model.next_layout import PermutedSlot
 from qwen_mtp.parallel.group import TensorParallel
 from qwen_mtp.parallel.plan import ShardPlan, TensorShard
 from qwen_mtp.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, quantize_, scale_grid
@@ -112,6 +116,21 @@ def _iter_tensors(
         bar.close()
 
 
+def _missing(absent: set[str], aliases: dict[str, tuple[str, object]]) -> set[str]:
+    """The absent tensors that matter: a 3-D expert weight is there when all its per-expert parts are, and its
+    parts are not needed when it is (a checkpoint holds one layout or the other)."""
+    parts: dict[str, list[str]] = {}
+    for alias, (whole, _) in aliases.items():
+        parts.setdefault(whole, []).append(alias)
+    missing = absent - set(aliases) - set(parts)
+    for whole, names in parts.items():
+        if whole in absent and any(n not in absent for n in names):
+            missing |= {n for n in names if n in absent}  # a per-expert checkpoint lacking some experts' tensors
+        elif whole in absent:
+            missing.add(whole)
+    return missing
+
+
 def _rank_slices(config: ModelConfig, parallel: TensorParallel | None) -> Callable[[str], TensorShard | None]:
     """Disk name -> the slice of it this rank reads (None: all of it). An FP8 block scale takes the blocks of
     its weight's slice, so a slice must start and end on a block boundary (128 for Qwen's FP8 releases)."""
@@ -169,6 +188,8 @@ def _keep_fp8(model: QwenHybridForCausalLM, fp8_names: set[str], block: tuple[in
     """Switch the projections the checkpoint stores in FP8 to FP8 storage (on the meta device, before loading)."""
     chosen: dict[nn.Module, tuple[str, list]] = {}
     for name, slot in model.checkpoint_slots().items():
+        if isinstance(slot, PermutedSlot):  # Qwen3-Next's in_proj_qkvz: its scale blocks match no fused rows
+            continue
         if name in fp8_names and hasattr(slot.module, "to_fp8") and slot.module is not model.lm_head:
             chosen.setdefault(slot.module, (name, []))[1].append(slot.segment)
     if chosen and tuple(block or ()) != FP8_BLOCK:
@@ -208,7 +229,7 @@ def load_model(
     quant: str = "none",
     parallel: TensorParallel | None = None,
 ) -> QwenHybridForCausalLM:
-    """Load a Qwen3.5 dense checkpoint with its MTP head.
+    """Load a Qwen3.5 (dense or MoE) or Qwen3-Next checkpoint with its MTP head.
 
     `dtype` defaults to the checkpoint's `dtype` (else bfloat16); every parameter is cast to it, as Hugging Face
     does (FP8 projections stay FP8). A checkpoint with no `mtp.*` tensors at all loads without a head
@@ -238,6 +259,8 @@ def load_model(
         scaled = {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
         _keep_fp8(model, scaled, config.weight_block_size)
     expected = {name: slot.shape for name, slot in model.checkpoint_slots().items()}
+    aliases = model.checkpoint_aliases()  # per-expert MoE tensors: parts of the 3-D expert weights
+    expected.update({name: slot.shape for name, (_, slot) in aliases.items()})
 
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -254,11 +277,11 @@ def load_model(
             unexpected.append(raw_name)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint {path}: {sorted(unexpected)[:20]}")
-    missing = sorted(set(expected) - set(weights))
+    missing = sorted(_missing(set(expected) - set(weights), aliases))
     if missing:
         raise CheckpointError(f"missing tensors in checkpoint {path}: {missing[:20]}")
 
-    slots = model.checkpoint_slots()
+    slots = model.checkpoint_slots() | {name: slot for name, (_, slot) in aliases.items()}
     block = config.weight_block_size
     for name, tensor in weights.items():
         stored = slots[name].tensor().dtype
@@ -280,7 +303,7 @@ def load_model(
     if scales:
         raise CheckpointError(f"block scales without an fp8 weight: {sorted(scales)[:20]}")
     model = model.to_empty(device=device)
-    slots = model.checkpoint_slots()
+    slots = model.checkpoint_slots() | {name: slot for name, (_, slot) in model.checkpoint_aliases().items()}
     for name in list(weights):
         slot = slots[name]
         slot.load(weights.pop(name).to(device=device, dtype=slot.tensor().dtype))  # each host copy freed once written

@@ -39,7 +39,7 @@ def test_eos_ids_merge_generation_config():
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"model_type": "qwen3_next"}, "not supported yet"),
+        ({"model_type": "qwen3_next"}, "missing required key 'num_experts'"),  # a MoE type needs the MoE keys
         ({"model_type": "bert"}, "unsupported model_type 'bert'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"layer_types": ["linear_attention"] * 3}, "layer_types has 3 entries"),

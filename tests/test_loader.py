@@ -128,8 +128,8 @@ def test_integer_tensor_is_refused(checkpoint, tmp_path):
     "model_type,message",
     [
         ("llama", "unsupported model_type 'llama'"),
-        ("qwen3_next", "MoE.*not supported yet"),
-        ("qwen3_5_moe", "MoE.*not supported yet"),
+        ("qwen3_next", "missing required key 'num_experts'"),
+        ("qwen3_5_moe", "missing required key 'num_experts'"),
     ],
 )
 def test_unsupported_model_type_is_named(checkpoint, tmp_path, model_type, message):

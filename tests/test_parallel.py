@@ -264,6 +264,16 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks_and_refused_when_uneven(c
         check_recipe(load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 3}}))
 
 
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-next"])
+def test_moe_models_under_tp_are_refused_before_the_ranks_start(checkpoint, preset):
+    """The MoE blocks (and Qwen3-Next's interleaved GDN projections) have no sharding plan: refused, never loaded
+    replicated or sliced wrong."""
+    with pytest.raises(ConfigError, match=r"degree 2: \S+ \(MoE\) models are not sharded yet"):
+        load_model(checkpoint(preset), parallel=TensorParallel(0, 2, 0, None))
+    with pytest.raises(RecipeError, match=r"parallel.tp: .*\(MoE\) models are not sharded yet.*parallel.tp 1"):
+        check_recipe(load_recipe({"model": {"fixture": preset, "device": "cpu"}, "parallel": {"tp": 2}}))
+
+
 def test_more_ranks_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     recipe = load_recipe({"model": {"synthetic": "qwen3.5-0.8b", "device": "cuda"}, "parallel": {"tp": 2}})

@@ -13,6 +13,7 @@ from qwen_mtp.model.attention import GatedAttention
 from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
 from qwen_mtp.model.gdn import GatedDeltaNet
 from qwen_mtp.model.layers import MLP, RMSNorm, add_and_norm
+from qwen_mtp.model.moe import SparseMoeBlock
 from qwen_mtp.model.plan import LayerSpec
 from qwen_mtp.model.shapes import RankShapes
 
@@ -26,7 +27,10 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(shapes, eps, name)
         else:
             self.self_attn = GatedAttention(shapes, eps, name)
-        self.mlp = MLP(shapes.hidden_size, shapes.intermediate_size)
+        if spec.moe is None:
+            self.mlp = MLP(shapes.hidden_size, shapes.intermediate_size)
+        else:
+            self.mlp = SparseMoeBlock(shapes.hidden_size, spec.moe)
         self.input_layernorm = RMSNorm(shapes.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(shapes.hidden_size, eps)
 

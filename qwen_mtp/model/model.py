@@ -19,9 +19,10 @@ from qwen_mtp.model.gdn import GatedDeltaNet
 from qwen_mtp.model.layers import RMSNorm, RotaryEmbedding
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.mtp import MTPHead
+from qwen_mtp.model.next_layout import interleaved_gdn_slots
 from qwen_mtp.model.plan import plan_model
 from qwen_mtp.model.shapes import RankShapes
-from qwen_mtp.model.weights import WeightSlot, weight_slots
+from qwen_mtp.model.weights import WeightSlot, checkpoint_aliases, weight_slots
 from qwen_mtp.ops.linear import linear
 
 
@@ -53,7 +54,7 @@ class QwenHybridModel(nn.Module):
 
 
 class QwenHybridForCausalLM(nn.Module):
-    """A Qwen3.5 dense hybrid model with its MTP head.
+    """A Qwen3.5 (dense or MoE) or Qwen3-Next hybrid model with its MTP head.
 
     - `model(input_ids)` -> logits [B, T, V] for the whole sequence (training / evaluation).
     - `hidden_states(...)` + `logits(...)` let generation compute the lm_head only where it needs it.
@@ -146,7 +147,15 @@ class QwenHybridForCausalLM(nn.Module):
 
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """Hugging Face tensor name -> where this model keeps it (the table the loader writes through)."""
-        return weight_slots(self)
+        slots = weight_slots(self)
+        if self.config.interleaved_gdn_projections:  # Qwen3-Next: in_proj_qkvz / in_proj_ba
+            slots = interleaved_gdn_slots(self, slots)
+        return slots
+
+    def checkpoint_aliases(self) -> dict[str, tuple[str, WeightSlot]]:
+        """Tensors a checkpoint may store in another layout (per-expert MoE weights): alias name -> (the
+        `checkpoint_slots` name it is part of, its slot)."""
+        return checkpoint_aliases(self)
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
         """The checkpoint's tensors under their Hugging Face names; merged projections give views of their rows."""

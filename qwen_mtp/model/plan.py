@@ -1,17 +1,19 @@
-"""ModelConfig -> the layer plan: which mixer each decoder layer has, and the MTP block's layers."""
+"""ModelConfig -> the layer plan: which mixer (and dense or MoE MLP) each decoder layer has, and the MTP block's
+layers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from qwen_mtp.config import ModelConfig
+from qwen_mtp.config import ModelConfig, MoeConfig
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
     mixer: Literal["gdn", "attn"]
+    moe: MoeConfig | None = None  # the layer's MLP is this MoE (None: the dense SwiGLU MLP)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class ModelPlan:
 
 
 def plan_model(config: ModelConfig) -> ModelPlan:
-    layers = tuple(LayerSpec(i, kind) for i, kind in enumerate(config.layer_types))
-    mtp = tuple(LayerSpec(i, "attn") for i in range(config.mtp_num_hidden_layers))
+    moe = set(config.moe_layers)
+    layers = tuple(LayerSpec(i, kind, config.moe if i in moe else None) for i, kind in enumerate(config.layer_types))
+    # The MoE models' MTP block has the same MoE MLP as their decoder layers.
+    mtp = tuple(LayerSpec(i, "attn", config.moe) for i in range(config.mtp_num_hidden_layers))
     return ModelPlan(layers, mtp)

@@ -30,6 +30,12 @@ class RankShapes:
         """The shapes of one of `tp` ranks; a ConfigError names what `tp` does not divide."""
         if tp < 1:
             raise ConfigError(f"tensor parallel degree must be >= 1, got {tp}")
+        if tp > 1 and (config.moe is not None or config.interleaved_gdn_projections):
+            kind = "MoE" if config.moe is not None else "Qwen3-Next"
+            raise ConfigError(
+                f"tensor parallel degree {tp}: {config.model_type} ({kind}) models are not sharded yet (the MoE blocks "
+                "and Qwen3-Next's interleaved GDN projections have no tensor-parallel plan): use parallel.tp 1"
+            )
         counts = {
             "vocab_size": config.vocab_size,
             "num_attention_heads": config.num_attention_heads,

@@ -70,3 +70,16 @@ def weight_slots(model: nn.Module) -> dict[str, WeightSlot]:
         else:
             slots[key] = WeightSlot(module, name)
     return slots
+
+
+def checkpoint_aliases(model: nn.Module) -> dict[str, tuple[str, WeightSlot]]:
+    """Other layouts a checkpoint may store some tensors in: alias name -> (the `weight_slots` name it is part of,
+    its slot). Today the per-expert MoE tensors (`...mlp.experts.{e}.gate_proj.weight`) of the 3-D expert weights
+    (`...mlp.experts.gate_up_proj`); a module offers them with `checkpoint_aliases(prefix)`."""
+    aliases: dict[str, tuple[str, WeightSlot]] = {}
+    for path, module in model.named_modules():
+        offered = getattr(module, "checkpoint_aliases", None)
+        if path and callable(offered) and isinstance(module, nn.Module) and module is not model:
+            for name, slot in offered(path).items():
+                aliases[name] = (f"{path}.{slot.name}", slot)
+    return aliases

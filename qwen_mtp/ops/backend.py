@@ -23,6 +23,8 @@ OPS = frozenset(
         "gdn_recurrent",
         "linear",
         "linear_fp8",
+        "moe",
+        "moe_route",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",

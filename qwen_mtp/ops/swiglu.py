@@ -17,9 +17,13 @@ from qwen_mtp.ops.backend import reference_forced
 
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
+    """gate_up [..., 2I] -> silu(gate) * up [..., I].
+
+    silu runs on a contiguous copy of the gate, as HF's MLP runs it on its own projection's output: torch's CPU
+    silu rounds the elements its vector loop leaves over differently, and over strided rows of I that is the
+    last I % 32 of every row (the shared experts' width, e.g. 48, showed it)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate.contiguous()) * up
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use

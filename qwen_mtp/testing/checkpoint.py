@@ -65,6 +65,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_num_value_heads": 6,
         "intermediate_size": 160,
     },
+    # Qwen3.5-MoE (every layer MoE, top-k always renormalised; no dense intermediate_size): 8 experts, top-2.
+    "tiny-moe": {
+        "model_type": "qwen3_5_moe_text",
+        "intermediate_size": None,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+    # Qwen3-Next (flat config, legacy top-level rope keys, no MTP-count key, interleaved GDN projections):
+    # 10 experts (not a power of two), top-3, layer 1 a dense MLP through mlp_only_layers.
+    "tiny-next": {
+        "model_type": "qwen3_next",
+        "rope_parameters": None,
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mtp_num_hidden_layers": None,
+        "mtp_use_dedicated_embeddings": None,
+        "intermediate_size": 96,
+        "num_experts": 10,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
     # Multiples of 128 on the quantized matrices, for FP8 block checkpoints.
     "tiny-fp8": {
         "hidden_size": 128,
@@ -91,7 +118,22 @@ FP8_SUFFIXES = (
     "gate_proj.weight",
     "up_proj.weight",
     "down_proj.weight",
+    "in_proj_qkvz.weight",
 )
+
+# The Hugging Face causal-LM class of each text model type (config.json `architectures`, text layout).
+TEXT_ARCHITECTURES = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+# The VLM layout's wrapper (config model_type, class) of the text model types that have one.
+VLM_WRAPPERS = {
+    "qwen3_5_text": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+}
+EXPERT_LAYOUTS = ("fused", "per_expert")
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # the 3-D expert weights (fused layout)
 
 
 def preset_text_config(preset: str, **overrides: Any) -> dict[str, Any]:
@@ -128,10 +170,20 @@ def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             tensor = normal(shape, 0.5)
         elif name.endswith("conv1d.weight"):
             tensor = normal(shape, 1.0 / math.sqrt(shape[-1]))
-        else:  # linear [out, in]
-            tensor = normal(shape, 1.0 / math.sqrt(shape[1]))
+        else:  # linear [out, in], or 3-D experts [E, out, in]
+            tensor = normal(shape, 1.0 / math.sqrt(shape[-1]))
         weights[name] = tensor
     return weights
+
+
+def _per_expert(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A 3-D expert weight as one tensor per expert (what Qwen3-Next and the FP8 releases store)."""
+    base, _, kind = name.rpartition(".")
+    if kind == "down_proj":
+        return {f"{base}.{e}.down_proj.weight": value[e] for e in range(value.shape[0])}
+    gate, up = value.chunk(2, dim=1)
+    parts = (("gate_proj", gate), ("up_proj", up))
+    return {f"{base}.{e}.{proj}.weight": part[e] for e in range(value.shape[0]) for proj, part in parts}
 
 
 def _disk_name(name: str, layout: str) -> str:
@@ -148,6 +200,7 @@ def build_checkpoint(
     layout: str = "text",
     fp8: bool = False,
     shards: int = 1,
+    experts: str | None = None,
     **config_overrides: Any,
 ) -> Path:
     """Write a checkpoint directory: config.json, generation_config.json, safetensors (sharded with an index
@@ -156,9 +209,14 @@ def build_checkpoint(
     layout "text" is what HF's text class saves (`model.layers...`, model_type qwen3_5_text); "vlm" is the
     released Qwen3.5 layout (`model.language_model.layers...`, `text_config` inside a `qwen3_5` config, plus a
     vision tensor that loaders must ignore). fp8 stores the big matrices as e4m3 with 128x128 block scales.
+    MoE presets: `experts` "fused" writes the 3-D `mlp.experts.gate_up_proj` / `down_proj` (the Qwen3.5-MoE
+    bf16 releases), "per_expert" one tensor per expert and projection (Qwen3-Next, the FP8 releases, and
+    what transformers saves); the default is each family's release layout.
     """
     if layout not in ("text", "vlm"):
         raise ValueError(f"layout must be 'text' or 'vlm', got {layout!r}")
+    if experts is not None and experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts must be one of {list(EXPERT_LAYOUTS)}, got {experts!r}")
     if dtype not in FIXTURE_DTYPES:
         raise ValueError(f"dtype must be one of {list(FIXTURE_DTYPES)}, got {dtype!r}")
     path = Path(path)
@@ -167,21 +225,33 @@ def build_checkpoint(
     eos_id = build_tokenizer(path, text["vocab_size"])
     text["eos_token_id"] = eos_id
     text["dtype"] = dtype
+    text_type = text["model_type"]
     if layout == "vlm":
+        if text_type not in VLM_WRAPPERS:
+            raise ValueError(f"{text_type} has no VLM layout; use layout='text'")
+        wrapper, architecture = VLM_WRAPPERS[text_type]
         config: dict[str, Any] = {
-            "model_type": "qwen3_5",
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": wrapper,
+            "architectures": [architecture],
             "text_config": text,
             "tie_word_embeddings": text["tie_word_embeddings"],
             "dtype": dtype,
         }
     else:
-        config = {"architectures": ["Qwen3_5ForCausalLM"], **text}
+        config = {"architectures": [TEXT_ARCHITECTURES[text_type]], **text}
     model_config = ModelConfig.from_dict(config)
+    experts = experts or ("per_expert" if text_type == "qwen3_next" else "fused")
 
     dtype_of_tensors = torch_dtype(dtype)
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in random_weights(model_config, seed).items():
+    weights = random_weights(model_config, seed)
+    if experts == "per_expert":
+        weights = {
+            part: tensor
+            for name, value in weights.items()
+            for part, tensor in (_per_expert(name, value) if name.endswith(EXPERT_WEIGHTS) else {name: value}).items()
+        }
+    for name, value in weights.items():
         disk = _disk_name(name, layout)
         if fp8 and value.ndim == 2 and name.endswith(FP8_SUFFIXES):
             q, scale = quantize_fp8_block(value)

@@ -1,4 +1,4 @@
-"""Random-weight models at the real Qwen3.5 shapes, created directly on the target device (no checkpoint):
+"""Random-weight models at the real Qwen3.5 / Qwen3-Next shapes, created directly on the target device (no checkpoint):
 decode speed does not depend on weight values, so benchmarks use these."""
 
 from __future__ import annotations
@@ -42,6 +42,22 @@ FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynam
 SYNTHETIC.update(
     {f"{name}-fp8": {**dims, "quantization_config": FP8_RELEASE} for name, dims in list(SYNTHETIC.items())}
 )
+
+# The MoE families (same section of the note): Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B. In bf16 the 35B takes
+# ~70 GB, the 80B ~160 GB (one H200 needs its FP8 form). The "-8l" variants keep every per-layer shape with 8
+# layers (6 GDN + 2 attention), for GPU exactness tests and kernel timing at the real expert shapes.
+_MOE = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False}  # fmt: skip
+SYNTHETIC.update({
+    "qwen3.5-35b-a3b": {**_MOE, "model_type": "qwen3_5_moe_text", "num_hidden_layers": 40, "num_experts": 256,
+                        "num_experts_per_tok": 8},
+    "qwen3-next-80b-a3b": {**_MOE, "model_type": "qwen3_next", "num_hidden_layers": 48, "num_experts": 512,
+                           "num_experts_per_tok": 10, "norm_topk_prob": True, "intermediate_size": 5120,
+                           "vocab_size": 151936, "eos_token_id": 151645},
+})  # fmt: skip
+for _name in ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):
+    SYNTHETIC[f"{_name}-8l"] = {**SYNTHETIC[_name], "num_hidden_layers": 8}
 
 
 def synthetic_config(name: str) -> ModelConfig:

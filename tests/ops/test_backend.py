@@ -10,7 +10,7 @@ import torch
 from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_attention_step
 
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
-from qwen_mtp.ops import backend, conv, linear, norm, paged_attention, rope, sampling, swiglu
+from qwen_mtp.ops import backend, conv, linear, moe, norm, paged_attention, rope, sampling, swiglu
 from qwen_mtp.ops.backend import reference_ops
 from qwen_mtp.ops.gdn import chunked, recurrent
 
@@ -41,6 +41,12 @@ def gdn_recurrent_args():
 def gdn_chunked_args():
     q, k, v = (t.view(1, 5, -1, 16) for t in fused_projection(1, 5, [32, 32, 64], seed=11))
     return (q, k, v, -rand(1, 5, 4, seed=12).abs(), rand(1, 5, 4, seed=13).sigmoid(), rand(1, 4, 16, 16, seed=14))
+
+
+def moe_args():
+    x, ids = rand(3, 16), torch.tensor([[1, 3], [3, 0], [2, 1]], device=DEVICE)
+    experts = (rand(4, 16, 16, seed=1), rand(4, 16, 8, seed=2))
+    return (x, *experts, rand(3, 2, seed=3).softmax(-1), ids, rand(3, 16, seed=4), rand(3, 1, seed=5), True)
 
 
 def sample_args():
@@ -74,6 +80,8 @@ CUDA_PATHS = {
     "paged_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "paged_prefill_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "linear": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), rand(5, 16), True)),
+    "moe": (moe, "moe_triton", moe_args),
+    "moe_route": (moe, "route_triton", lambda: (rand(3, 6), 2, True)),
     "sample_tokens": (sampling, "sample_tokens_triton", sample_args),
     "top_p_threshold": (sampling, "top_p_threshold_triton", top_p_args),
     "linear_fp8": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), *fp8_weight(5, 16), True)),

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-EOS_TOKEN = "<|endoftext|>"
+from qwen_mtp.train.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, train_tokenizer
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A hybrid model mixes linear attention with full attention.
@@ -22,28 +18,15 @@ def add(a, b):\n    return a + b\nprint(add(2, 3))\n
 
 
 def build_tokenizer(path: Path, vocab_size: int) -> int:
-    """Train and save `tokenizer.json` + `tokenizer_config.json` into `path`; returns the EOS token id.
+    """Train and save `tokenizer.json` + `tokenizer_config.json` into `path` (the trainer `qwen-mtp train` uses,
+    on a fixed corpus); returns the EOS token id.
 
     The vocabulary stays below `vocab_size` so every token id fits the model's embedding.
     """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    target = min(vocab_size, len(alphabet) + len(SPECIAL_TOKENS) + 160)
-    if target < len(alphabet) + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs >= 259)")
-    trainer = trainers.BpeTrainer(
-        vocab_size=target, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
-    )
-    tokenizer.train_from_iterator([CORPUS] * 4, trainer)
-    tokenizer.save(str(path / "tokenizer.json"))
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "model_max_length": 1 << 20,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return eos_id
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    floor = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
+    if vocab_size < floor:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs >= {floor})")
+    train_tokenizer([CORPUS] * 4, min(vocab_size, floor + 160), path)
+    return Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(EOS_TOKEN)

@@ -244,7 +244,7 @@ class Engine:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if self.parallel is not None:
             self._check_tensor_parallel(params)
-        if self.device.type == "cuda" and not CUDA_SAMPLING and _samples(params):
+        if self.device.type == "cuda" and not CUDA_SAMPLING and _softmax_features(params):
             raise RequestError(
                 "temperature > 0, logprobs and prompt_logprobs are disabled on CUDA for now: the GPU exactness "
                 "test found wrong tokens from sampled verify steps at batch 32 (docs/sampling.md, 'Status'); "
@@ -271,15 +271,7 @@ class Engine:
     def _check_tensor_parallel(self, params: SamplingParams) -> None:
         """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
         cross-rank argmax (`parallel.vocab`): sampling and logprobs, which need the whole softmax, are refused."""
-        asked = [
-            name
-            for name, on in (
-                (f"temperature={params.temperature}", not params.greedy),
-                (f"logprobs={params.logprobs}", params.logprobs is not None),
-                (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
-            )
-            if on
-        ]
+        asked = _softmax_features(params)
         if asked:
             raise RequestError(
                 f"{', '.join(asked)}: tensor parallelism (parallel.tp={self.parallel.degree}) decodes greedily only "
@@ -760,8 +752,14 @@ def _token_logprobs(
 CUDA_SAMPLING = False
 
 
-def _samples(params: SamplingParams) -> bool:
-    return not params.greedy or params.logprobs is not None or params.prompt_logprobs is not None
+def _softmax_features(params: SamplingParams) -> list[str]:
+    """What a request asks for that needs the whole softmax, not only its argmax (named as given)."""
+    asked = (
+        (f"temperature={params.temperature}", not params.greedy),
+        (f"logprobs={params.logprobs}", params.logprobs is not None),
+        (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
+    )
+    return [name for name, on in asked if on]
 
 
 def _stderr(message: str) -> None:

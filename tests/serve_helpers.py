@@ -1,5 +1,5 @@
 """Live servers for the serving and lm-eval tests: uvicorn in a thread on a loopback port the OS picks, over a
-tiny checkpoint; and `needs_sampling`, the one mark of the tests that need issue #17's sampling engine."""
+tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from qwen_mtp.engine import Engine, SamplingParams
-from qwen_mtp.errors import RequestError
+from qwen_mtp.engine import Engine
 from qwen_mtp.recipe import load_recipe
 from qwen_mtp.serve.server import bind, uvicorn_server
 
@@ -23,30 +21,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def _engine_samples() -> bool:
-    """Whether this engine runs sampling, stop strings, logprobs and prompt_logprobs (issue #17)."""
-    engine = Engine.__new__(Engine)  # check_request refuses them before it touches the engine's state
-    try:
-        params = SamplingParams(temperature=1.0, stop=("x",), logprobs=1, prompt_logprobs=1)
-        Engine.check_request(engine, [1], params)
-    except RequestError as err:
-        return "not supported by this engine yet" not in str(err)
-    except AttributeError:  # it went on to the engine's state: nothing was refused
-        return True
-    return True
-
-
-_until_sampling = pytest.mark.skipif(
-    not _engine_samples(), reason="needs issue #17's sampling, stop strings and logprobs in the engine"
-)
-
-
-def needs_sampling(test):
-    """The one mark of the tests that need sampling / stop strings / logprobs / prompt_logprobs: skipped while
-    the engine refuses those, run as soon as it takes them (all of them: `pytest -m needs_sampling -rs`)."""
-    return pytest.mark.needs_sampling(_until_sampling(test))
 
 
 def with_chat_template(checkpoint: Path, target: Path) -> Path:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import load_hf
-from serve_helpers import LiveServer, needs_sampling, tiny_recipe
+from serve_helpers import LiveServer, tiny_recipe
 
 from qwen_mtp.engine import Engine, SamplingParams
 
@@ -109,7 +109,6 @@ def hf_continuation_logprob(model, tokenizer_encode, context: str, continuation:
     return sum(logprobs[i - 1, whole[i]].item() for i in range(len(context_ids), len(whole)))
 
 
-@needs_sampling
 def test_lm_eval_loglikelihood_and_generation_in_process_and_through_the_server(
     recipe_file, engine, checkpoint, tmp_path
 ):
@@ -135,7 +134,6 @@ def test_lm_eval_loglikelihood_and_generation_in_process_and_through_the_server(
     assert served["qmtp_gen"]["exact_match,none"] == local["qmtp_gen"]["exact_match,none"]
 
 
-@needs_sampling
 def test_loglikelihood_rolling_equals_hf(recipe_file, checkpoint):
     import qwen_mtp.eval.lm as adapter
 

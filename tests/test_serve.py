@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import LiveServer, needs_sampling, tiny_recipe, with_chat_template
+from serve_helpers import LiveServer, tiny_recipe, with_chat_template
 
 from qwen_mtp.engine import Engine, SamplingParams
 
@@ -315,7 +315,6 @@ def test_load_test_script_reports_and_finds_pages_free(server, tmp_path):
     assert report["server"]["all_free_after"] is True
 
 
-@needs_sampling
 def test_echo_logprobs_with_max_tokens_0_are_prompt_logprobs(server, reference):
     """lm-eval's local-completions loglikelihood: echo + logprobs returns every prompt position's logprob."""
     prompt = reference.encode("The quick brown fox jumps")
@@ -327,7 +326,6 @@ def test_echo_logprobs_with_max_tokens_0_are_prompt_logprobs(server, reference):
     assert lp.token_logprobs[1:] == [e.logprob for e in direct.prompt_logprobs[1:]]
 
 
-@needs_sampling
 def test_stop_strings_cut_the_text(server, reference):
     prompt = reference.encode("Hello world")
     (result,) = reference.generate([prompt], SamplingParams(16, ignore_eos=True))
@@ -339,7 +337,6 @@ def test_stop_strings_cut_the_text(server, reference):
     assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
 
 
-@needs_sampling
 def test_seeded_sampling_is_reproducible(server):
     kwargs = {"model": "qwen-mtp", "prompt": [1, 2, 3], "max_tokens": 12, "temperature": 1.0, "seed": 7, **LONG}
     a, b = (client(server).completions.create(**kwargs).choices[0].text for _ in range(2))

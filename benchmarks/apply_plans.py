@@ -26,8 +26,8 @@ def best_plans(reports: list[Path], slack: float) -> dict[tuple[int, int], tuple
     for path in reports:
         report = json.loads(path.read_text())
         for name, entry in report["shapes"].items():
-            plans_ = entry["plans"].items()
-            results = {label: r | {"us": {int(m): t for m, t in r["us"].items()}} for label, r in plans_}
+            timed = entry["plans"].items()
+            results = {label: r | {"us": {int(m): t for m, t in r["us"].items()}} for label, r in timed}
             cublas = {int(m): t for m, t in entry["cublas_us"].items()}
             label = best_plan(results, cublas, slack)
             if label is not None:

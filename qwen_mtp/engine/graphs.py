@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils import _pytree as pytree
 
 from qwen_mtp.engine.sampling import GREEDY, Mode, padding_rows
 from qwen_mtp.engine.steps import DecodeSteps
@@ -54,11 +55,19 @@ class StaticStep:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    fn(**self.inputs)
+                    warm = fn(**self.inputs)
             torch.cuda.current_stream().wait_stream(stream)
+            # The outputs live outside the shared graph pool, in copies the graph writes at its end. In the pool
+            # they could sit where a graph captured earlier keeps its temporaries, and replaying that graph
+            # (the draft after the verify) would overwrite them before the host reads them back.
+            self.outputs = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+            del warm
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.outputs = fn(**self.inputs)
+                captured = fn(**self.inputs)
+                for static, result in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(captured), strict=True):
+                    static.copy_(result)
+                del captured
         else:
             fn(**self.inputs)  # torch.compile compiles on the first call: now, on padding rows only
 

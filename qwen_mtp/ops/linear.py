@@ -135,7 +135,8 @@ TUNED: dict[tuple[int, int], GemmPlan] = {
 }
 
 
-# W8A16 plans (fp8 weights, benchmarks/gemm_fp8.py --sweep prints this table); a shape not here takes its bf16 plan.
+# W8A16 plans (fp8 weights): `benchmarks/gemm_fp8.py --family` times the plan family on the GPU and
+# `benchmarks/apply_plans.py --fp8 REPORT` writes the winners here; a shape not here takes its bf16 plan.
 TUNED_FP8: dict[tuple[int, int], GemmPlan] = {}
 
 
@@ -191,7 +192,9 @@ def _matmul_kernel():
                 w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
             )
             if FP8:
-                w = triton_utils.fp8_dequantize(w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+                w = triton_utils.fp8_dequantize(
+                    w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED
+                )
             acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
         tile = ms[:, None] * N + ns[None, :]
         mask = (ms[:, None] < M) & (ns[None, :] < N)
@@ -270,7 +273,7 @@ def _stream_kernel():
                         )  # fmt: skip
                         if FP8:
                             w = triton_utils.fp8_dequantize(
-                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty
+                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED
                             )
                         updated = ()
                         for t in tl.static_range(tiles):
@@ -566,13 +569,17 @@ def _dequantize_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def kernel(
+        w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr
+    ):
         ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         ks = k0 + tl.arange(0, BLOCK_K)
         offsets, mask = ns[:, None].to(tl.int64) * K + ks[None, :], (ns[:, None] < N) & (ks[None, :] < K)
         w = tl.load(w_ptr + offsets, mask=mask, other=0.0)
-        dense = triton_utils.fp8_dequantize(w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+        dense = triton_utils.fp8_dequantize(
+            w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty, INTERPRETED
+        )
         tl.store(out_ptr + offsets, dense, mask=mask)
 
     return kernel
@@ -586,5 +593,7 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     assert weight.is_contiguous() and scale.stride(1) == 1
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
-    _dequantize_kernel()[grid](weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128)
+    _dequantize_kernel()[grid](
+        weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128, INTERPRETED=INTERPRET
+    )
     return out

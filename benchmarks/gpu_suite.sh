@@ -51,7 +51,9 @@ if [[ "$STAGE" == fp8family ]]; then  # the W8A16 plan family at a preset's FP8 
   python3 benchmarks/gemm_fp8.py "$preset" "${FP8_FILTER:-}" --family --out "$report.json" >"$report.log" 2>&1 \
     || tail -20 "$report.log"
   sed -n '/^Best W8A16 plan/,$p' "$report.log"
-  [[ -n "${APPLY_PLANS:-}" ]] && python3 benchmarks/apply_plans.py --fp8 "$report.json"
+  if [[ -n "${APPLY_PLANS:-}" ]]; then  # the tuned table, for the rest of this call and back in $OUT
+    python3 benchmarks/apply_plans.py --fp8 "$report.json" && cp qwen_mtp/ops/linear.py "$OUT/linear.py"
+  fi
 fi
 if [[ "$STAGE" == longprefill ]]; then  # TTFT of a long prompt per prefill chunk size, with a GPU time split
   python3 benchmarks/long_prefill.py "${1:-recipes/bench-27b.yaml}" --length "${LENGTH:-32768}" \

@@ -23,8 +23,9 @@ gradient, so training runs the same module code.
 and wherever the reference is forced, dequantizes as transformers does, `(fp8.float() * scale).to(x.dtype)`,
 then runs the product above. On CUDA the invariant path is the same two kernel families with the weight tile
 dequantized in registers by that formula (so with the same plan it equals the bf16 kernel on the dequantized
-weight bit for bit), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other path (prefill) is
-`FP8_PREFILL`'s choice (see `_fp8_prefill`).
+weight bit for bit; in bf16 without conversion instructions, exact for bf16-valued scales as Qwen stores
+them: `triton_helpers.fp8_dequantize`), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other
+path (prefill) is `FP8_PREFILL`'s choice (see `_fp8_prefill`).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def _matmul_kernel():
         x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
@@ -194,7 +194,7 @@ def _matmul_kernel():
             )
             if FP8:
                 w = triton_utils.fp8_dequantize(
-                    w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED
+                    w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED, MMA_SYNC
                 )
             acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
         tile = ms[:, None] * N + ns[None, :]
@@ -250,7 +250,7 @@ def _stream_kernel():
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -274,8 +274,9 @@ def _stream_kernel():
                         )  # fmt: skip
                         if FP8:
                             w = triton_utils.fp8_dequantize(
-                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED
-                            )
+                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED,
+                                MMA_SYNC,
+                            )  # fmt: skip
                         updated = ()
                         for t in tl.static_range(tiles):
                             ms = row0 + t * BLOCK_M + rows
@@ -329,6 +330,14 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
+def feeds_mma_sync(plan: GemmPlan, arch: int) -> bool:
+    """Whether Triton runs the plan's `tl.dot` as mma.sync on a GPU of compute capability `arch`.x rather than as
+    Hopper's wgmma, which needs a multiple of 64 MMA rows (the weight block's when swapped) and of 4 warps. The
+    W8A16 dequantization needs to know (`triton_helpers.fp8_dequantize`, MMA_SYNC)."""
+    rows = plan.block_n if plan.swap_ab else plan.block_m
+    return not (arch == 9 and rows % 64 == 0 and plan.num_warps % 4 == 0)
+
+
 def invariant_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -365,6 +374,7 @@ def invariant_matmul_triton(
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
         FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        MMA_SYNC=fp8 and not INTERPRET and feeds_mma_sync(plan, torch.cuda.get_device_capability(x.device)[0]),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out

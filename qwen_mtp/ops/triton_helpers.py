@@ -41,7 +41,7 @@ fma.rn.bf16x2 $0, t, $2, z;
 
 @triton.jit
 def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,  # noqa: N803
-                   INTERPRETED: tl.constexpr = False):  # noqa: N803  # fmt: skip
+                   INTERPRETED: tl.constexpr = False, MMA_SYNC: tl.constexpr = False):  # noqa: N803  # fmt: skip
     """An e4m3 weight tile w [BLOCK_N, BLOCK_K] (rows `ns`, columns k0..k0+BLOCK_K) -> `dtype`, each element times
     its 128x128 block's scale (scale_ptr: [ceil(N/128), ceil(K/128)], row stride s_n), rounded once: transformers'
     `(fp8.float() * scale.float()).to(dtype)`, so the tile equals the dequantized weight's.
@@ -56,7 +56,14 @@ def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK
     amax below 114688): what Qwen's releases store and what `quant.fp8.quantize_fp8_block` gives a bf16 weight;
     an fp32 scale with more bits would be rounded to bf16 here. Interpreted, or in fp32 / fp16 (the CPU tests),
     the fp32 formula. A tile of at most 128 columns lies in one block column (k0 is a multiple of BLOCK_K); a
-    wider one spans BLOCK_K // 128 of them."""
+    wider one spans BLOCK_K // 128 of them.
+
+    MMA_SYNC: the tile feeds a `tl.dot` that runs as mma.sync (`linear.feeds_mma_sync`). Triton lays out an
+    mma.sync operand by the narrowest load it traces it back to through pure elementwise ops: from the e4m3 load
+    each thread would hold 4 consecutive K values where the bf16 weight's layout holds 2, so the MMAs would add
+    the same products in another grouping and round differently from the bf16 kernel. The asm is then marked
+    impure, which ends that trace at it (the bf16 kernel's layout). wgmma plans keep it pure: their register
+    operand layout is fixed, and the impure asm costs them layout conversions."""
     if BLOCK_K <= 128:
         scale = tl.load(scale_ptr + (ns // 128) * s_n + k0 // 128, mask=ns < N, other=0.0).to(tl.float32)[:, None]
     else:
@@ -68,7 +75,10 @@ def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK
     if dtype == tl.bfloat16 and not INTERPRETED:
         factor = (scale * 1.329227995784916e36).to(tl.bfloat16)  # scale * 2^120, exact
         bits = w.to(tl.int8, bitcast=True)
-        scaled = tl.inline_asm_elementwise(FP8_TO_BF16_SCALED, "=r,r,r", [bits, factor], tl.bfloat16, True, 2)
+        if MMA_SYNC:
+            scaled = tl.inline_asm_elementwise(FP8_TO_BF16_SCALED, "=r,r,r", [bits, factor], tl.bfloat16, False, 2)
+        else:
+            scaled = tl.inline_asm_elementwise(FP8_TO_BF16_SCALED, "=r,r,r", [bits, factor], tl.bfloat16, True, 2)
     else:
         scaled = w.to(tl.float32) * scale
     return tl.reshape(scaled, (BLOCK_N, BLOCK_K)).to(dtype)

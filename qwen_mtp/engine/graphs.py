@@ -60,14 +60,11 @@ class StaticStep:
             # The outputs live outside the shared graph pool, in copies the graph writes at its end. In the pool
             # they could sit where a graph captured earlier keeps its temporaries, and replaying that graph
             # (the draft after the verify) would overwrite them before the host reads them back.
-            self.outputs = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+            self.outputs = static_copies(warm)
             del warm
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                captured = fn(**self.inputs)
-                for static, result in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(captured), strict=True):
-                    static.copy_(result)
-                del captured
+                copy_outputs(self.outputs, fn(**self.inputs))
         else:
             fn(**self.inputs)  # torch.compile compiles on the first call: now, on padding rows only
 
@@ -86,6 +83,18 @@ class StaticStep:
             return self.fn(**self.inputs)
         self.graph.replay()
         return self.outputs
+
+
+def static_copies(outputs):
+    """A step's outputs (tensors, tuples of them, None) with each tensor cloned into memory of its own."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
+
+
+def copy_outputs(static, outputs) -> None:
+    """Copy a step's `outputs` into `static_copies` of the same structure (None stays None: no logprobs)."""
+    for target, value in zip(pytree.tree_leaves(static), pytree.tree_leaves(outputs), strict=True):
+        if isinstance(target, torch.Tensor):
+            target.copy_(value)
 
 
 class StepGraphs:

@@ -35,7 +35,7 @@ def test_moe_mtp_equals_plain_graphs_batch_1_8_32(preset):
     del plain
     for k in (1, 2, 3, 4):
         spec = engine_for(preset, k=k)
-        assert spec.decode_path == "cuda_graphs"
+        assert spec.decode_path == "CUDA graphs"
         for batch in (1, 8, 32):
             got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=16, ignore_eos=True)]
             assert got == expected[batch], f"{preset}: K={k} batch {batch} differs from plain decoding"

@@ -4,6 +4,7 @@ logprobs, greedy and sampled requests mixed, filters and none); one synchronisat
 trained checkpoint (QWEN_MTP_TRAINED=path), the acceptance of coupled against greedy drafts at T = 0.7."""
 
 import os
+import traceback
 
 import pytest
 import torch
@@ -87,7 +88,10 @@ def run(engine, prompts, max_new, oracles=None):
         ids = [engine.submit_with_oracle(p, o, q) for p, o, q in zip(prompts, oracles, params, strict=True)]
     while engine.has_unfinished():
         engine.step()
-    return [engine.result(i) for i in ids]
+    results = [engine.result(i) for i in ids]
+    failed = ["".join(traceback.format_exception(r.error)) for r in results if r.finish_reason == "error"]
+    assert not failed, f"{len(failed)} requests ended with an error, the first:\n{failed[0] if failed else ''}"
+    return results
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -3,6 +3,8 @@ Qwen3-Next-80B-A3B: 256 / 512 experts, top-8 / top-10, shared expert): MTP-on ==
 1, 8 and 32 with CUDA graphs (the fused-MoE kernels on the decode, verify and draft path), and the fused-MoE
 kernel's tokens never depend on the batch at those shapes."""
 
+import gc
+
 import pytest
 import torch
 from helpers import random_prompt
@@ -11,6 +13,15 @@ from qwen_mtp import Engine
 from qwen_mtp.ops.moe import moe_reference, moe_triton, route_reference, route_triton
 
 PRESETS = ("qwen3.5-35b-a3b-8l", "qwen3-next-80b-a3b-8l")
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """An engine's pools and graphs sit in reference cycles: collect them after each test, or the next preset's
+    engines run out of the H200's memory."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def engine_for(preset, k=None, mode_graphs=True, max_batch=32):
@@ -33,6 +44,7 @@ def test_moe_mtp_equals_plain_graphs_batch_1_8_32(preset):
     expected = {b: [r.token_ids for r in plain.generate(prompts[:b], max_new_tokens=16, ignore_eos=True)]
                 for b in (1, 8, 32)}  # fmt: skip
     del plain
+    gc.collect()
     for k in (1, 2, 3, 4):
         spec = engine_for(preset, k=k)
         assert spec.decode_path == "CUDA graphs"
@@ -40,6 +52,7 @@ def test_moe_mtp_equals_plain_graphs_batch_1_8_32(preset):
             got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=16, ignore_eos=True)]
             assert got == expected[batch], f"{preset}: K={k} batch {batch} differs from plain decoding"
         del spec
+        gc.collect()
         torch.cuda.empty_cache()
 
 

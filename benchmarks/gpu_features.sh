@@ -14,6 +14,6 @@ OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 for part in ${FEATURES:-sampling_cuda:150 fp8:170 moe_exactness:150 prefix_cache_cuda:120 host_syncs:90}; do
   name=${part%%:*} limit=${part##*:}
   echo "== $name"
-  timeout "$limit" python3 -m pytest -v -rA "tests/gpu/test_$name.py" ${PYTEST_K:+-k "$PYTEST_K"} >"$OUT/$name.log" 2>&1
-  echo "exit $?"; grep -E "(PASSED|FAILED|ERROR) tests|^E  .{0,200}" "$OUT/$name.log" | grep -v "^E  *$" | head -24
+  timeout "$limit" python3 -m pytest -v "tests/gpu/test_$name.py" ${PYTEST_K:+-k "$PYTEST_K"} >"$OUT/$name.log" 2>&1
+  echo "exit $?"; grep -E "::.* (PASSED|FAILED|ERROR)|^E  .{0,200}" "$OUT/$name.log" | grep -v "^E  *$" | head -24
 done

@@ -244,12 +244,6 @@ class Engine:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if self.parallel is not None:
             self._check_tensor_parallel(params)
-        if self.device.type == "cuda" and not CUDA_SAMPLING and _softmax_features(params):
-            raise RequestError(
-                "temperature > 0, logprobs and prompt_logprobs are disabled on CUDA for now: the GPU exactness "
-                "test found wrong tokens from sampled verify steps at batch 32 (docs/sampling.md, 'Status'); "
-                "greedy requests (temperature 0) run"
-            )
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -745,11 +739,6 @@ def _token_logprobs(
                                                    values[row * width : row * width + (n or 0)], strict=True)))
         for token, row in zip(tokens, rows, strict=True)
     ]  # fmt: skip
-
-
-# Sampled and logprob requests on CUDA: off until tests/gpu/test_sampling_cuda.py passes on the H200 (it found
-# garbage token ids from sampled verify steps at batch 32, 2026-12-01). CPU runs them (tests/test_sampling_*.py).
-CUDA_SAMPLING = False
 
 
 def _softmax_features(params: SamplingParams) -> list[str]:

@@ -18,13 +18,6 @@ from qwen_mtp.ops import sampling as ops
 VOCAB = 248_320
 
 
-@pytest.fixture(autouse=True)
-def cuda_sampling_on(monkeypatch):
-    """The engine refuses sampled requests on CUDA until this file passes (engine.CUDA_SAMPLING): these tests
-    run the path anyway, to check it."""
-    monkeypatch.setattr("qwen_mtp.engine.engine.CUDA_SAMPLING", True)
-
-
 def sampler_rows(count, seed=0):
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(count, VOCAB, generator=gen) * 4).cuda()

@@ -56,7 +56,7 @@ class GatedDeltaNet(nn.Module):
             out, final = gdn_chunked(q, k, v, g, beta, ssm)
             if cache is not None:
                 cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
-        out = self.norm(out, z)  # [B, T, Hv, dv]: per head, z read in place
+        out = self.norm(out, z, invariant)  # [B, T, Hv, dv]: per head, z read in place
         return self.out_proj(out.reshape(batch, length, self.value_dim), invariant)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,8 +6,7 @@ depend on the other rows. A GEMM library picks its kernel by the number of rows:
 1 row and over 8 rows round differently (measured: ~1000 of 1000-odd row comparisons differ in the last bit);
 cuBLAS likewise picks kernels (and split-K) by M. Greedy decoding must give a request the same tokens whatever
 else shares its batch, so on that path every row's reduction order must not depend on the row count:
-- CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product, `bmm` over
-  [rows, 1, K] x [rows, K, N] (weight broadcast, not copied);
+- CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product (`rowwise_products`);
 - CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only (a `GemmPlan`),
   the split partial sums are added in one fixed order (never accumulated with atomics), and one binary serves
   every M, so a row's result is the same for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few
@@ -81,11 +80,24 @@ class GemmPlan:
         return -(-k_blocks // self.k_per_split)
 
 
+def rowwise_products(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rows [P, 1, K] @ weights [P, K, N] -> [P, 1, N], every product computed exactly as it would be alone.
+
+    fp32 / fp64: one `bmm` (MKL's per-matrix GEMM, measured invariant in P). Other dtypes: one product per row.
+    A bf16 `bmm` goes to oneDNN only once P * K * N passes 16^3, so at small shapes (64 x 64, the fixtures'
+    projections) one row alone took another kernel than the same row among P >= 2 and rounded it differently
+    (2 rows in 2048); oneDNN's batched call also copies a broadcast weight per row (~40x slower than a product
+    per row at 1024 x 1024, P = 8). A product per row has the same shape whatever P: the same kernel."""
+    if rows.dtype in (torch.float32, torch.float64):
+        return torch.bmm(rows, weights)
+    return torch.stack([row @ weight for row, weight in zip(rows, weights, strict=True)])
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear` with each row of x reduced on its own: the result of a row never depends on the others."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, 1, in_features)
-    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.shape[0], in_features, out_features))
+    out = rowwise_products(rows, weight.t().unsqueeze(0).expand(rows.shape[0], in_features, out_features))
     return out.reshape(*x.shape[:-1], out_features)
 
 

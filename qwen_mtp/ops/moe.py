@@ -35,8 +35,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from qwen_mtp.ops import triton_utils
+from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.linear import rowwise_products
 from qwen_mtp.ops.triton_utils import INTERPRET
 
 BLOCK_M = 16  # pairs per tl.dot (tl.dot's minimum), fixed: the row count of every MMA never depends on routing
@@ -58,11 +59,12 @@ def route_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[
     return top.to(logits.dtype), ids
 
 
-def _expert_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def _expert_swiglu(gate_up: torch.Tensor, invariant: bool) -> torch.Tensor:
     """silu(gate) * up on the strided halves of the experts' gate_up output, as HF's experts compute it (not
-    `swiglu_reference`, which copies the gate first as HF's dense MLP sees it: CPU silu rounds the two apart)."""
+    `swiglu_reference`, which copies the gate first as HF's dense MLP sees it: CPU silu rounds the two apart).
+    `invariant`: every element rounded the same way (`ops/elementwise.py`)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return elementwise.silu(gate, invariant) * up
 
 
 def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -93,8 +95,8 @@ def experts_reference(
     if invariant:  # every (token, slot) pair its own 1-row product
         flat = ids.reshape(-1)
         rows = x.repeat_interleave(top_k, dim=0)[:, None]  # [P, 1, H], pair p = token p // k
-        h = _expert_swiglu(torch.bmm(rows, gate_up[flat].transpose(1, 2)))
-        out = torch.bmm(h, down[flat].transpose(1, 2))[:, 0]
+        h = _expert_swiglu(rowwise_products(rows, gate_up[flat].transpose(1, 2)), invariant)
+        out = rowwise_products(h, down[flat].transpose(1, 2))[:, 0]
         weighted = out * weights.reshape(-1, 1)
     else:  # HF's grouped GEMM path, step for step
         experts = ids.reshape(-1)
@@ -103,7 +105,7 @@ def experts_reference(
         counted = sorted_experts.float() if x.device.type == "cpu" else sorted_experts.int()
         counts = torch.histc(counted, bins=gate_up.shape[0], min=0, max=gate_up.shape[0] - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = _expert_swiglu(_grouped_mm(rows, gate_up.transpose(-2, -1), offsets))
+        h = _expert_swiglu(_grouped_mm(rows, gate_up.transpose(-2, -1), offsets), invariant)
         out = _grouped_mm(h, down.transpose(-2, -1), offsets)
         weighted = out * weights.reshape(-1)[perm].unsqueeze(-1)
         inverse = torch.empty_like(perm)
@@ -123,7 +125,8 @@ def moe_reference(
     invariant: bool,
 ) -> torch.Tensor:
     """The MoE block's output: routed experts + sigmoid(shared_gate [N, 1]) * shared [N, H], rounded as HF."""
-    return experts_reference(x, gate_up, down, weights, ids, invariant) + torch.sigmoid(shared_gate) * shared
+    routed = experts_reference(x, gate_up, down, weights, ids, invariant)
+    return routed + elementwise.sigmoid(shared_gate, invariant) * shared
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -90,8 +90,10 @@ def gemm(model, rows: list[int]) -> dict:
         total = {"invariant": 0.0, "default": 0.0}
         for (n, k), modules in shapes.items():
             x = torch.randn(m, k, device=device, dtype=dtype)
-            module = modules[0]
-            t = {name: timed(lambda inv=inv: module(x, inv)) for name, inv in (("invariant", True), ("default", False))}
+            t = {
+                name: timed(lambda module=modules[0], x=x, inv=inv: module(x, inv))
+                for name, inv in (("invariant", True), ("default", False))
+            }
             for name in total:
                 total[name] += t[name] * len(modules)
             report["shapes"].append(dict(m=m, n=n, k=k, count=len(modules), **{f"{a}_s": b for a, b in t.items()}))

@@ -1,6 +1,7 @@
 """Mixed steps (issue #20) on the GPU, packing on (`cache.mixed_steps`) against off, one loaded model:
-1. gemm:  one forward's linears at prefill row counts, the batch-invariant GEMM (what a packed prefill runs at
-          every M) against the default GEMM (cuBLAS: today's unpacked prefill), per weight shape and summed;
+1. gemm:  one forward's linears at prefill row counts (bf16), per weight shape and summed: the batch-invariant
+          GEMM with its decode plans (what a packed prefill runs at every M today), cuBLAS (today's unpacked
+          prefill) and candidate prefill plans (`prefill_plans`: what a second, prefill-sized plan table could hold);
 2. ttft:  32 simultaneous 128-token prompts and 8 simultaneous 2048-token prompts: time to first token (mean,
           max) beside the compute floor (2 x linear params x prompt tokens at 700 TFLOP/s), and the decode
           tokens/s of the same batch after its prefill;
@@ -24,10 +25,12 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.model.linear import Linear, MergedLinear
+from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
 from qwen_mtp.recipe import load_recipe
 
 FLOOR_FLOPS = 700e12  # a dense bf16 GEMM's practical peak on the H200 (issue #20's floor)
@@ -81,26 +84,46 @@ def linears(model) -> dict[tuple[int, int], list]:
     return found
 
 
+def prefill_plans(k: int) -> dict[str, GemmPlan]:
+    """Candidate batch-invariant plans for prefill row counts (a function of (N, K) only, like every plan): the
+    "grid" family with 64- or 128-row tiles and no K split, as a dense GEMM library tiles a large M. The decode
+    plans (`gemm_plan`: "stream", 16-32-row MMAs, one program per weight slice walking every row) are built for
+    M = 1..64; these are what a prefill plan table could hold."""
+    blocks = -(-k // 64)
+    return {
+        "grid128x128": GemmPlan(128, 64, blocks, 8, 3, block_m=128),
+        "grid128x256": GemmPlan(256, 64, blocks, 8, 3, block_m=128),
+        "grid64x128": GemmPlan(128, 64, blocks, 4, 4, block_m=64),
+    }
+
+
 @torch.inference_mode()
 def gemm(model, rows: list[int]) -> dict:
-    """Per weight shape and row count: invariant vs default GEMM seconds; and one forward's linears summed."""
+    """Per weight shape [N, K] and row count M: the invariant GEMM with the decode plan (what a packed prefill
+    runs today), cuBLAS (`F.linear`, today's unpacked prefill) and the candidate prefill plans; and one
+    forward's linears summed (each shape its count of modules, the best candidate per shape)."""
     device, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
     shapes, report = linears(model), {"shapes": [], "forward": []}
     for m in rows:
-        total = {"invariant": 0.0, "default": 0.0}
+        total = {"invariant": 0.0, "cublas": 0.0, "best_prefill_plan": 0.0}
         for (n, k), modules in shapes.items():
             x = torch.randn(m, k, device=device, dtype=dtype)
-            t = {
-                name: timed(lambda module=modules[0], x=x, inv=inv: module(x, inv))
-                for name, inv in (("invariant", True), ("default", False))
-            }
+            w = torch.randn(n, k, device=device, dtype=dtype)
+            t = {"invariant": timed(lambda x=x, w=w: invariant_matmul_triton(x, w))}
+            t["cublas"] = timed(lambda x=x, w=w: F.linear(x, w))
+            plans = {name: timed(lambda x=x, w=w, p=p: invariant_matmul_triton(x, w, p)) for name, p in
+                     prefill_plans(k).items()}  # fmt: skip
+            best = min(plans, key=plans.get)
+            t["best_prefill_plan"] = plans[best]
             for name in total:
                 total[name] += t[name] * len(modules)
-            report["shapes"].append(dict(m=m, n=n, k=k, count=len(modules), **{f"{a}_s": b for a, b in t.items()}))
-        ratio = total["invariant"] / total["default"]
-        report["forward"].append(dict(m=m, invariant_s=total["invariant"], default_s=total["default"], ratio=ratio))
-        print(f"gemm M={m:5d}: one forward's linears invariant {total['invariant'] * 1e3:8.2f} ms, "
-              f"default {total['default'] * 1e3:8.2f} ms ({ratio:.2f}x)")  # fmt: skip
+            seconds = {f"{a}_s": b for a, b in t.items()}
+            report["shapes"].append(dict(m=m, n=n, k=k, count=len(modules), best_plan=best, plans_s=plans, **seconds))
+        report["forward"].append(dict(m=m, **{f"{a}_s": b for a, b in total.items()}))
+        print(f"gemm M={m:5d}: one forward's linears: invariant (decode plans) {total['invariant'] * 1e3:8.2f} ms, "
+              f"cuBLAS {total['cublas'] * 1e3:8.2f} ms, best prefill plan {total['best_prefill_plan'] * 1e3:8.2f} ms "
+              f"(invariant/cuBLAS {total['invariant'] / total['cublas']:.2f}x, "
+              f"prefill plan/cuBLAS {total['best_prefill_plan'] / total['cublas']:.2f}x)")  # fmt: skip
     return report
 
 

@@ -120,3 +120,27 @@ def test_budget_takes_decode_rows_first_then_chunks_in_arrival_order(checkpoint)
 def test_budget_below_decode_rows_plus_a_chunk_is_refused(checkpoint):
     with pytest.raises(RecipeError, match=r"cache.max_step_tokens \(39\) must hold .* at least 40"):
         make_engine(checkpoint("tiny"), max_batch=8, max_step_tokens=39, k=2)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_prefix_hits_in_packed_steps_equal_a_cold_run(checkpoint, k):
+    """Prefix caching with mixed steps: requests restoring a cached system prompt and prefilling the rest in
+    packed steps (beside a cold one) get the tokens and MTP drafts of a cold run, and do restore."""
+    from prefix_helpers import Recorder
+
+    path = checkpoint("tiny")
+    system = random_prompt(2 * CHUNK, seed=3)
+    prompts = [system + random_prompt(n, seed=40 + n) for n in (5, 21, 9)] + [random_prompt(30, seed=8)]
+    cached = make_engine(path, k=k, prefix_caching=True, page_size=8)
+    cached.generate([system + [1]], max_new_tokens=1, ignore_eos=True)
+    warm, cold = Recorder(cached), Recorder(make_engine(path, k=k, page_size=8))
+    steps = record_packing(cached)
+    ids = {}
+    for recorder in (warm, cold):
+        ids[recorder] = [recorder.submit(prompt, MAX_NEW) for prompt in prompts]
+        recorder.finish()
+    # with MTP a cached chunk's MTP KV holds the token after it: the second chunk is a hit only for its own next token
+    restored = 3 * (2 if k is None else 1) * CHUNK
+    assert [cached.stats()["prefix_tokens_saved"], max(len(s) for s in steps)] == [restored, 4]
+    for record in ("outputs", "drafts"):
+        assert [getattr(warm, record)[i] for i in ids[warm]] == [getattr(cold, record)[i] for i in ids[cold]]

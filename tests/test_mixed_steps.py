@@ -125,13 +125,15 @@ def test_budget_below_decode_rows_plus_a_chunk_is_refused(checkpoint):
 @pytest.mark.parametrize("k", [None, 2])
 def test_prefix_hits_in_packed_steps_equal_a_cold_run(checkpoint, k):
     """Prefix caching with mixed steps: requests restoring a cached system prompt and prefilling the rest in
-    packed steps (beside a cold one) get the tokens and MTP drafts of a cold run, and do restore."""
+    packed steps (beside a cold one) get the tokens and MTP drafts of a cold run, and do restore. The budget is
+    the floor (10 decode rows + one chunk), so chunks that do not fit wait (and take no snapshot slot)."""
     from prefix_helpers import Recorder
 
     path = checkpoint("tiny")
     system = random_prompt(2 * CHUNK, seed=3)
     prompts = [system + random_prompt(n, seed=40 + n) for n in (5, 21, 9)] + [random_prompt(30, seed=8)]
-    cached = make_engine(path, k=k, prefix_caching=True, page_size=8)
+    budget = 10 * (1 if k is None else k + 1) + CHUNK
+    cached = make_engine(path, k=k, prefix_caching=True, page_size=8, max_step_tokens=budget)
     cached.generate([system + [1]], max_new_tokens=1, ignore_eos=True)
     warm, cold = Recorder(cached), Recorder(make_engine(path, k=k, page_size=8))
     steps = record_packing(cached)
@@ -141,6 +143,9 @@ def test_prefix_hits_in_packed_steps_equal_a_cold_run(checkpoint, k):
         recorder.finish()
     # with MTP a cached chunk's MTP KV holds the token after it: the second chunk is a hit only for its own next token
     restored = 3 * (2 if k is None else 1) * CHUNK
-    assert [cached.stats()["prefix_tokens_saved"], max(len(s) for s in steps)] == [restored, 4]
+    assert cached.stats()["prefix_tokens_saved"] == restored and max(len(s) for s in steps) >= 2
     for record in ("outputs", "drafts"):
         assert [getattr(warm, record)[i] for i in ids[warm]] == [getattr(cold, record)[i] for i in ids[cold]]
+    cached.clear_prefix_cache()
+    stats = cached.stats()
+    assert stats["prefix_free_snapshot_slots"] == stats["prefix_snapshot_slots"], stats

@@ -170,20 +170,15 @@ class Scheduler:
         if budget is not None:
             budget -= len(plan.decodes) + len(plan.verifies) * (self.k + 1)
         for request in prefilling:  # in admission order: the first that does not fit ends the step's prefills
-            chunk = self._next_chunk(request)
+            n = request.num_computed
+            end = min(len(request.prompt), (n // self.prefill_chunk + 1) * self.prefill_chunk)
             if budget is not None:
-                if chunk.length > budget:
+                if end - n > budget:
                     break
-                budget -= chunk.length
-            plan.prefills.append(chunk)
+                budget -= end - n
+            drafts = request.spec is not None and end == len(request.prompt) and request.max_new_tokens > 1
+            plan.prefills.append(PrefillChunk(request, n, end - n, drafts, self._snapshot_slot(request, n, end)))
             # the chain after the last chunk writes the MTP KV of positions end..end+K-2
-            plan.reach[request.id] = chunk.start + chunk.length + (self.k - 1 if chunk.drafts else 0)
+            plan.reach[request.id] = end + (self.k - 1 if drafts else 0)
             self.pages.grow(request.id, plan.reach[request.id])
         return plan
-
-    def _next_chunk(self, request: Request) -> PrefillChunk:
-        """The request's next prompt chunk: up to the next multiple of `prefill_chunk` from the prompt start."""
-        n = request.num_computed
-        end = min(len(request.prompt), (n // self.prefill_chunk + 1) * self.prefill_chunk)
-        drafts = request.spec is not None and end == len(request.prompt) and request.max_new_tokens > 1
-        return PrefillChunk(request, n, end - n, drafts, self._snapshot_slot(request, n, end))

@@ -149,3 +149,31 @@ def test_prefix_hits_in_packed_steps_equal_a_cold_run(checkpoint, k):
     cached.clear_prefix_cache()
     stats = cached.stats()
     assert stats["prefix_free_snapshot_slots"] == stats["prefix_snapshot_slots"], stats
+
+
+def chunk_hidden_states(engine, prompts):
+    """Run `prompts` (the first one the target) to the end; the target's chunks' hidden states from the packed
+    forwards, in order."""
+    seen, packed = [], engine.runner.prefill_packed
+
+    def recording(chunks):
+        hidden = packed(chunks)
+        seen.extend(h.clone() for c, h in zip(chunks, hidden, strict=True) if c.request.id == target)
+        return hidden
+
+    engine.runner.prefill_packed = recording
+    target, *_ = [engine.submit(p, SamplingParams(2, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_chunk_hidden_states_are_bitwise_those_alone(checkpoint, dtype):
+    """Below the tokens: each of the target's three chunks gives bit for bit the same hidden states packed with
+    3 other chunks as alone."""
+    path = checkpoint("tiny-8l")
+    alone = chunk_hidden_states(make_engine(path, dtype), [TARGET])
+    packed = chunk_hidden_states(make_engine(path, dtype), [TARGET] + COMPANIONS[:3])
+    assert len(alone) == len(packed) == 3
+    assert all(torch.equal(a, b) for a, b in zip(alone, packed, strict=True))

@@ -61,6 +61,10 @@ class CacheSection:
     prefix_caching: bool = False  # share full prefill chunks' KV pages + GDN state snapshots across requests
     prefix_snapshots: int | None = None  # GDN state snapshot slots; None: sized from the pools (sizing.py)
     prefix_cache_outputs: bool = True  # with prefix_caching: also cache a finished request's output chunks
+    # Mixed steps (docs/mixed-steps.md): a step's prefill chunks of several requests run as one packed forward,
+    # next to the decode/verify rows, under `max_step_tokens`. Off until measured on the H200.
+    mixed_steps: bool = False
+    max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
 
 
 @dataclass
@@ -307,7 +311,7 @@ def _validate(r: Recipe, trains: bool = False) -> None:
     _require(1 <= r.mtp.k <= 4, f"mtp.k must be 1..4, got {r.mtp.k}")
     _require(0.0 <= r.mtp.oracle_accept <= 1.0, f"mtp.oracle_accept must be in 0..1, got {r.mtp.oracle_accept}")
     c = r.cache
-    for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows"):
+    for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows", "max_step_tokens"):
         value = getattr(c, key)
         _require(value is None or value >= 1, f"cache.{key} must be >= 1, got {value}")
     _require(c.prefix_snapshots is None or c.prefix_snapshots >= 1, "cache.prefix_snapshots must be >= 1")

@@ -106,9 +106,11 @@ class Engine:
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
         self.cache_outputs = cache.prefix_cache_outputs
+        self.mixed_steps = cache.mixed_steps
         self.scheduler = Scheduler(
-            self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix
-        )
+            self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix,
+            max_step_tokens=self._step_budget(cache),
+        )  # fmt: skip
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
         self.runner.coupled_drafts = mtp.coupled_drafts
         graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
@@ -132,6 +134,19 @@ class Engine:
         self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # held for a whole step: steps never overlap
         log(sizes.describe(self.pages.bytes, self.states.bytes, self.snapshots.bytes if self.snapshots else 0))
+
+    def _step_budget(self, cache: CacheSection) -> int | None:
+        """Mixed steps' token budget, checked to hold every decode/verify row and one full prefill chunk (so
+        prefill always progresses); None without mixed steps (every request in prefill runs its next chunk)."""
+        if not cache.mixed_steps:
+            return None
+        least = cache.max_batch * (self.spec_tokens + 1) + cache.prefill_chunk
+        if cache.max_step_tokens < least:
+            raise RecipeError(
+                f"cache.max_step_tokens ({cache.max_step_tokens}) must hold cache.max_batch decode rows of "
+                f"{self.spec_tokens + 1} tokens plus one cache.prefill_chunk ({cache.prefill_chunk}): at least {least}"
+            )
+        return cache.max_step_tokens
 
     def _build_pools(self, sizes: PoolSizes, dtype: torch.dtype, state_dtype: str) -> tuple[PagePool, StatePool]:
         shapes = self.model.shapes
@@ -403,7 +418,10 @@ class Engine:
         if self.prefix is not None:
             self._restore_prefixes(plan.restores)
         with self.timer("prefill"):
-            launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
+            if self.mixed_steps and plan.prefills:
+                launched += self._launch_packed_prefill(plan.prefills)
+            else:
+                launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
         if self.prefix is not None:
             self._save_snapshots(plan.prefills, launched)
         if plan.decodes:
@@ -442,10 +460,27 @@ class Engine:
                 raise
             return _Launched(requests, error=err)
 
-    def _launch_prefill(self, chunk: PrefillChunk) -> _Launched:
+    def _launch_packed_prefill(self, chunks: list[PrefillChunk]) -> list[_Launched]:
+        """Mixed steps: the target over all of the step's chunks in one packed forward, then each chunk's own
+        part (MTP head, first token, drafts, logprobs) from its hidden states, as an unpacked chunk runs it. One
+        launched part per chunk, in order; if the packed forward raises, all its chunks' requests end."""
+        try:
+            hiddens = self.runner.prefill_packed(chunks)
+        except Exception as err:
+            if self.parallel is not None:
+                raise
+            return [_Launched([chunk.request], error=err) for chunk in chunks]
+        return [
+            self._guard([chunk.request], self._launch_prefill, chunk, hidden)
+            for chunk, hidden in zip(chunks, hiddens, strict=True)
+        ]
+
+    def _launch_prefill(self, chunk: PrefillChunk, hidden: torch.Tensor | None = None) -> _Launched:
+        """One prompt chunk; `hidden` [1, T, H]: its target hidden states when a packed forward computed them."""
         request, start, length = chunk.request, chunk.start, chunk.length
-        batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
-        hidden = self.runner.prefill(batch)
+        if hidden is None:
+            batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
+            hidden = self.runner.prefill(batch)
         speculative = request.spec is not None and (chunk.drafts or not chunk.last)
         scored = request.prompt[start + 1 : start + length + 1]  # the prompt tokens this chunk's logits predict
         n_prompt = request.params.prompt_logprobs

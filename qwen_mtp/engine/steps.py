@@ -15,6 +15,8 @@ constant: one graph per mode) and its per-request inputs (`sampling.ROW_FIELDS`,
 `PrefillSteps`, one request's prompt chunk of any length (compiled with the length dynamic, no graphs):
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
 - `mtp`:    the MTP head over the chunk's positions.
+- `packed`: mixed steps: the target model over several requests' chunks laid end to end (`engine/packed.py`:
+            batch-invariant linears over all tokens, the GDN and attention per chunk). Eager only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
+from qwen_mtp.engine.packed import PackedChunks, PackedStepCache
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
@@ -119,6 +122,11 @@ class PrefillSteps:
     ) -> torch.Tensor:
         """Post-norm hidden states [1, T, H]."""
         return self.model.hidden_states(tokens, positions, self._cache(tokens, positions, rows, tables, lens, fresh))
+
+    def packed(self, batch: PackedChunks) -> torch.Tensor:
+        """Post-norm hidden states [1, N, H] of the packed chunks."""
+        cache = PackedStepCache(batch, self.pages, self.states)
+        return self.model.hidden_states(batch.token_ids, batch.positions, cache)
 
     def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
         """The MTP head over the chunk: `tokens` hold the *next* tokens (token i+1 at position i), `hidden`

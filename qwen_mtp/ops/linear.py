@@ -327,12 +327,17 @@ def _stream_kernel():
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed split counters, re-armed by the kernel
+_OUTGROWN: list[torch.Tensor] = []  # counters a larger call replaced: captured graphs still use them, keep them
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
-        # Allocated once (before any graph capture, in the warm-up run) at a fixed address.
+        # Allocated before any graph capture (in the warm-up run) at a fixed address. An eager call with more
+        # tiles (a packed prefill's thousands of rows, mixed steps) gets a larger set; the old one stays alive,
+        # since the graphs captured with it replay into it.
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
     return counters
 

@@ -1,0 +1,184 @@
+"""K per step (`mtp.k: auto`): the policy as a pure function of acceptance and step times, and the engine with K
+changing between steps (K = 0 plain steps included, longer drafts truncated, missing ones filled): MTP-on ==
+MTP-off whatever K each step uses, greedy and sampled at batch 8, with a scripted K sequence and with the real
+policy; the MTP KV of plainly decoded positions is filled, so acceptance after K = 0 steps stays as good."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+from helpers import random_prompt
+
+from qwen_mtp import Engine, SamplingParams
+from qwen_mtp.engine.k_policy import AcceptanceAverage, KPolicy, StepTimes, best_k, expected_tokens
+
+MAX_NEW = 14
+PROMPTS = [random_prompt(n, seed=700 + n) for n in (1, 4, 5, 33, 2, 19, 9, 17)]
+SMALL = Path(__file__).resolve().parents[1] / "models" / "qwen-mtp-small"
+
+
+class Scripted:
+    """A K policy that replays a fixed sequence (cycled) and records what the engine asked it."""
+
+    def __init__(self, ks):
+        self.ks, self.used, self.observed = itertools.cycle(ks), [], []
+        self.buckets = [1]
+
+    def choose(self, count):
+        self.used.append(next(self.ks))
+        return self.used[-1]
+
+    def observe(self, drafted, accepted):
+        self.observed.append((drafted, accepted))
+
+    def measure(self, bucket):
+        raise AssertionError("a scripted policy needs no step times")
+
+
+def make_engine(path, k=None, **mtp):
+    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
+    if k is not None:
+        recipe["mtp"] = {"enabled": True, "k": k, **mtp}
+    return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+def greedy(i):
+    return SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+def sampled(i):
+    return SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5 * i + 2)
+
+
+def run(engine, params, prompts=PROMPTS, oracles=None):
+    """Every prompt with params(i), as one continuous batch (oracle drafts: replaying `oracles`)."""
+    if oracles is not None:
+        ids = [
+            engine.submit_with_oracle(p, o, params(i)) for i, (p, o) in enumerate(zip(prompts, oracles, strict=True))
+        ]
+    else:
+        ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.result(i).token_ids for i in ids]
+
+
+# ---- the policy ---------------------------------------------------------------------------------------------
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([1.0, 1.0], 2) == 3.0
+
+
+def test_best_k_trades_acceptance_against_step_time():
+    flat = StepTimes(verify=(1.0,) * 5, draft=(0.0, 0.1, 0.2, 0.3, 0.4))  # small batch: verify costs the same
+    steep = StepTimes(verify=(1.0, 2.0, 3.0, 4.0, 5.0), draft=(0.0, 0.1, 0.2, 0.3, 0.4))  # compute-bound batch
+    good, poor = [0.9, 0.8, 0.7, 0.6], [0.3, 0.2, 0.1, 0.1]
+    assert best_k(good, flat) == 4
+    assert best_k(poor, flat) == 1  # 1.3 / 1.1 beats plain's 1 / 1 and K = 2's 1.36 / 1.2
+    assert best_k(good, steep) == 0  # never below plain decoding
+    assert best_k([0.0] * 4, flat) == 0
+    # K = 2 gives 2.62 / 1.2 = 2.183 tokens per unit, K = 3 2.692 / 1.3 = 2.071 (5.4% less): K = 3 is kept
+    # unless 2 is more than `margin` faster
+    middle = [0.9, 0.8, 0.1, 0.1]
+    assert best_k(middle, flat) == 2
+    assert best_k(middle, flat, current=3, margin=0.1) == 3
+    assert best_k(middle, flat, current=3, margin=0.01) == 2
+
+
+def test_acceptance_average_observes_the_positions_tried():
+    average = AcceptanceAverage(3, prior=0.5, weight=0.5)
+    average.observe(drafted=3, accepted=1)  # draft 1 accepted, draft 2 rejected, draft 3 never judged
+    assert average.rates == [0.75, 0.25, 0.5]
+    average.observe(drafted=1, accepted=1)  # only position 1 was tried
+    assert average.rates == [0.875, 0.25, 0.5]
+    average.observe(drafted=0, accepted=0)  # a plain step tells nothing
+    assert average.rates == [0.875, 0.25, 0.5]
+
+
+def test_k_policy_measures_each_bucket_once_and_picks_by_batch():
+    measured = []
+    fast = StepTimes((1.0,) * 3, (0.0, 0.1, 0.2))
+    slow = StepTimes((1.0, 3.0, 5.0), (0.0, 0.1, 0.2))
+
+    def times_of(bucket):
+        measured.append(bucket)
+        return fast if bucket <= 2 else slow
+
+    policy = KPolicy(2, [1, 2, 4], times_of)
+    assert policy.choose(1) == 2 and policy.choose(3) == 0 and policy.choose(2) == 2 and policy.choose(4) == 0
+    assert measured == [1, 4, 2]
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+SCRIPTS = {
+    "down-and-up": [3, 3, 1, 0, 0, 2, 3, 0, 1, 3],
+    "zeros-between": [0, 3, 0, 2, 0, 1],
+}
+
+
+@pytest.mark.parametrize("params", [greedy, sampled], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("draft", ["head", "oracle"])
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_scripted_k_per_step_equals_plain(checkpoint, script, draft, params):
+    path = checkpoint("tiny")
+    expected = run(make_engine(path), params)
+    engine = make_engine(path, "auto", max_k=3, draft=draft, oracle_accept=0.8)
+    engine.speculator.policy = policy = Scripted(SCRIPTS[script])
+    assert run(engine, params, oracles=expected if draft == "oracle" else None) == expected
+    assert {0, 1, 3} <= set(policy.used)
+    if draft == "oracle" and script == "down-and-up":  # many accepted drafts: truncation and fillers mattered
+        assert engine.stats()["accepted"] > 20
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["free_state_rows"] == stats["total_state_rows"]
+
+
+@pytest.mark.parametrize("params", [greedy, sampled], ids=["greedy", "sampled"])
+def test_real_policy_equals_plain(checkpoint, params):
+    """The real policy over measured (CPU, eager) step times; and over given times that make it change K with
+    the batch (K = 3 for 1-2 requests, K = 0 for 3 or more) while requests end one after another."""
+    path = checkpoint("tiny")
+    expected = run(make_engine(path), params)
+    engine = make_engine(path, "auto", max_k=3)
+    engine.warmup()  # measures every bucket's step times on padding rows
+    policy = engine.speculator.policy
+    assert sorted(policy.times) == policy.buckets == [1, 2, 4, 8]
+    assert run(engine, params) == expected
+
+    def shrinking(i):  # prompt i stops 2 tokens before prompt i - 1: the batch shrinks step by step
+        return dataclasses.replace(params(i), max_new_tokens=MAX_NEW - i)
+
+    want = run(make_engine(path), shrinking)
+    engine = make_engine(path, "auto", max_k=3, draft="oracle", oracle_accept=0.9)
+    policy = engine.speculator.policy
+    cheap, dear = StepTimes((1.0,) * 4, (0.0, 0.1, 0.2, 0.3)), StepTimes((1.0, 3.0, 5.0, 7.0), (0.0, 0.1, 0.2, 0.3))
+    policy.times = {1: cheap, 2: cheap, 4: dear, 8: dear}
+    chosen, choose = [], policy.choose
+    policy.choose = lambda count: chosen.append((count, choose(count))) or chosen[-1][1]
+    assert run(engine, shrinking, oracles=want) == want
+    assert {k for count, k in chosen if count >= 3} == {0} and {k for count, k in chosen if count <= 2} == {3}
+
+
+def test_acceptance_after_plain_steps_stays_as_good():
+    """The shipped model, K alternating 3 and 0: the steps at K = 3 accept about as often as a fixed K = 3
+    (the K = 0 steps' catch-up wrote the MTP KV of their positions), and the tokens equal MTP-off's."""
+    from qwen_mtp.train.evaluate import read_prompts
+
+    fixed = make_engine(SMALL, 3)
+    prompts = [fixed.encode(p) for p in read_prompts()[:4]]
+
+    def greedy32(i):
+        return SamplingParams(max_new_tokens=32, ignore_eos=True)
+
+    expected = run(make_engine(SMALL), greedy32, prompts)
+    assert run(fixed, greedy32, prompts) == expected
+    alternating = make_engine(SMALL, "auto", max_k=3)
+    alternating.speculator.policy = Scripted([3, 0])
+    assert run(alternating, greedy32, prompts) == expected
+    fixed_first = fixed.stats()["accepted"] / fixed.stats()["verify_steps"]
+    stats = alternating.stats()
+    k3_steps = stats["drafted"] / 3
+    assert stats["accepted"] / k3_steps >= 0.9 * fixed_first

@@ -191,3 +191,24 @@ def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params):
             engine.step()
         kv.append(_mtp_kv(engine, request, len(prompt) + 24))
     assert torch.equal(kv[0], kv[1])
+
+
+def test_compiled_buckets_with_k_per_step_equal_plain(checkpoint):
+    """The static decode path (torch.compile, aot_eager on CPU) with K changing per step: one target and one
+    draft step per (bucket, K), MTP-on == MTP-off; warm-up builds them all and times each bucket."""
+    path = checkpoint("tiny")
+    recipe = {
+        "model": {"path": str(path), "dtype": "float32", "device": "cpu"},
+        "cache": {"max_batch": 4, "prefill_chunk": 16},
+        "compile": {"enabled": True, "backend": "aot_eager", "batch_sizes": [2, 4]},
+    }
+    prompts = PROMPTS[:4]
+    expected = run(Engine.from_recipe(recipe, log=lambda _: None), greedy, prompts)
+    engine = Engine.from_recipe(recipe | {"mtp": {"enabled": True, "k": "auto", "max_k": 2}}, log=lambda _: None)
+    engine.warmup()
+    steps = sorted(engine.runner.graphs._steps)
+    assert steps == sorted((kind, size, k + 1) for kind in ("draft", "target") for size in (2, 4) for k in range(3))
+    assert sorted(engine.speculator.policy.times) == [2, 4]
+    engine.speculator.policy = Scripted([2, 0, 1, 2, 0, 0, 2])
+    assert run(engine, greedy, prompts) == expected
+    assert sorted(engine.runner.graphs._steps) == steps  # nothing built after the warm-up

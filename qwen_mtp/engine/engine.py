@@ -30,6 +30,7 @@ from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.prefix import PrefixCache
 from qwen_mtp.cache.state import StatePool, StateSnapshots
 from qwen_mtp.dtypes import STATE_DTYPES
+from qwen_mtp.engine.draft_vocab import draft_ids
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
 from qwen_mtp.engine.params import SamplingParams, as_token_ids, is_token_id
@@ -43,6 +44,7 @@ from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
+from qwen_mtp.model.mtp import DraftVocab
 from qwen_mtp.recipe import CacheSection, CompileSection, MTPSection, Recipe, StateSection, load_recipe
 
 
@@ -96,7 +98,7 @@ class Engine:
         self.device = loaded.device
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
-        self.spec_tokens = mtp.k if mtp.enabled else 0
+        self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
         # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
@@ -123,7 +125,14 @@ class Engine:
             self.runner.compile_prefill(compile.backend, log)  # compiles on the first chunk
         self.speculator = None
         if mtp.enabled:
-            self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed)
+            if mtp.k == "auto" and self.parallel is not None:
+                # each rank would time its own steps and could choose another K: the ranks' steps must agree
+                raise RecipeError("mtp.k: auto is not available with tensor parallelism yet (parallel.tp > 1)")
+            buckets = self.runner.graphs.buckets if self.runner.graphs else bucket_sizes([], cache.max_batch)
+            self.speculator = Speculator(
+                self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed, max_k=mtp.max_k, buckets=buckets
+            )
+            self.runner.steps.draft_vocab = self._draft_vocab(mtp)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance, decode)
         self._seeds = random.Random(seed)  # draws the seed of a request submitted without one
@@ -215,13 +224,27 @@ class Engine:
             log=log,
         )
 
+    def _draft_vocab(self, mtp: MTPSection) -> DraftVocab | None:
+        """`mtp.draft_vocab`: the head's pruned vocabulary, gathered from the lm_head now (None when off)."""
+        if not mtp.draft_vocab:
+            return None
+        if self.parallel is not None:
+            raise RecipeError("mtp.draft_vocab is not available with tensor parallelism yet (parallel.tp > 1)")
+        weight = self.model.lm_head_weight
+        return DraftVocab(weight, draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, weight.shape[0]))
+
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile and capture every decode-path step now (otherwise each is built the first time it runs)."""
-        if self.runner.graphs is not None:
-            spec = self.spec_tokens + 1 if self.speculator is not None else None
-            with self._lock:
-                self.runner.graphs.warmup([1] + ([spec] if spec else []), spec)
+        """Compile and capture every decode-path step now (otherwise each is built the first time it runs);
+        with `mtp.k: auto` also time each bucket's steps for the K policy."""
+        with self._lock:
+            if self.runner.graphs is not None:
+                spec = self.speculator
+                auto = spec is not None and spec.policy is not None
+                drafts = list(range(1, spec.max_k + 2)) if auto else [spec.max_k + 1] if spec is not None else []
+                self.runner.graphs.warmup(sorted({1, *drafts}), drafts)
+            if self.speculator is not None:
+                self.speculator.calibrate()
 
     @classmethod
     def from_recipe(
@@ -605,11 +628,11 @@ class Engine:
     def _launch_verify(self, requests: list[Request]) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
         next drafts with the rest of the step."""
+        k = self.speculator.step_k(len(requests))  # mtp.k, or the K policy's choice for this step
         with self.timer("verify"):
-            verified = self.speculator.verify(requests)
+            verified = self.speculator.verify(requests, k)
         with self.timer("draft"):
             drafts = self.speculator.propose(requests, verified)
-        k = self.spec_tokens
 
         logprob_parts = list(verified.logprobs) if verified.logprobs is not None else []
 

@@ -20,12 +20,12 @@ import argparse
 import gc
 import json
 import os
-import random
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from bench_common import sync, tokens  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
@@ -34,16 +34,6 @@ from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
 from qwen_mtp.recipe import load_recipe
 
 FLOOR_FLOPS = 700e12  # a dense bf16 GEMM's practical peak on the H200 (issue #20's floor)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, vocab) for _ in range(n)]
 
 
 def make_engine(args, loaded, mixed: bool, k: int, batch: int) -> Engine:

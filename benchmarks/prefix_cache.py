@@ -15,24 +15,14 @@ import argparse
 import gc
 import json
 import os
-import random
 import time
 
 import torch
+from bench_common import sync, tokens  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.recipe import load_recipe
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, vocab) for _ in range(n)]
 
 
 def drain(engine: Engine) -> None:

@@ -109,6 +109,9 @@ def gemm(model, rows: list[int]) -> dict:
                 total[name] += t[name] * len(modules)
             seconds = {f"{a}_s": b for a, b in t.items()}
             report["shapes"].append(dict(m=m, n=n, k=k, count=len(modules), best_plan=best, plans_s=plans, **seconds))
+            candidates = ", ".join(f"{a} {b * 1e6:.0f} us" for a, b in plans.items())
+            print(f"  M={m} {n}x{k} (x{len(modules)}): decode plan {t['invariant'] * 1e6:.0f} us, cuBLAS "
+                  f"{t['cublas'] * 1e6:.0f} us, {candidates}")  # fmt: skip
         report["forward"].append(dict(m=m, **{f"{a}_s": b for a, b in total.items()}))
         print(f"gemm M={m:5d}: one forward's linears: invariant (decode plans) {total['invariant'] * 1e3:8.2f} ms, "
               f"cuBLAS {total['cublas'] * 1e3:8.2f} ms, best prefill plan {total['best_prefill_plan'] * 1e3:8.2f} ms "
@@ -129,6 +132,10 @@ def burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
                 first.setdefault(update.request_id, time.perf_counter())
     sync()
     end = time.perf_counter()
+    failed = [engine.requests[i] for i in ids if engine.requests[i].finish_reason == "error"]
+    if failed:
+        error = failed[0].error
+        raise SystemExit(f"{len(failed)} of {len(ids)} requests ended with an error, the first: {error!r}") from error
     ttft = [first[i] - start for i in ids]
     decoding = end - max(first.values())
     return {
@@ -201,6 +208,8 @@ def main() -> None:
     report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if loaded.device.type == "cuda":
         report["gemm"] = gemm(model, [int(m) for m in args.gemm_rows.split(",")])
+        with open(args.out, "w") as f:  # the GEMM part survives a failure later in the run
+            json.dump(report, f, indent=1)
 
     bursts = {"32x128": [tokens(args.short, seed=i, vocab=vocab) for i in range(32)]}
     bursts["8x2048"] = [tokens(args.long, seed=100 + i, vocab=vocab) for i in range(8)]
@@ -211,6 +220,9 @@ def main() -> None:
         engine = make_engine(args, loaded, mixed, 0, batch)
         for case, prompts in bursts.items():
             results[name, case] = burst(engine, prompts, args.new_tokens)
+            got = results[name, case]
+            # (what a run cut short by a time limit still reports)
+            print(f"{name} {case}: TTFT mean {got['ttft_mean_s'] * 1e3:.1f} ms, max {got['ttft_max_s'] * 1e3:.1f} ms")
             if mixed:
                 alone = [burst(engine, [p], args.new_tokens)["tokens"][0] for p in prompts[: args.solo]]
                 results[name, case]["alone_exact"] = alone == results[name, case]["tokens"][: args.solo]

@@ -3,7 +3,8 @@ one [1, N] forward. `PackedChunks` holds the step's tensors and its layout (host
 `ForwardCache` the model sees.
 
 Exactness: a request's numbers must not depend on what it is packed with. The linears, norms and the MLP run
-once over all N tokens, batch-invariant (`batch_invariant`: each row computed as it is alone, whatever N); the
+once over all N tokens, batch-invariant (`batch_invariant`: each row computed as it is alone, whatever N; on CUDA
+with the prefill plans, `ops.linear.prefill_rows`); the
 ops with a sequence axis run per chunk, on the chunk's own state and pages, with the kernels an unpacked chunk
 runs: the GDN's conv and chunked delta rule (`sequences`, the layer loops) and the prefill attention (`attend`
 loops here). So a chunk computes the same whether 0 or 31 other chunks share its forward.

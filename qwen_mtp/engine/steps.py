@@ -16,7 +16,8 @@ constant: one graph per mode) and its per-request inputs (`sampling.ROW_FIELDS`,
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
 - `mtp`:    the MTP head over the chunk's positions.
 - `packed`: mixed steps: the target model over several requests' chunks laid end to end (`engine/packed.py`:
-            batch-invariant linears over all tokens, the GDN and attention per chunk). Eager only.
+            batch-invariant linears over all tokens with the prefill plans, the GDN and attention per chunk).
+            Eager only.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.model.mtp import DraftVocab
+from qwen_mtp.ops.linear import prefill_rows
 
 
 class DecodeSteps:
@@ -144,9 +146,11 @@ class PrefillSteps:
         return self.model.hidden_states(tokens, positions, self._cache(tokens, positions, rows, tables, lens, fresh))
 
     def packed(self, batch: PackedChunks) -> torch.Tensor:
-        """Post-norm hidden states [1, N, H] of the packed chunks."""
+        """Post-norm hidden states [1, N, H] of the packed chunks: the invariant linears with the prefill plans
+        (`ops.linear.prefill_rows`), made for N in the hundreds to thousands."""
         cache = PackedStepCache(batch, self.pages, self.states)
-        return self.model.hidden_states(batch.token_ids, batch.positions, cache)
+        with prefill_rows():
+            return self.model.hidden_states(batch.token_ids, batch.positions, cache)
 
     def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
         """The MTP head over the chunk: `tokens` hold the *next* tokens (token i+1 at position i), `hidden`

@@ -17,6 +17,14 @@ else shares its batch, so on that path every row's reduction order must not depe
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
 
+Prefill rows. A packed prefill (mixed steps) also asks for `invariant=True`: a request's numbers must not depend
+on the chunks packed beside it, and its forward has hundreds to thousands of rows. The decode plans are built for
+M = 1..64 (16-32-row MMAs, few programs walking every row: 2.8x cuBLAS at M = 4096 on the 27B's shapes), so
+inside `prefill_rows()` the invariant GEMM takes the prefill plan table instead (`prefill_gemm_plan`: 128-row
+tiles, no K split, as a dense GEMM library tiles a large M). It is still a function of (N, K) only, so a prefill
+row's result does not depend on how many rows share the launch; it does differ from the same row on the decode
+path, which no property needs (decode and verify rows never take these plans).
+
 `qwen_mtp::linear_fp8(x, weight, scale, invariant)` is the same product with an FP8 e4m3 weight [N, K] and its
 128x128 block scales [ceil(N/128), ceil(K/128)] (W8A16: activations stay in their dtype). Its reference, on CPU
 and wherever the reference is forced, dequantizes as transformers does, `(fp8.float() * scale).to(x.dtype)`,
@@ -29,6 +37,9 @@ weight bit for bit), with its own plans (`TUNED_FP8`, a function of (N, K) only)
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +179,36 @@ def gemm_plan(n: int, k: int) -> GemmPlan:
         return GemmPlan(block_n, block_k, min(2, k_blocks))
     splits = max(1, min(4, k_blocks, TARGET_PROGRAMS // tiles))
     return GemmPlan(block_n, block_k, -(-k_blocks // splits))
+
+
+# Prefill plans measured on the H200 (benchmarks/mixed_steps.py, gemm part); a shape not here takes the default.
+PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {}
+_PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=False)
+
+
+def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
+    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else "grid" with 128 x 128 tiles and the
+    whole K loop in one program (no split: at prefill M there are tiles enough to fill the GPU, and no partial
+    sums to park)."""
+    return PREFILL_TUNED.get((n, k)) or GemmPlan(128, 64, -(-k // 64), num_warps=8, num_stages=3, block_m=128)
+
+
+@contextmanager
+def prefill_rows() -> Iterator[None]:
+    """Inside this block the invariant GEMMs (bf16 and W8A16) run the prefill plans (`prefill_gemm_plan`): for
+    eager packed prefills (read when each op runs, so a CUDA graph or compiled step keeps what it was built
+    with; the decode path is never built inside it)."""
+    token = _PREFILL_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL_ROWS.reset(token)
+
+
+def _invariant_plan(n: int, k: int) -> GemmPlan | None:
+    """The plan an invariant GEMM of this shape runs now: the prefill plan inside `prefill_rows`, else None (the
+    decode plan, `gemm_plan` / `gemm_plan_fp8`)."""
+    return prefill_gemm_plan(n, k) if _PREFILL_ROWS.get() else None
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
@@ -401,7 +442,8 @@ def _(x, weight, invariant):
         return F.linear(x, weight).contiguous()
     if reference_forced("linear"):
         return rowwise_linear(x, weight)
-    return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    plan = _invariant_plan(*weight.shape)
+    return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight, plan).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @linear_op.register_fake
@@ -468,7 +510,10 @@ def _(x, weight, scale, invariant):
     if reference_forced("linear_fp8"):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
-    out = invariant_matmul_triton(rows, weight, scale=scale) if invariant else _fp8_prefill(rows, weight, scale)
+    if invariant:
+        out = invariant_matmul_triton(rows, weight, _invariant_plan(*weight.shape), scale=scale)
+    else:
+        out = _fp8_prefill(rows, weight, scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

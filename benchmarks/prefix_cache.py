@@ -12,13 +12,11 @@ Usage (GPU box): python3 benchmarks/prefix_cache.py recipes/bench-27b.yaml [--k 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
 
-import torch
-from bench_common import sync, tokens  # (a sibling module: benchmarks/bench_common.py)
+from bench_common import free_memory, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
@@ -39,13 +37,6 @@ def first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
         engine.step()
     sync()
     return time.perf_counter() - start, engine.result(rid).token_ids[0]
-
-
-def free_memory() -> None:
-    """After `del engine`: free its pools before the next engine sizes itself from the free memory (an engine's
-    callbacks form reference cycles: collect them)."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def make_engine(recipe_path: str, loaded, caching: bool, k: int, extra: tuple[str, ...] = ()) -> Engine:

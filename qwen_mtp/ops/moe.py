@@ -43,7 +43,7 @@ from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.linear import rowwise_products
 from qwen_mtp.ops.triton_utils import INTERPRET
-from qwen_mtp.quant.fp8 import FP8_BLOCK
+from qwen_mtp.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
 
 BLOCK_M = 16  # pairs per tl.dot (tl.dot's minimum), fixed: the row count of every MMA never depends on routing
 BLOCK_K = 64
@@ -122,10 +122,7 @@ def experts_reference(
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """e4m3 experts [E, N, K] + block scales [E, ceil(N/128), ceil(K/128)] -> `dtype` [E, N, K], as transformers
     dequantizes each expert: `(fp8.float() * scale).to(dtype)`."""
-    _, n, k = weight.shape
-    rows, cols = FP8_BLOCK
-    full = scale.float().repeat_interleave(rows, 1).repeat_interleave(cols, 2)[:, :n, :k]
-    return (weight.float() * full).to(dtype)
+    return dequantize_fp8_block(weight, scale).to(dtype)
 
 
 def _picked_experts_dequantized(

@@ -29,7 +29,7 @@ FP8 block experts (W8A16): an e4m3 weight [E, N, K] with fp32 block scales [E, c
 load one scale per 128 x 128 block and dequantize each weight tile in registers with transformers' formula
 (`triton_utils.fp8_dequantize`), so the FP8 pipeline gives bit for bit what the bf16 one gives on the
 dequantized experts. The reference dequantizes the experts some token picked (`torch.unique` of the ids: a host
-sync, fine for prefill and CPU) and runs the plain reference on them.
+sync, fine for prefill and CPU; all of them inside a graph capture) and runs the plain reference on them.
 """
 
 from __future__ import annotations
@@ -134,9 +134,13 @@ def _picked_experts_dequantized(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate_up, down, ids) over only the experts some token picked, the FP8 ones dequantized to `dtype`: the
-    same products as over all experts dequantized, without expanding the experts nobody reads."""
-    picked = torch.unique(ids)  # sorted: local expert j is global expert picked[j]
-    local = torch.searchsorted(picked, ids)
+    same products as over all experts dequantized, without expanding the experts nobody reads. Inside a CUDA
+    graph capture (the reference forced on the decode path) every expert: finding the picked ones syncs."""
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        picked, local = torch.arange(gate_up.shape[0], device=ids.device), ids
+    else:
+        picked = torch.unique(ids)  # sorted: local expert j is global expert picked[j]
+        local = torch.searchsorted(picked, ids)
 
     def experts(weight, scale):
         return weight[picked] if scale is None else dequantize_experts(weight[picked], scale[picked], dtype)

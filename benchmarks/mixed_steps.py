@@ -1,7 +1,7 @@
 """Mixed steps (issue #20) on the GPU, packing on (`cache.mixed_steps`) against off, one loaded model:
 1. gemm:  one forward's linears at prefill row counts (bf16), per weight shape and summed: the batch-invariant
-          GEMM with its decode plans (what a packed prefill runs at every M today), cuBLAS (today's unpacked
-          prefill) and candidate prefill plans (`prefill_plans`: what a second, prefill-sized plan table could hold);
+          GEMM with its decode plans, cuBLAS (the unpacked prefill) and `prefill_plans`: the prefill plan packed
+          prefills run (`prefill_gemm_plan`) and two alternatives;
 2. ttft:  32 simultaneous 128-token prompts and 8 simultaneous 2048-token prompts: time to first token (mean,
           max) beside the compute floor (2 x linear params x prompt tokens at 700 TFLOP/s), and the decode
           tokens/s of the same batch after its prefill;
@@ -29,7 +29,7 @@ from bench_common import free_memory, sync, tokens  # (a sibling module: benchma
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.model.linear import Linear, MergedLinear
-from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
+from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan
 from qwen_mtp.recipe import load_recipe
 
 FLOOR_FLOPS = 700e12  # a dense bf16 GEMM's practical peak on the H200 (issue #20's floor)
@@ -64,14 +64,14 @@ def linears(model) -> dict[tuple[int, int], list]:
     return found
 
 
-def prefill_plans(k: int) -> dict[str, GemmPlan]:
+def prefill_plans(n: int, k: int) -> dict[str, GemmPlan]:
     """Candidate batch-invariant plans for prefill row counts (a function of (N, K) only, like every plan): the
-    "grid" family with 64- or 128-row tiles and no K split, as a dense GEMM library tiles a large M. The decode
-    plans (`gemm_plan`: "stream", 16-32-row MMAs, one program per weight slice walking every row) are built for
-    M = 1..64; these are what a prefill plan table could hold."""
+    plan packed prefills run now (`prefill_gemm_plan`: "grid", 128 x 128 tiles, no K split) and two other "grid"
+    tilings without a K split, as a dense GEMM library tiles a large M. The decode plans (`gemm_plan`: "stream",
+    16-32-row MMAs, one program per weight slice walking every row) are built for M = 1..64."""
     blocks = -(-k // 64)
     return {
-        "grid128x128": GemmPlan(128, 64, blocks, 8, 3, block_m=128),
+        "prefill_gemm_plan": prefill_gemm_plan(n, k),
         "grid128x256": GemmPlan(256, 64, blocks, 8, 3, block_m=128),
         "grid64x128": GemmPlan(128, 64, blocks, 4, 4, block_m=64),
     }
@@ -79,8 +79,8 @@ def prefill_plans(k: int) -> dict[str, GemmPlan]:
 
 @torch.inference_mode()
 def gemm(model, rows: list[int]) -> dict:
-    """Per weight shape [N, K] and row count M: the invariant GEMM with the decode plan (what a packed prefill
-    runs today), cuBLAS (`F.linear`, today's unpacked prefill) and the candidate prefill plans; and one
+    """Per weight shape [N, K] and row count M: the invariant GEMM with the decode plan, cuBLAS (`F.linear`, the
+    unpacked prefill) and `prefill_plans` (the one packed prefills run, and alternatives); and one
     forward's linears summed (each shape its count of modules, the best candidate per shape)."""
     device, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
     shapes, report = linears(model), {"shapes": [], "forward": []}
@@ -92,7 +92,7 @@ def gemm(model, rows: list[int]) -> dict:
             t = {"invariant": timed(lambda x=x, w=w: invariant_matmul_triton(x, w))}
             t["cublas"] = timed(lambda x=x, w=w: F.linear(x, w))
             plans = {name: timed(lambda x=x, w=w, p=p: invariant_matmul_triton(x, w, p)) for name, p in
-                     prefill_plans(k).items()}  # fmt: skip
+                     prefill_plans(n, k).items()}  # fmt: skip
             best = min(plans, key=plans.get)
             t["best_prefill_plan"] = plans[best]
             for name in total:

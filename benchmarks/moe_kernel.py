@@ -20,8 +20,8 @@ import torch
 import triton
 
 from qwen_mtp.bench import copy_bandwidth
-from qwen_mtp.ops.linear import invariant_matmul_triton
-from qwen_mtp.ops.moe import dequantize_experts, moe_reference, moe_triton, route_triton
+from qwen_mtp.ops.linear import dequantize_weight, invariant_matmul_triton
+from qwen_mtp.ops.moe import moe_reference, moe_triton, route_triton
 from qwen_mtp.ops.swiglu import swiglu
 from qwen_mtp.quant.fp8 import quantize_fp8_block
 
@@ -91,8 +91,8 @@ def main() -> None:
         (gate_up, down), ((gate_up_q, gate_up_s), (down_q, down_s)) = expert_weights(experts, hidden, inter, gen)
         expert_bytes = bytes_of(gate_up, down) // experts
         fp8_expert_bytes = bytes_of(gate_up_q, gate_up_s, down_q, down_s) // experts  # 1 byte a weight + scales
-        dequantized = (dequantize_experts(gate_up_q, gate_up_s, torch.bfloat16),
-                       dequantize_experts(down_q, down_s, torch.bfloat16))  # fmt: skip
+        dequantized = (dequantize_weight(gate_up_q, gate_up_s, torch.bfloat16),
+                       dequantize_weight(down_q, down_s, torch.bfloat16))  # fmt: skip
         for tokens in [int(t) for t in args.tokens.split(",")]:
             x, weights, ids, shared, gate = routed = inputs(experts, top_k, hidden, tokens, gen)
             data = (x, gate_up, down, weights, ids, shared, gate)

@@ -483,7 +483,8 @@ FP8_PREFILL_METHODS = ("scaled_mm", "dequantize", "w8a16")
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 [N, K] + block scales -> `dtype` [N, K] as transformers dequantizes: `(fp8.float() * scale).to(dtype)`."""
+    """e4m3 [..., N, K] + block scales [..., ceil(N/128), ceil(K/128)] -> `dtype`, as transformers dequantizes a
+    weight (or each expert of a 3-D one): `(fp8.float() * scale).to(dtype)`."""
     return dequantize_fp8_block(weight, scale).to(dtype)
 
 

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 
 from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
-from qwen_mtp.ops.linear import rowwise_products
+from qwen_mtp.ops.linear import dequantize_weight, rowwise_products
 from qwen_mtp.ops.triton_utils import INTERPRET
-from qwen_mtp.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
+from qwen_mtp.quant.fp8 import FP8_BLOCK
 
 BLOCK_M = 16  # pairs per tl.dot (tl.dot's minimum), fixed: the row count of every MMA never depends on routing
 BLOCK_K = 64
@@ -119,12 +119,6 @@ def experts_reference(
     return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
-def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 experts [E, N, K] + block scales [E, ceil(N/128), ceil(K/128)] -> `dtype` [E, N, K], as transformers
-    dequantizes each expert: `(fp8.float() * scale).to(dtype)`."""
-    return dequantize_fp8_block(weight, scale).to(dtype)
-
-
 def _picked_experts_dequantized(
     gate_up: torch.Tensor,
     down: torch.Tensor,
@@ -143,7 +137,7 @@ def _picked_experts_dequantized(
         local = torch.searchsorted(picked, ids)
 
     def experts(weight, scale):
-        return weight[picked] if scale is None else dequantize_experts(weight[picked], scale[picked], dtype)
+        return weight[picked] if scale is None else dequantize_weight(weight[picked], scale[picked], dtype)
 
     return experts(gate_up, gate_up_scale), experts(down, down_scale), local
 

@@ -11,7 +11,8 @@ import torch
 from helpers import random_prompt
 
 from qwen_mtp import Engine
-from qwen_mtp.ops.moe import dequantize_experts, moe_reference, moe_triton, route_reference, route_triton
+from qwen_mtp.ops.linear import dequantize_weight
+from qwen_mtp.ops.moe import moe_reference, moe_triton, route_reference, route_triton
 from qwen_mtp.quant.fp8 import quantize_fp8_block
 
 PRESETS = ("qwen3.5-35b-a3b-8l", "qwen3-next-80b-a3b-8l", "qwen3.5-35b-a3b-8l-fp8", "qwen3-next-80b-a3b-8l-fp8")
@@ -102,8 +103,8 @@ def test_fp8_fused_moe_equals_bf16_on_dequantized_experts_real_shapes(experts, t
 
     gate_up, gate_up_scale = fp8_experts(randn(experts, 2 * inter, hidden, scale=hidden**-0.5))
     down, down_scale = fp8_experts(randn(experts, hidden, inter, scale=inter**-0.5))
-    dense = (dequantize_experts(gate_up, gate_up_scale, torch.bfloat16),
-             dequantize_experts(down, down_scale, torch.bfloat16))  # fmt: skip
+    dense = (dequantize_weight(gate_up, gate_up_scale, torch.bfloat16),
+             dequantize_weight(down, down_scale, torch.bfloat16))  # fmt: skip
     x, logits, shared, gate = randn(tokens, hidden), randn(tokens, experts), randn(tokens, hidden), randn(tokens, 1)
     weights, ids = route_triton(logits, top_k, True)
     routed = (weights, ids, shared, gate)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from op_helpers import DEVICE, DTYPES, check_op, rand
 
-from qwen_mtp.ops.moe import dequantize_experts, moe_reference, moe_triton, route_reference, route_triton
+from qwen_mtp.ops.linear import dequantize_weight
+from qwen_mtp.ops.moe import moe_reference, moe_triton, route_reference, route_triton
 from qwen_mtp.quant.fp8 import quantize_fp8_block
 
 EXPERTS, HIDDEN, INTER, TOP_K = 6, 40, 24, 2  # H and I leave partial K blocks and column tiles
@@ -111,7 +112,7 @@ def test_fp8_moe_kernel_equals_the_kernel_on_dequantized_experts(dtype):
     down, down_scale = fp8_experts(rand(EXPERTS, hidden, inter, seed=13, scale=inter**-0.5))
     weights, ids = route_reference(rand(tokens, EXPERTS, seed=14), TOP_K, True)
     shared, gate = rand(tokens, hidden, dtype=dtype, seed=15), rand(tokens, 1, dtype=dtype, seed=16)
-    dense = (dequantize_experts(gate_up, gate_up_scale, dtype), dequantize_experts(down, down_scale, dtype))
+    dense = (dequantize_weight(gate_up, gate_up_scale, dtype), dequantize_weight(down, down_scale, dtype))
     routed = (weights.to(dtype), ids, shared, gate)
     fp8 = moe_triton(x, gate_up, down, *routed, gate_up_scale, down_scale)
     assert torch.equal(fp8, moe_triton(x, *dense, *routed))

@@ -16,6 +16,7 @@ import json
 import os
 import time
 
+import torch
 from bench_common import free_memory, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
@@ -82,7 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_from_recipe(load_recipe(args.recipe))
     vocab = loaded.model.config.vocab_size
-    report: dict = {"k": args.k, "history": args.history, "system": args.system}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report: dict = {"recipe": args.recipe, "device": device, "k": args.k}
+    report |= {"history": args.history, "system": args.system}
 
     cached = make_engine(args.recipe, loaded, True, args.k)
     sixth = conversation(cached, args, vocab)

@@ -12,7 +12,7 @@ existed: a step whose requests are all greedy and ask no logprobs runs exactly t
 Filtering is a threshold on the logits: the kept set is {v : logit_v >= tau} (ties with the last kept token are
 kept), tau the largest of top-k's k-th largest logit, top-p's last kept logit and min-p's
 `max logit + T * ln(min_p)`. Only steps where some sampled request filters compute it (`Mode.filtered`), each row
-on its own and without a sort (`ops/sampling.py`: radix selects over the logits' bits, exact integer masses); a
+on its own and without a sort (`ops/sampling.py`: histograms of the logits' values, exact integer masses); a
 row without filters gets tau = -inf there, so its token does not depend on which mode its step ran in.
 
 Accept: a verify over `[t_n, d1..dK]` chooses `c_0..c_K`; draft `d_i` is accepted while every draft before it
@@ -163,7 +163,7 @@ def filter_threshold(
     logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p_offset: torch.Tensor
 ) -> torch.Tensor:
     """tau [R] for logits [R, V]: the smallest logit the filters keep (-inf for a row without filters), through
-    `qwen_mtp::filter_threshold` (a radix select on CUDA: no sort of the vocabulary, which cost the sampled
+    `qwen_mtp::filter_threshold` (histograms on CUDA: no sort of the vocabulary, which cost the sampled
     verify more than the rest of the sampler)."""
     vocab = logits.shape[-1]
     keep = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)

@@ -15,10 +15,10 @@ index of the maximal score. A row with inv_temperature 0 is greedy: the first in
 pass.
 
 Threshold. The reference sorts a row and reads tau off the sorted order (the definition); the kernels find the
-same value with radix selects: the logits' order keys (float bits, sign-flipped so that they compare as integers)
-are narrowed 4 bits a step by histograms of counts (top-k: the k-th largest) or of fixed-point masses (top-p: where
-the mass of the tokens at or above a bin first reaches top_p of the total). Masses are integers, so every sum is
-exact whatever order adds it: the kernels equal the reference bit for bit and a row's tau never depends on others.
+same value from histograms, without a sort: of the 2^16 values a bf16 logit can take (counts), or radix selects
+over the logits' order keys (float bits, sign-flipped so that they compare as integers), 4 bits a step. Masses are
+fixed-point integers, so every sum is exact whatever order adds it: the kernels equal the reference bit for bit
+and a row's tau never depends on the other rows.
 """
 
 from __future__ import annotations
@@ -108,10 +108,10 @@ def _fp32(value: float) -> float:
 # for bit and a row's threshold independent of the other rows.
 MASS_BITS = 42  # the most likely token weighs 2^42: V * 2^42 < 2^63 for a vocabulary of up to 2^20 tokens
 MAX_VOCAB = 1 << 20
-_LOG2E = _fp32(1.4426950408889634)
-_LN2_HI, _LN2_LO = 0.693359375, _fp32(-2.12194440e-4)  # ln 2 in two parts; n * _LN2_HI is exact for |n| < 2^15
+LOG2E = _fp32(1.4426950408889634)
+LN2_HI, LN2_LO = 0.693359375, _fp32(-2.12194440e-4)  # ln 2 in two parts; n * LN2_HI is exact for |n| < 2^15
 # e^r on [-ln2/2, ln2/2]: Cephes' expf polynomial (about 1 ulp), highest coefficient first
-_EXP = tuple(_fp32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+EXP_POLYNOMIAL = tuple(_fp32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                                 1.6666665459e-1, 5.0000001201e-1))  # fmt: skip
 
 
@@ -124,10 +124,10 @@ def fixed_point_mass(x: torch.Tensor, row_max: torch.Tensor, inv_temperature: to
     does not contract them into FMAs), 2^n an integer shift: as accurate as `torch.exp` of the rounded y. Masses
     below 2^-MASS_BITS of the most likely token's are 0 (together under V * 2^-42 ~ 6e-8 of the row's mass)."""
     y = torch.clamp((x - row_max[:, None]) * inv_temperature[:, None], min=-45.0)  # e^-45 is 0 at 42 bits; -inf too
-    n = torch.floor(y * _LOG2E + 0.5)
-    r = (y - n * _LN2_HI) - n * _LN2_LO
-    p = r * _EXP[0] + _EXP[1]
-    for c in _EXP[2:]:
+    n = torch.floor(y * LOG2E + 0.5)
+    r = (y - n * LN2_HI) - n * LN2_LO
+    p = r * EXP_POLYNOMIAL[0] + EXP_POLYNOMIAL[1]
+    for c in EXP_POLYNOMIAL[2:]:
         p = p * r + c
     p = p * (r * r) + r + 1.0
     whole = (p * 16777216.0).long()  # p in [0.7, 1.42): 24 significant bits, an integer times 2^-24
@@ -252,7 +252,7 @@ def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, blo
 
 
 @functools.cache  # as `_kernels`
-def _radix_kernels():
+def _threshold_kernels():
     import triton
     import triton.language as tl
 
@@ -260,8 +260,6 @@ def _radix_kernels():
     def radix_histogram(
         logits_ptr, stride, vocab, active_ptr, row_max_ptr, inv_t_ptr, floor_ptr, prefix_ptr, hist_ptr, chunks,
         SHIFT: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-        LOG2E: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
-        C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr, MASS_BITS: tl.constexpr,
     ):  # fmt: skip
         """Partial histograms [R, chunks, 2^BITS] (int64) of one chunk of a row: the mass (MASS) or the count of its
         tokens whose key's bits above SHIFT + BITS equal the row's prefix, binned by their next BITS bits."""
@@ -277,19 +275,10 @@ def _radix_kernels():
                 offs = chunk * BLOCK + start + tl.arange(0, SUB)[:, None]  # [SUB, 1]: the lanes' layout, no shuffles
                 valid = offs < vocab
                 x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
-                bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 keyed as +0.0
-                # the order key in [0, 2^32): a negative float's other bits flipped, then offset by 2^31
-                key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) - (-2147483648)
+                key = triton_utils.order_key(x)
                 inside = valid & ((key >> (SHIFT + BITS)) == prefix)
-                if MASS:  # `fixed_point_mass`, the same operations in the same order (launched without FMAs)
-                    y = tl.maximum((x - row_max) * inv_t, -45.0)
-                    n = tl.floor(y * LOG2E + 0.5)
-                    r = (y - n * LN2_HI) - n * LN2_LO
-                    p = ((((r * C0 + C1) * r + C2) * r + C3) * r + C4) * r + C5
-                    p = p * (r * r) + r + 1.0
-                    whole = (p * 16777216.0).to(tl.int64)
-                    shift = n.to(tl.int64) + (MASS_BITS - 24)
-                    mass = tl.where(shift >= 0, whole << tl.maximum(shift, 0), whole >> tl.maximum(-shift, 0))
+                if MASS:
+                    mass = triton_utils.fixed_point_mass(x, row_max, inv_t)
                     weight = tl.where(inside & (x >= floor), mass, 0)
                 else:
                     weight = inside.to(tl.int64)
@@ -330,11 +319,7 @@ def _radix_kernels():
             above += tl.sum(tl.where(bins > digit, hist, 0), axis=0)
             prefix = prefix * (1 << BITS) + digit
             if LAST:
-                key = prefix << SHIFT
-                if SHIFT > 0:  # bf16 logits: the key's low bits are its sign's fill (0 if positive, else ones)
-                    key = key | tl.where((key >> 31) != 0, 0, (1 << SHIFT) - 1)
-                signed = (key + (-2147483648)).to(tl.int32)
-                tl.store(out_ptr + row, (signed ^ ((signed >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
+                tl.store(out_ptr + row, triton_utils.key_value(prefix, SHIFT))
             else:
                 tl.store(prefix_ptr + row, prefix)
                 tl.store(above_ptr + row, above)
@@ -342,31 +327,132 @@ def _radix_kernels():
         elif LAST:
             tl.store(out_ptr + row, float("-inf"))
 
-    return radix_histogram, radix_select
+    @triton.jit
+    def value_counts(logits_ptr, stride, vocab, active_ptr, counts_ptr, BLOCK: tl.constexpr):
+        """counts [R, 2^16] (int32, zeroed) += how many tokens of one chunk of a bf16 row hold each value (the value
+        is the top 16 bits of its order key). Integer atomics: the counts are exact whatever order adds them."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        if tl.load(active_ptr + row):
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            valid = offs < vocab
+            x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=0.0).to(tl.float32)
+            value = triton_utils.order_key(x) >> 16
+            tl.atomic_add(counts_ptr + row * 65536 + value, 1, mask=valid, sem="relaxed")
+
+    @triton.jit
+    def counted_thresholds(
+        counts_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, by_k_ptr, by_p_ptr, BLOCK: tl.constexpr
+    ):
+        """One bf16 row's top-k and top-p thresholds from its value counts, scanning the 2^16 values from the
+        largest down: top-k's is the first value where the count at or above it reaches k; top-p's the first where
+        the mass at or above it (count times the value's fixed-point mass, over values >= top-k's) reaches top_p of
+        the total. -inf where a filter is off."""
+        row = tl.program_id(0)
+        keep = tl.load(keep_ptr + row)
+        inv_t = tl.load(inv_t_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        row_max = tl.load(row_max_ptr + row)
+        lanes = tl.arange(0, BLOCK)
+        counts = counts_ptr + row * 65536
+        by_k = tl.full([], -1, dtype=tl.int64)  # the top-k value (as its 16-bit key); -1: none
+        if keep < vocab:
+            above = tl.zeros([], dtype=tl.int64)
+            for start in range(0, 65536, BLOCK):
+                values = 65535 - start - lanes  # largest first
+                reach = above + tl.cumsum(tl.load(counts + values).to(tl.int64), axis=0)
+                first = tl.min(tl.where(reach >= keep, lanes, BLOCK), axis=0)
+                by_k = tl.where((by_k < 0) & (first < BLOCK), 65535 - start - first, by_k)
+                above = tl.max(reach, axis=0)
+        none = float("-inf")
+        tl.store(by_k_ptr + row, tl.where(by_k >= 0, triton_utils.key_value(by_k, 16), none))
+        if (top_p < 1.0) & (inv_t > 0.0):
+            total = tl.zeros([], dtype=tl.int64)
+            for start in range(0, 65536, BLOCK):
+                values = 65535 - start - lanes
+                count = tl.load(counts + values)
+                if tl.max(count, axis=0) > 0:  # most blocks of values hold no token
+                    x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)  # (no NaNs)
+                    mass = count.to(tl.int64) * triton_utils.fixed_point_mass(x, row_max, inv_t)
+                    total += tl.sum(tl.where(values >= by_k, mass, 0), axis=0)
+            target = top_p.to(tl.float64) * total.to(tl.float64)
+            above = tl.zeros([], dtype=tl.int64)
+            by_p = tl.full([], -1, dtype=tl.int64)
+            for start in range(0, 65536, BLOCK):
+                values = 65535 - start - lanes
+                count = tl.load(counts + values)
+                if (by_p < 0) & (tl.max(count, axis=0) > 0):
+                    x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
+                    mass = count.to(tl.int64) * triton_utils.fixed_point_mass(x, row_max, inv_t)
+                    reach = above + tl.cumsum(tl.where(values >= by_k, mass, 0), axis=0)
+                    first = tl.min(tl.where(reach.to(tl.float64) >= target, lanes, BLOCK), axis=0)
+                    by_p = tl.where(first < BLOCK, 65535 - start - first, by_p)
+                    above = tl.max(reach, axis=0)
+            tl.store(by_p_ptr + row, triton_utils.key_value(by_p, 16))
+        else:
+            tl.store(by_p_ptr + row, none)
+
+    return radix_histogram, radix_select, value_counts, counted_thresholds
 
 
-RADIX_BITS = 4  # key bits a radix step settles: 16 bins; 4 steps for bf16 logits, 8 for fp32
+RADIX_BITS = 4  # key bits a radix step settles: 16 bins; 4 steps for 16-bit keys, 8 for 32-bit ones
 RADIX_BLOCK, RADIX_SUB = 2048, 128  # tokens per program (122 programs a row at 248k), tokens per inner step
+COUNTS_SCAN = 1024  # values per step of a bf16 row's scan over its 2^16 value counts
 
 
-def filter_threshold_triton(logits, keep, inv_temperature, top_p, min_p_offset, block: int = RADIX_BLOCK):
-    """Triton version of `filter_threshold_reference` (same arguments, the same tau bit for bit), with no sort:
-    two radix selects over the logits' order keys (sign-flipped float bits), top-k's on counts, then top-p's on
-    fixed-point masses of the top-k set. Each step histograms a row in parallel chunks (`radix_histogram`, int64
-    partials: exact, so in no particular order) and one program a row picks the bin (`radix_select`): 16-bit keys
-    for bf16 logits (the value's own bits), 32-bit for others. A row's work depends on nothing but its row."""
-    import triton
+def filter_threshold_triton(
+    logits, keep, inv_temperature, top_p, min_p_offset, block: int = RADIX_BLOCK, method: str | None = None
+):
+    """Triton version of `filter_threshold_reference` (same arguments, the same tau bit for bit), with no sort.
 
-    histogram, select = _radix_kernels()
+    `method` "counts" (bf16 logits; their default): a bf16 logit has 2^16 possible values, so one pass counts how
+    many tokens hold each (`value_counts`, int32 atomics) and one program a row scans the counts from the largest
+    value down (`counted_thresholds`): top-k where the count reaches k, top-p where count x mass reaches top_p of
+    the total. "radix" (any dtype; the default for fp32): two radix selects over the order keys, top-k's on counts,
+    then top-p's on the masses of the top-k set, 4 bits a step, each step a histogram of the row in parallel chunks
+    (`radix_histogram`, int64 partials) and one program a row picking the bin (`radix_select`). Either way every
+    sum is of integers, exact in any order, and a row's work depends on nothing but its row."""
     rows, vocab = logits.shape
     if vocab > MAX_VOCAB:
         raise ValueError(
             f"filter_threshold: a vocabulary of {vocab} tokens; the fixed-point masses hold up to {MAX_VOCAB}"
         )
+    method = method or ("counts" if logits.dtype == torch.bfloat16 else "radix")
+    if method not in ("counts", "radix") or (method == "counts" and logits.dtype != torch.bfloat16):
+        raise ValueError(
+            f"filter_threshold: method {method!r} for {logits.dtype} logits; use 'radix' (or 'counts' for bf16)"
+        )
     assert logits.stride(1) == 1
     # the kernels read row r's parameters at offset r (a verify's rows see one request's values as stride-0 views)
     keep, inv_temperature, top_p, min_p_offset = (t.contiguous() for t in (keep, inv_temperature, top_p, min_p_offset))
     row_max = logits.amax(dim=-1).float()
+    thresholds = _counted_thresholds if method == "counts" else _radix_thresholds
+    by_k, by_p = thresholds(logits, keep, inv_temperature, top_p, row_max, block)
+    return torch.maximum(torch.maximum(by_k, by_p), row_max + min_p_offset)
+
+
+def _counted_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
+    """Top-k's and top-p's thresholds [R] of bf16 rows from their value counts (see `filter_threshold_triton`)."""
+    import triton
+
+    _, _, value_counts, counted_thresholds = _threshold_kernels()
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, 1 << 16, dtype=torch.int32, device=logits.device)
+    active = (keep < vocab) | ((top_p < 1.0) & (inv_temperature > 0))
+    value_counts[(rows, triton.cdiv(vocab, block))](logits, logits.stride(0), vocab, active, counts, BLOCK=block)
+    by_k, by_p = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(2))
+    counted_thresholds[(rows,)](
+        counts, vocab, keep, inv_temperature, top_p, row_max, by_k, by_p, BLOCK=COUNTS_SCAN,
+        enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
+    )  # fmt: skip
+    return by_k, by_p
+
+
+def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
+    """Top-k's and top-p's thresholds [R] by radix selects (see `filter_threshold_triton`)."""
+    import triton
+
+    histogram, select, _, _ = _threshold_kernels()
+    rows, vocab = logits.shape
     key_bits = 16 if logits.dtype == torch.bfloat16 else 32
     chunks = triton.cdiv(vocab, block)
     hist = torch.empty(rows, chunks, 1 << RADIX_BITS, dtype=torch.int64, device=logits.device)
@@ -386,8 +472,6 @@ def filter_threshold_triton(logits, keep, inv_temperature, top_p, min_p_offset, 
             histogram[(rows, chunks)](
                 logits, logits.stride(0), vocab, active, row_max, inv_temperature, floor, prefix, hist, chunks,
                 SHIFT=shift, MASS=mass, BITS=RADIX_BITS, BLOCK=block, SUB=min(RADIX_SUB, block),
-                LOG2E=_LOG2E, LN2_HI=_LN2_HI, LN2_LO=_LN2_LO, MASS_BITS=MASS_BITS,
-                C0=_EXP[0], C1=_EXP[1], C2=_EXP[2], C3=_EXP[3], C4=_EXP[4], C5=_EXP[5],
                 enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
             )  # fmt: skip
             select[(rows,)](
@@ -395,7 +479,7 @@ def filter_threshold_triton(logits, keep, inv_temperature, top_p, min_p_offset, 
                 SHIFT=shift, MASS=mass, BITS=RADIX_BITS, FIRST=step == 0, LAST=step == steps - 1,
                 BLOCK_C=max(2, triton.next_power_of_2(chunks)),
             )  # fmt: skip
-    return torch.maximum(torch.maximum(by_k, by_p), row_max + min_p_offset)
+    return by_k, by_p
 
 
 # ---- custom ops ---------------------------------------------------------------------------------------------------

@@ -75,20 +75,24 @@ def filter_rows(count, dtype, seed=2):
     return logits, keep.cuda(), inv_t, top_p.cuda(), min_p.cuda()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_filter_threshold_kernel_equals_reference_at_real_vocab(dtype):
+METHODS = [(torch.bfloat16, "counts"), (torch.bfloat16, "radix"), (torch.float32, "radix")]
+
+
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_kernel_equals_reference_at_real_vocab(dtype, method):
     """Bit for bit on every row: the masses are integers computed with the same fp32 operations on both sides."""
     args = filter_rows(128, dtype)
-    assert torch.equal(ops.filter_threshold_triton(*args), ops.filter_threshold_reference(*args))
+    assert torch.equal(ops.filter_threshold_triton(*args, method=method), ops.filter_threshold_reference(*args))
 
 
-def test_filter_threshold_is_batch_invariant_at_real_vocab():
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_is_batch_invariant_at_real_vocab(dtype, method):
     """A row's tau alone, in the 128 rows of a B32 K=3 verify, and in any order of them."""
-    args = filter_rows(128, torch.bfloat16, seed=3)
-    together = ops.filter_threshold_triton(*args)
+    args = filter_rows(128, dtype, seed=3)
+    together = ops.filter_threshold_triton(*args, method=method)
     for rows in ([0], [5], [127, 3], list(range(127, -1, -1))):
         index = torch.tensor(rows, device="cuda")
-        assert torch.equal(ops.filter_threshold_triton(*(a[index] for a in args)), together[index])
+        assert torch.equal(ops.filter_threshold_triton(*(a[index] for a in args), method=method), together[index])
 
 
 def mixed_params(i, max_new):

@@ -91,21 +91,25 @@ def filter_rows(count, seed=5, dtype=torch.float32):
     return logits, keep, inv_t.float(), top_p.float(), min_p.float()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_filter_threshold_kernel_equals_reference(dtype):
+METHODS = [(torch.float32, "radix"), (torch.bfloat16, "radix"), (torch.bfloat16, "counts")]
+
+
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_kernel_equals_reference(dtype, method):
     args = filter_rows(10, dtype=dtype)
     ref = sampling.filter_threshold_reference(*args)
-    assert torch.equal(sampling.filter_threshold_triton(*args, block=BLOCK), ref)
+    assert torch.equal(sampling.filter_threshold_triton(*args, block=BLOCK, method=method), ref)
     assert torch.isinf(ref[6]) and torch.isinf(ref[7])  # no filters; greedy (top-p alone)
     assert torch.isfinite(ref[[0, 1, 2, 3, 4, 5, 8, 9]]).all()
 
 
-def test_filter_threshold_keeps_a_top_p_set_from_first_principles():
+@pytest.mark.parametrize("dtype,method", [METHODS[0], METHODS[2]])
+def test_filter_threshold_keeps_a_top_p_set_from_first_principles(dtype, method):
     """The kept set {logit >= tau}, in float64 from the definitions: the top-k tokens (ties with the k-th kept),
     and among them the smallest set of most likely tokens, ties kept together, whose renormalised probability
     reaches top_p (within fp32 rounding: a set one tie group smaller must fall short by more than 1e-6)."""
-    logits, keep, inv_t, top_p, min_p = filter_rows(10)
-    tau = sampling.filter_threshold_triton(logits, keep, inv_t, top_p, min_p, block=BLOCK)
+    logits, keep, inv_t, top_p, min_p = filter_rows(10, dtype=dtype)
+    tau = sampling.filter_threshold_triton(logits, keep, inv_t, top_p, min_p, block=BLOCK, method=method)
     for r in [0, 1, 2, 3, 4, 5, 8, 9]:
         x = logits[r].double()
         values = x.unique(sorted=True).flip(0)  # distinct logits, largest first
@@ -124,13 +128,14 @@ def test_filter_threshold_keeps_a_top_p_set_from_first_principles():
         assert (expected == tau[r].double()).any(), (r, tau[r], expected)
 
 
-def test_filter_threshold_rows_are_batch_invariant():
+@pytest.mark.parametrize("dtype,method", [METHODS[0], METHODS[2]])
+def test_filter_threshold_rows_are_batch_invariant(dtype, method):
     """A row's tau is the same alone, in any batch and at any place in it (the verify's rows, padding rows)."""
-    args = filter_rows(10, seed=8)
-    together = sampling.filter_threshold_triton(*args, block=BLOCK)
+    args = filter_rows(10, seed=8, dtype=dtype)
+    together = sampling.filter_threshold_triton(*args, block=BLOCK, method=method)
     for rows in ([3], [9, 0], [5, 5, 1, 2]):
         index = torch.tensor(rows, device=DEVICE)
-        alone = sampling.filter_threshold_triton(*(a[index] for a in args), block=BLOCK)
+        alone = sampling.filter_threshold_triton(*(a[index] for a in args), block=BLOCK, method=method)
         assert torch.equal(alone, together[index])
 
 

@@ -11,8 +11,9 @@ existed: a step whose requests are all greedy and ask no logprobs runs exactly t
 
 Filtering is a threshold on the logits: the kept set is {v : logit_v >= tau} (ties with the last kept token are
 kept), tau the largest of top-k's k-th largest logit, top-p's last kept logit and min-p's
-`max logit + T * ln(min_p)`. Only steps where some sampled request filters sort (`Mode.filtered`), one row at a
-time; a row without filters gets tau = -inf there, so its token does not depend on which mode its step ran in.
+`max logit + T * ln(min_p)`. Only steps where some sampled request filters compute it (`Mode.filtered`), each row
+on its own and without a sort (`ops/sampling.py`: histograms of the logits' values, exact integer masses); a
+row without filters gets tau = -inf there, so its token does not depend on which mode its step ran in.
 
 Accept: a verify over `[t_n, d1..dK]` chooses `c_0..c_K`; draft `d_i` is accepted while every draft before it
 was, and `d_i == c_{i-1}`. The request then emits `c_0..c_j` (j accepted drafts, then the bonus `c_j`): the
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
-from qwen_mtp.ops import sampling as _ops  # noqa: F401  (registers qwen_mtp::sample_tokens / top_p_threshold)
+from qwen_mtp.ops import sampling as _ops  # noqa: F401  (registers qwen_mtp::sample_tokens / filter_threshold)
 
 if TYPE_CHECKING:
     from qwen_mtp.parallel.vocab import VocabShard
@@ -54,7 +55,7 @@ class Mode(NamedTuple):
     key of its CUDA graph next to the bucket."""
 
     noise: bool = False  # some request samples (temperature > 0)
-    filtered: bool = False  # some sampling request filters (top-k, top-p or min-p): one sort per row
+    filtered: bool = False  # some sampling request filters (top-k, top-p or min-p): a threshold per row
     logprobs: bool = False  # some request reports logprobs
 
     @property
@@ -161,15 +162,12 @@ def choose(
 def filter_threshold(
     logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p_offset: torch.Tensor
 ) -> torch.Tensor:
-    """tau [R] for logits [R, V]: the smallest logit the filters keep (-inf for a row without filters)."""
-    ordered = logits.float().sort(dim=-1, descending=True).values
-    vocab = ordered.shape[-1]
+    """tau [R] for logits [R, V]: the smallest logit the filters keep (-inf for a row without filters), through
+    `qwen_mtp::filter_threshold` (histograms on CUDA: no sort of the vocabulary, which cost the sampled
+    verify more than the rest of the sampler)."""
+    vocab = logits.shape[-1]
     keep = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    none = torch.full_like(inv_t, float("-inf"))
-    by_k = torch.where(top_k > 0, ordered.gather(1, (keep - 1)[:, None])[:, 0], none)
-    by_p = torch.where(top_p < 1.0, torch.ops.qwen_mtp.top_p_threshold(ordered, keep, inv_t, top_p), none)
-    by_min_p = ordered[:, 0] + min_p_offset
-    return torch.maximum(torch.maximum(by_k, by_p), by_min_p)
+    return torch.ops.qwen_mtp.filter_threshold(logits, keep, inv_t, top_p, min_p_offset)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, n: int) -> Logprobs:

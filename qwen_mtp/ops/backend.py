@@ -18,6 +18,7 @@ OPS = frozenset(
     {
         "add_rms_norm",
         "conv_update",
+        "filter_threshold",
         "gated_rms_norm",
         "gdn_chunked",
         "gdn_recurrent",
@@ -31,7 +32,6 @@ OPS = frozenset(
         "rms_norm",
         "sample_tokens",
         "swiglu",
-        "top_p_threshold",
     }
 )
 

@@ -1,5 +1,6 @@
 """The sampler's device ops: a Gumbel-max choice per row with counter-based noise (`sample_tokens`), and the
-top-p cut over a sorted row (`top_p_threshold`); plain-torch references beside their Triton kernels.
+filters' logit threshold (`filter_threshold`: top-k, top-p, min-p, without sorting the vocabulary); plain-torch
+references beside their Triton kernels.
 
 Noise. The Gumbel variable of token v in row r is a pure function of (seed_r, position_r, v): a 32-bit integer
 hash (two rounds of the `lowbias32` finalizer, keyed by the seed's two halves and the position), its top 24 bits
@@ -12,11 +13,18 @@ Choice. score_v = logit_v * inv_temperature + g_v where logit_v >= threshold (el
 index of the maximal score. A row with inv_temperature 0 is greedy: the first index of the maximal logit, as
 `torch.argmax`. The log-sum-exp of the raw logits (the temperature-1 normaliser logprobs need) comes from the same
 pass.
+
+Threshold. The reference sorts a row and reads tau off the sorted order (the definition); the kernels find the
+same value from histograms, without a sort: of the 2^16 values a bf16 logit can take (counts), or radix selects
+over the logits' order keys (float bits, sign-flipped so that they compare as integers), 4 bits a step. Masses are
+fixed-point integers, so every sum is exact whatever order adds it: the kernels equal the reference bit for bit
+and a row's tau never depends on the other rows.
 """
 
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 
@@ -90,27 +98,73 @@ def sample_tokens_reference(
     return tokens, lse
 
 
-def top_p_threshold_reference(
-    ordered: torch.Tensor,  # [R, V] float32 logits, sorted descending per row
-    keep: torch.Tensor,  # [R] long in [1, V]: the tokens top-k keeps
-    inv_temperature: torch.Tensor,  # [R] float32
-    top_p: torch.Tensor,  # [R] float32 in (0, 1]
-    block: int = BLOCK,
+def _fp32(value: float) -> float:
+    """`value` rounded to float32, so that torch and Triton multiply by the very same constant."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+# Filter thresholds. Masses are fixed-point integers so that every sum is exact: a row's histograms and prefix sums
+# are the same whatever order (chunks, lanes, programs) adds them, which makes the kernel equal the reference bit
+# for bit and a row's threshold independent of the other rows.
+MASS_BITS = 42  # the most likely token weighs 2^42: V * 2^42 < 2^63 for a vocabulary of up to 2^20 tokens
+MAX_VOCAB = 1 << 20
+LOG2E = _fp32(1.4426950408889634)
+LN2_HI, LN2_LO = 0.693359375, _fp32(-2.12194440e-4)  # ln 2 in two parts; n * LN2_HI is exact for |n| < 2^15
+# e^r on [-ln2/2, ln2/2]: Cephes' expf polynomial (about 1 ulp), highest coefficient first
+EXP_POLYNOMIAL = tuple(_fp32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                1.6666665459e-1, 5.0000001201e-1))  # fmt: skip
+
+
+def fixed_point_mass(x: torch.Tensor, row_max: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+    """floor(exp((x - max) / T) * 2^MASS_BITS) [R, V] (int64) for fp32 logits x [R, V] (finite or -inf).
+
+    Why not `torch.exp`: the kernel must compute the same integers, and exp rounds differently in torch, numpy and
+    Triton. So exp(y) = 2^n e^r, n = round(y / ln 2), r = y - n ln 2 (Cody and Waite's two-part ln 2), e^r a
+    polynomial with one rounding per product and per sum (fp32 mul and add round alike everywhere when the kernel
+    does not contract them into FMAs), 2^n an integer shift: as accurate as `torch.exp` of the rounded y. Masses
+    below 2^-MASS_BITS of the most likely token's are 0 (together under V * 2^-42 ~ 6e-8 of the row's mass)."""
+    y = torch.clamp((x - row_max[:, None]) * inv_temperature[:, None], min=-45.0)  # e^-45 is 0 at 42 bits; -inf too
+    n = torch.floor(y * LOG2E + 0.5)
+    r = (y - n * LN2_HI) - n * LN2_LO
+    p = r * EXP_POLYNOMIAL[0] + EXP_POLYNOMIAL[1]
+    for c in EXP_POLYNOMIAL[2:]:
+        p = p * r + c
+    p = p * (r * r) + r + 1.0
+    whole = (p * 16777216.0).long()  # p in [0.7, 1.42): 24 significant bits, an integer times 2^-24
+    shift = n.long() + (MASS_BITS - 24)
+    return torch.where(shift >= 0, whole << shift.clamp(min=0), whole >> (-shift).clamp(min=0))
+
+
+def filter_threshold_reference(
+    logits: torch.Tensor,  # [R, V] float32 or bfloat16
+    keep: torch.Tensor,  # [R] long in [1, V]: top-k's k (V: no top-k)
+    inv_temperature: torch.Tensor,  # [R] float32 (0: greedy, no top-p)
+    top_p: torch.Tensor,  # [R] float32 in (0, 1] (1: no top-p)
+    min_p_offset: torch.Tensor,  # [R] float32: T * ln(min_p) (-inf: no min-p)
 ) -> torch.Tensor:
-    """The logit of the last token top-p keeps [R]: the smallest prefix of the top-k tokens whose probability
-    mass (softmax at the temperature, renormalised over the top-k) reaches top_p. Unnormalised masses
-    e_i = exp((l_i - l_0) * inv_temperature); a token is kept while the mass before it is < top_p * sum(e)."""
-    rows, vocab = ordered.shape
-    index = torch.arange(vocab, device=ordered.device)
-    inside = index[None, :] < keep[:, None]
-    mass = torch.where(inside, torch.exp((ordered - ordered[:, :1]) * inv_temperature[:, None]), 0.0)
-    chunks = -(-vocab // block)
-    padded = torch.zeros(rows, chunks * block, device=ordered.device)
-    padded[:, :vocab] = mass
-    total = padded.view(rows, chunks, block).sum(dim=1).sum(dim=-1)  # lanes over the chunks, then across: as the kernel
-    before = torch.cumsum(mass, dim=-1) - mass
-    count = (inside & (before < (top_p * total)[:, None])).sum(dim=-1).clamp(min=1)
-    return ordered.gather(1, (count - 1)[:, None])[:, 0]
+    """tau [R] (float32): the smallest logit the filters keep, each row's kept set being {v : logit_v >= tau}
+    (tokens tied with the last kept one are kept: a threshold is a value); -inf for a row without filters.
+
+    The definition, on a sorted row (the kernel finds the same tau without sorting):
+    - top-k: tau_k = the k-th largest logit (-inf when k = V);
+    - top-p, over the top-k set {logit >= tau_k} with masses q_v = `fixed_point_mass` (exact integers):
+      tau_p = the largest logit l with Q(l) >= top_p * total, Q(l) the mass of the tokens with logit >= l and
+      total the mass of the set (the product in float64): the smallest set of most likely tokens, ties kept
+      together, whose mass reaches top_p (-inf when top_p = 1 or the row is greedy);
+    - min-p: tau_m = max logit + T ln(min_p) (p >= min_p * p_max).
+    tau = max(tau_k, tau_p, tau_m)."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    ordered = x.sort(dim=-1, descending=True).values
+    row_max = ordered[:, 0]
+    none = torch.full_like(row_max, float("-inf"))
+    by_k = torch.where(keep < vocab, ordered.gather(1, (keep.clamp(1, vocab) - 1)[:, None])[:, 0], none)
+    mass = torch.where(ordered >= by_k[:, None], fixed_point_mass(ordered, row_max, inv_temperature), 0)
+    target = top_p.double() * mass.sum(dim=-1).double()
+    reached = torch.cumsum(mass, dim=-1).double() >= target[:, None]  # Q at each token's tie group (sorted order)
+    first = reached.int().argmax(dim=-1)  # the first token where it reaches the target: its value is tau_p
+    by_p = torch.where((top_p < 1.0) & (inv_temperature > 0), ordered.gather(1, first[:, None])[:, 0], none)
+    return torch.maximum(torch.maximum(by_k, by_p), row_max + min_p_offset)
 
 
 # ---- Triton -----------------------------------------------------------------------------------------------------
@@ -166,42 +220,14 @@ def _kernels():
         overall = tl.max(top, axis=0)
         tl.store(lse_ptr + row, overall + tl.log(tl.sum(tl.where(valid, total * tl.exp(top - overall), 0.0), axis=0)))
 
-    @triton.jit
-    def top_p_cut(ordered_ptr, stride, keep_ptr, inv_t_ptr, top_p_ptr, out_ptr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        keep = tl.load(keep_ptr + row)
-        inv_t = tl.load(inv_t_ptr + row)
-        head = tl.load(ordered_ptr + row * stride)
-        lanes = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, keep, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < keep
-            x = tl.load(ordered_ptr + row * stride + offs, mask=inside, other=float("-inf"))
-            lanes += tl.where(inside, tl.exp((x - head) * inv_t), 0.0)
-        target = tl.load(top_p_ptr + row) * tl.sum(lanes, axis=0)
-        count = tl.zeros([], dtype=tl.int64)
-        before = tl.zeros([], dtype=tl.float32)
-        start = 0
-        while (start < keep) & (before < target):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < keep
-            x = tl.load(ordered_ptr + row * stride + offs, mask=inside, other=float("-inf"))
-            mass = tl.where(inside, tl.exp((x - head) * inv_t), 0.0)
-            running = before + tl.cumsum(mass, axis=0) - mass
-            count += tl.sum(tl.where(inside & (running < target), 1, 0), axis=0).to(tl.int64)
-            before += tl.sum(mass, axis=0)
-            start += BLOCK
-        count = tl.maximum(count, 1)
-        tl.store(out_ptr + row, tl.load(ordered_ptr + row * stride + count - 1))
-
-    return partials, combine, top_p_cut
+    return partials, combine
 
 
 def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, block: int = BLOCK):
     """Triton version of `sample_tokens_reference` (same arguments and results)."""
     import triton
 
-    partials, combine, _ = _kernels()
+    partials, combine = _kernels()
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     # the kernels read row r's parameters at offset r: a per-request value expanded over its verify rows is a
@@ -225,14 +251,235 @@ def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, blo
     return tokens, lse
 
 
-def top_p_threshold_triton(ordered, keep, inv_temperature, top_p, block: int = BLOCK):
-    """Triton version of `top_p_threshold_reference`: one program per row, masses summed in fixed lanes."""
-    _, _, top_p_cut = _kernels()
-    assert ordered.stride(1) == 1
-    keep, inv_temperature, top_p = (t.contiguous() for t in (keep, inv_temperature, top_p))  # one per row (above)
-    out = torch.empty(ordered.shape[0], dtype=torch.float32, device=ordered.device)
-    top_p_cut[(ordered.shape[0],)](ordered, ordered.stride(0), keep, inv_temperature, top_p, out, BLOCK=block)
-    return out
+@functools.cache  # as `_kernels`
+def _threshold_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def radix_histogram(
+        logits_ptr, stride, vocab, active_ptr, row_max_ptr, inv_t_ptr, floor_ptr, prefix_ptr, hist_ptr, chunks,
+        SHIFT: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    ):  # fmt: skip
+        """Partial histograms [R, chunks, 2^BITS] (int64) of one chunk of a row: the mass (MASS) or the count of its
+        tokens whose key's bits above SHIFT + BITS equal the row's prefix, binned by their next BITS bits."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        if tl.load(active_ptr + row):
+            bins = tl.arange(0, 1 << BITS)
+            prefix = tl.load(prefix_ptr + row)
+            row_max = tl.load(row_max_ptr + row)
+            inv_t = tl.load(inv_t_ptr + row)
+            floor = tl.load(floor_ptr + row)
+            lanes = tl.zeros([SUB, 1 << BITS], dtype=tl.int64)  # integer sums: exact in any order
+            for start in range(0, BLOCK, SUB):
+                offs = chunk * BLOCK + start + tl.arange(0, SUB)[:, None]  # [SUB, 1]: the lanes' layout, no shuffles
+                valid = offs < vocab
+                x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+                key = triton_utils.order_key(x)
+                inside = valid & ((key >> (SHIFT + BITS)) == prefix)
+                if MASS:
+                    mass = triton_utils.fixed_point_mass(x, row_max, inv_t)
+                    weight = tl.where(inside & (x >= floor), mass, 0)
+                else:
+                    weight = inside.to(tl.int64)
+                digit = ((key >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
+                lanes += tl.where(digit == bins[None, :], weight, 0)
+            tl.store(hist_ptr + (row * chunks + chunk) * (1 << BITS) + bins, tl.sum(lanes, axis=0))
+
+    @triton.jit
+    def radix_select(
+        hist_ptr, chunks, active_ptr, goal_ptr, prefix_ptr, above_ptr, target_ptr, out_ptr,
+        SHIFT: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """One row's radix step: the highest bin whose tokens and those above it reach the target (k tokens, or
+        top_p of the set's mass); its digit joins the prefix, the mass (count) of the bins above it joins `above`.
+        The last step writes the threshold: the logit whose key is the prefix (-inf for inactive rows)."""
+        row = tl.program_id(0)
+        if tl.load(active_ptr + row):
+            bins = tl.arange(0, 1 << BITS)
+            c = tl.arange(0, BLOCK_C)
+            parts = tl.load(
+                hist_ptr + (row * chunks + c[:, None]) * (1 << BITS) + bins[None, :], mask=c[:, None] < chunks, other=0
+            )
+            hist = tl.sum(parts, axis=0)  # [2^BITS]
+            if FIRST:
+                prefix = tl.zeros([], dtype=tl.int64)
+                above = tl.zeros([], dtype=tl.int64)
+                if MASS:  # the first histogram holds the whole set: its mass is the total
+                    target = tl.load(goal_ptr + row).to(tl.float64) * tl.sum(hist, axis=0).to(tl.float64)
+                else:
+                    target = tl.load(goal_ptr + row).to(tl.float64)
+            else:
+                prefix = tl.load(prefix_ptr + row)
+                above = tl.load(above_ptr + row)
+                target = tl.load(target_ptr + row)
+            at_least = above + tl.sum(tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0), axis=1)
+            digit = tl.max(tl.where(at_least.to(tl.float64) >= target, bins, 0), axis=0)
+            above += tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+            prefix = prefix * (1 << BITS) + digit
+            if LAST:
+                tl.store(out_ptr + row, triton_utils.key_value(prefix, SHIFT))
+            else:
+                tl.store(prefix_ptr + row, prefix)
+                tl.store(above_ptr + row, above)
+                tl.store(target_ptr + row, target)
+        elif LAST:
+            tl.store(out_ptr + row, float("-inf"))
+
+    @triton.jit
+    def value_counts(logits_ptr, stride, vocab, active_ptr, counts_ptr, BLOCK: tl.constexpr):
+        """counts [R, 2^16] (int32, zeroed) += how many tokens of one chunk of a bf16 row hold each value (the value
+        is the top 16 bits of its order key). Integer atomics: the counts are exact whatever order adds them."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        if tl.load(active_ptr + row):
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            valid = offs < vocab
+            x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=0.0).to(tl.float32)
+            value = triton_utils.order_key(x) >> 16
+            tl.atomic_add(counts_ptr + row * 65536 + value, 1, mask=valid, sem="relaxed")
+
+    @triton.jit
+    def counted_thresholds(
+        counts_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, by_k_ptr, by_p_ptr, BLOCK: tl.constexpr
+    ):
+        """One bf16 row's top-k and top-p thresholds from its value counts, scanning the 2^16 values from the
+        largest down: top-k's is the first value where the count at or above it reaches k; top-p's the first where
+        the mass at or above it (count times the value's fixed-point mass, over values >= top-k's) reaches top_p of
+        the total. -inf where a filter is off."""
+        row = tl.program_id(0)
+        keep = tl.load(keep_ptr + row)
+        inv_t = tl.load(inv_t_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        row_max = tl.load(row_max_ptr + row)
+        lanes = tl.arange(0, BLOCK)
+        counts = counts_ptr + row * 65536
+        by_k = tl.full([], -1, dtype=tl.int64)  # the top-k value (as its 16-bit key); -1: none
+        if keep < vocab:
+            above = tl.zeros([], dtype=tl.int64)
+            for start in range(0, 65536, BLOCK):
+                values = 65535 - start - lanes  # largest first
+                reach = above + tl.cumsum(tl.load(counts + values).to(tl.int64), axis=0)
+                first = tl.min(tl.where(reach >= keep, lanes, BLOCK), axis=0)
+                by_k = tl.where((by_k < 0) & (first < BLOCK), 65535 - start - first, by_k)
+                above = tl.max(reach, axis=0)
+        none = float("-inf")
+        tl.store(by_k_ptr + row, tl.where(by_k >= 0, triton_utils.key_value(by_k, 16), none))
+        if (top_p < 1.0) & (inv_t > 0.0):
+            total = tl.zeros([], dtype=tl.int64)
+            for start in range(0, 65536, BLOCK):
+                values = 65535 - start - lanes
+                count = tl.load(counts + values)
+                if tl.max(count, axis=0) > 0:  # most blocks of values hold no token
+                    x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)  # (no NaNs)
+                    mass = count.to(tl.int64) * triton_utils.fixed_point_mass(x, row_max, inv_t)
+                    total += tl.sum(tl.where(values >= by_k, mass, 0), axis=0)
+            target = top_p.to(tl.float64) * total.to(tl.float64)
+            above = tl.zeros([], dtype=tl.int64)
+            by_p = tl.full([], -1, dtype=tl.int64)
+            for start in range(0, 65536, BLOCK):
+                values = 65535 - start - lanes
+                count = tl.load(counts + values)
+                if (by_p < 0) & (tl.max(count, axis=0) > 0):
+                    x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
+                    mass = count.to(tl.int64) * triton_utils.fixed_point_mass(x, row_max, inv_t)
+                    reach = above + tl.cumsum(tl.where(values >= by_k, mass, 0), axis=0)
+                    first = tl.min(tl.where(reach.to(tl.float64) >= target, lanes, BLOCK), axis=0)
+                    by_p = tl.where(first < BLOCK, 65535 - start - first, by_p)
+                    above = tl.max(reach, axis=0)
+            tl.store(by_p_ptr + row, triton_utils.key_value(by_p, 16))
+        else:
+            tl.store(by_p_ptr + row, none)
+
+    return radix_histogram, radix_select, value_counts, counted_thresholds
+
+
+RADIX_BITS = 4  # key bits a radix step settles: 16 bins; 4 steps for 16-bit keys, 8 for 32-bit ones
+RADIX_BLOCK, RADIX_SUB = 2048, 128  # tokens per program (122 programs a row at 248k), tokens per inner step
+COUNTS_SCAN = 1024  # values per step of a bf16 row's scan over its 2^16 value counts
+
+
+def filter_threshold_triton(
+    logits, keep, inv_temperature, top_p, min_p_offset, block: int = RADIX_BLOCK, method: str | None = None
+):
+    """Triton version of `filter_threshold_reference` (same arguments, the same tau bit for bit), with no sort.
+
+    `method` "counts" (bf16 logits; their default): a bf16 logit has 2^16 possible values, so one pass counts how
+    many tokens hold each (`value_counts`, int32 atomics) and one program a row scans the counts from the largest
+    value down (`counted_thresholds`): top-k where the count reaches k, top-p where count x mass reaches top_p of
+    the total. "radix" (any dtype; the default for fp32): two radix selects over the order keys, top-k's on counts,
+    then top-p's on the masses of the top-k set, 4 bits a step, each step a histogram of the row in parallel chunks
+    (`radix_histogram`, int64 partials) and one program a row picking the bin (`radix_select`). Either way every
+    sum is of integers, exact in any order, and a row's work depends on nothing but its row."""
+    rows, vocab = logits.shape
+    if vocab > MAX_VOCAB:
+        raise ValueError(
+            f"filter_threshold: a vocabulary of {vocab} tokens; the fixed-point masses hold up to {MAX_VOCAB}"
+        )
+    method = method or ("counts" if logits.dtype == torch.bfloat16 else "radix")
+    if method not in ("counts", "radix") or (method == "counts" and logits.dtype != torch.bfloat16):
+        raise ValueError(
+            f"filter_threshold: method {method!r} for {logits.dtype} logits; use 'radix' (or 'counts' for bf16)"
+        )
+    assert logits.stride(1) == 1
+    # the kernels read row r's parameters at offset r (a verify's rows see one request's values as stride-0 views)
+    keep, inv_temperature, top_p, min_p_offset = (t.contiguous() for t in (keep, inv_temperature, top_p, min_p_offset))
+    row_max = logits.amax(dim=-1).float()
+    thresholds = _counted_thresholds if method == "counts" else _radix_thresholds
+    by_k, by_p = thresholds(logits, keep, inv_temperature, top_p, row_max, block)
+    return torch.maximum(torch.maximum(by_k, by_p), row_max + min_p_offset)
+
+
+def _counted_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
+    """Top-k's and top-p's thresholds [R] of bf16 rows from their value counts (see `filter_threshold_triton`)."""
+    import triton
+
+    _, _, value_counts, counted_thresholds = _threshold_kernels()
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, 1 << 16, dtype=torch.int32, device=logits.device)
+    active = (keep < vocab) | ((top_p < 1.0) & (inv_temperature > 0))
+    value_counts[(rows, triton.cdiv(vocab, block))](logits, logits.stride(0), vocab, active, counts, BLOCK=block)
+    by_k, by_p = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(2))
+    counted_thresholds[(rows,)](
+        counts, vocab, keep, inv_temperature, top_p, row_max, by_k, by_p, BLOCK=COUNTS_SCAN,
+        enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
+    )  # fmt: skip
+    return by_k, by_p
+
+
+def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
+    """Top-k's and top-p's thresholds [R] by radix selects (see `filter_threshold_triton`)."""
+    import triton
+
+    histogram, select, _, _ = _threshold_kernels()
+    rows, vocab = logits.shape
+    key_bits = 16 if logits.dtype == torch.bfloat16 else 32
+    chunks = triton.cdiv(vocab, block)
+    hist = torch.empty(rows, chunks, 1 << RADIX_BITS, dtype=torch.int64, device=logits.device)
+    prefixes = torch.zeros(2, rows, dtype=torch.int64, device=logits.device)  # the key bits settled so far
+    above = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    target = torch.empty(rows, dtype=torch.float64, device=logits.device)
+    by_k, by_p = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(2))
+    none = torch.full_like(row_max, float("-inf"))
+    selects = (
+        (False, keep < vocab, keep, none, prefixes[0], by_k),  # top-k: counts over every token
+        (True, (top_p < 1.0) & (inv_temperature > 0), top_p, by_k, prefixes[1], by_p),  # top-p: masses over top-k
+    )
+    steps = key_bits // RADIX_BITS
+    for mass, active, goal, floor, prefix, out in selects:
+        for step in range(steps):
+            shift = 32 - RADIX_BITS * (step + 1)
+            histogram[(rows, chunks)](
+                logits, logits.stride(0), vocab, active, row_max, inv_temperature, floor, prefix, hist, chunks,
+                SHIFT=shift, MASS=mass, BITS=RADIX_BITS, BLOCK=block, SUB=min(RADIX_SUB, block),
+                enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
+            )  # fmt: skip
+            select[(rows,)](
+                hist, chunks, active, goal, prefix, above, target, out,
+                SHIFT=shift, MASS=mass, BITS=RADIX_BITS, FIRST=step == 0, LAST=step == steps - 1,
+                BLOCK_C=max(2, triton.next_power_of_2(chunks)),
+            )  # fmt: skip
+    return by_k, by_p
 
 
 # ---- custom ops ---------------------------------------------------------------------------------------------------
@@ -261,21 +508,25 @@ def _(logits, inv_temperature, threshold, seed, position):
     return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("qwen_mtp::top_p_threshold", mutates_args=())
-def top_p_threshold(
-    ordered: torch.Tensor, keep: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Tensor
+@torch.library.custom_op("qwen_mtp::filter_threshold", mutates_args=())
+def filter_threshold(
+    logits: torch.Tensor,
+    keep: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p_offset: torch.Tensor,
 ) -> torch.Tensor:
-    """Custom op: `top_p_threshold_reference` on CPU, one Triton launch on CUDA."""
-    return top_p_threshold_reference(ordered, keep, inv_temperature, top_p)
+    """Custom op: `filter_threshold_reference` on CPU (a sort), the radix selects on CUDA (no sort)."""
+    return filter_threshold_reference(logits, keep, inv_temperature, top_p, min_p_offset)
 
 
-@top_p_threshold.register_kernel("cuda")
-def _(ordered, keep, inv_temperature, top_p):
-    if reference_forced("top_p_threshold"):
-        return top_p_threshold_reference(ordered, keep, inv_temperature, top_p)
-    return top_p_threshold_triton(ordered, keep, inv_temperature, top_p)
+@filter_threshold.register_kernel("cuda")
+def _(logits, keep, inv_temperature, top_p, min_p_offset):
+    if reference_forced("filter_threshold"):
+        return filter_threshold_reference(logits, keep, inv_temperature, top_p, min_p_offset)
+    return filter_threshold_triton(logits, keep, inv_temperature, top_p, min_p_offset)
 
 
-@top_p_threshold.register_fake
-def _(ordered, keep, inv_temperature, top_p):
-    return ordered.new_empty(ordered.shape[0], dtype=torch.float32)
+@filter_threshold.register_fake
+def _(logits, keep, inv_temperature, top_p, min_p_offset):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)

@@ -1,11 +1,14 @@
 """The `@triton.jit` helpers that several kernels call, written once: a dot product whose result rows never depend
-on the other rows (also under the CPU interpreter), and the paged-attention key loop shared by decode/verify and
-prefill attention (int64 page-slot addresses, the online-softmax update). Kernels reach them as
+on the other rows (also under the CPU interpreter), the paged-attention key loop shared by decode/verify and
+prefill attention (int64 page-slot addresses, the online-softmax update), and the sampler's order keys and
+fixed-point masses. Kernels reach them as
 `triton_utils.<helper>` (see there why); this module needs Triton.
 """
 
 import triton
 import triton.language as tl
+
+from qwen_mtp.ops import sampling as _sampling
 
 
 @triton.jit
@@ -132,3 +135,45 @@ def mix32(x):
     x *= 0x846CA68B
     x ^= x >> 16
     return x
+
+
+# The sampler's filter threshold (`ops/sampling.py`): its constants come from there, once.
+_LOG2E = tl.constexpr(_sampling.LOG2E)
+_LN2_HI = tl.constexpr(_sampling.LN2_HI)
+_LN2_LO = tl.constexpr(_sampling.LN2_LO)
+_E0, _E1, _E2, _E3, _E4, _E5 = (tl.constexpr(c) for c in _sampling.EXP_POLYNOMIAL)
+_MASS_SHIFT = tl.constexpr(_sampling.MASS_BITS - 24)
+
+
+@triton.jit
+def order_key(x):
+    """fp32 x -> int64 key in [0, 2^32) that orders as x does (-0.0 keyed as +0.0): a negative float's other bits
+    flipped, then offset by 2^31 (`sampling.order_key`)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) - (-2147483648)
+
+
+@triton.jit
+def key_value(top, SHIFT: tl.constexpr):  # noqa: N803
+    """The fp32 value whose order key has the high bits `top` (int64; the key >> SHIFT): `order_key`'s inverse. With
+    SHIFT = 16 (bf16 values) the low bits are the sign's fill: 0 below a positive value's key, ones below a
+    negative's."""
+    key = top << SHIFT
+    if SHIFT > 0:
+        key = key | tl.where((key >> 31) != 0, 0, (1 << SHIFT) - 1)
+    signed = (key + (-2147483648)).to(tl.int32)
+    return (signed ^ ((signed >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fixed_point_mass(x, row_max, inv_t):
+    """`sampling.fixed_point_mass`: the same fp32 operations in the same order (kernels calling it are launched
+    with `enable_fp_fusion=False`, so no product is contracted into an FMA), hence the same int64 masses."""
+    y = tl.maximum((x - row_max) * inv_t, -45.0)
+    n = tl.floor(y * _LOG2E + 0.5)
+    r = (y - n * _LN2_HI) - n * _LN2_LO
+    p = ((((r * _E0 + _E1) * r + _E2) * r + _E3) * r + _E4) * r + _E5
+    p = p * (r * r) + r + 1.0
+    whole = (p * 16777216.0).to(tl.int64)
+    shift = n.to(tl.int64) + _MASS_SHIFT
+    return tl.where(shift >= 0, whole << tl.maximum(shift, 0), whole >> tl.maximum(-shift, 0))

@@ -1,8 +1,8 @@
 """Sampling on CUDA: the sampler kernels at the real vocabulary (248,320 tokens) agree with their references and
-are batch-invariant; sampled MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 under CUDA graphs (tokens and
-logprobs, greedy and sampled requests mixed, filters and none); one synchronisation per sampled step; and, on the
-shipped trained checkpoint (models/qwen-mtp-small, or QWEN_MTP_TRAINED=path), the acceptance of coupled against
-greedy drafts at T = 0.7."""
+are batch-invariant (the filters' threshold bit for bit, bf16 and fp32 logits); sampled MTP-on == MTP-off for
+K = 1..4 at batch 1, 8 and 32 under CUDA graphs (tokens and logprobs, greedy and sampled requests mixed, filters and
+none); one synchronisation per sampled step; and, on the shipped trained checkpoint (models/qwen-mtp-small, or
+QWEN_MTP_TRAINED=path), the acceptance of coupled against greedy drafts at T = 0.7."""
 
 import os
 import traceback
@@ -53,15 +53,46 @@ def test_sample_kernel_agrees_with_reference_at_real_vocab():
 def test_sample_kernels_are_batch_invariant_at_real_vocab():
     logits, inv_t, seeds, positions = sampler_rows(160, seed=1)
     tokens, lse = ops.sample_tokens_triton(logits, inv_t, None, seeds, positions)
-    ordered = logits.sort(dim=-1, descending=True).values
-    keep = torch.full((160,), VOCAB, device="cuda")
-    top_p = torch.full((160,), 0.9, device="cuda")
-    cut = ops.top_p_threshold_triton(ordered, keep, inv_t, top_p)
     for r in (0, 3, 159):
         one = slice(r, r + 1)
         alone = ops.sample_tokens_triton(logits[one], inv_t[one], None, seeds[one], positions[one])
         assert torch.equal(alone[0], tokens[one]) and torch.equal(alone[1], lse[one])
-        assert torch.equal(ops.top_p_threshold_triton(ordered[one], keep[one], inv_t[one], top_p[one]), cut[one])
+
+
+def filter_rows(count, dtype, seed=2):
+    """Logits at the real vocabulary as the lm_head gives them (bf16, or fp32), with a peaked head (a trained
+    model's) on some rows and ties; every kind of filter: top-p, top-k, both, min-p, greedy and unfiltered rows."""
+    logits, inv_t, _, _ = sampler_rows(count, seed=seed)
+    logits[::3, :50] += 12.0  # a few likely tokens
+    logits = logits.to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    top_p = torch.empty(count).uniform_(0.5, 0.999, generator=gen)
+    top_p[::5] = 1.0
+    keep = torch.full((count,), VOCAB)
+    keep[1::4] = torch.randint(1, 2000, (len(keep[1::4]),), generator=gen)
+    min_p = torch.full((count,), float("-inf"))
+    min_p[2::6] = -3.0
+    return logits, keep.cuda(), inv_t, top_p.cuda(), min_p.cuda()
+
+
+METHODS = [(torch.bfloat16, "counts"), (torch.bfloat16, "radix"), (torch.float32, "radix")]
+
+
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_kernel_equals_reference_at_real_vocab(dtype, method):
+    """Bit for bit on every row: the masses are integers computed with the same fp32 operations on both sides."""
+    args = filter_rows(128, dtype)
+    assert torch.equal(ops.filter_threshold_triton(*args, method=method), ops.filter_threshold_reference(*args))
+
+
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_is_batch_invariant_at_real_vocab(dtype, method):
+    """A row's tau alone, in the 128 rows of a B32 K=3 verify, and in any order of them."""
+    args = filter_rows(128, dtype, seed=3)
+    together = ops.filter_threshold_triton(*args, method=method)
+    for rows in ([0], [5], [127, 3], list(range(127, -1, -1))):
+        index = torch.tensor(rows, device="cuda")
+        assert torch.equal(ops.filter_threshold_triton(*(a[index] for a in args), method=method), together[index])
 
 
 def mixed_params(i, max_new):

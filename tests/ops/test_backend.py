@@ -55,10 +55,13 @@ def sample_args():
     return (rand(3, 100, seed=15), inv_t, threshold, seed, position)
 
 
-def top_p_args():
-    ordered = rand(3, 100, seed=16).sort(dim=-1, descending=True).values
-    keep = torch.tensor([100, 10, 1], device=DEVICE)
-    return (ordered, keep, torch.tensor([1.0, 2.0, 0.5], device=DEVICE), torch.tensor([0.9, 0.5, 0.99], device=DEVICE))
+def filter_args():
+    keep, inv_t = torch.tensor([100, 10, 1], device=DEVICE), torch.tensor([1.0, 2.0, 0.5], device=DEVICE)
+    top_p, min_p = (
+        torch.tensor([0.9, 0.5, 0.99], device=DEVICE),
+        torch.tensor([-2.0, float("-inf"), -1.0], device=DEVICE),
+    )
+    return (rand(3, 100, seed=16), keep, inv_t, top_p, min_p)
 
 
 def fp8_weight(n, k):
@@ -83,7 +86,7 @@ CUDA_PATHS = {
     "moe": (moe, "moe_triton", moe_args),
     "moe_route": (moe, "route_triton", lambda: (rand(3, 6), 2, True)),
     "sample_tokens": (sampling, "sample_tokens_triton", sample_args),
-    "top_p_threshold": (sampling, "top_p_threshold_triton", top_p_args),
+    "filter_threshold": (sampling, "filter_threshold_triton", filter_args),
     "linear_fp8": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), *fp8_weight(5, 16), True)),
 }
 

@@ -1,5 +1,6 @@
 """The sampler's Triton kernels equal their plain-torch references (under the CPU interpreter here): the noise bit
-for bit, the chosen tokens, the log-sum-exp, the top-p cut; and a row's result does not depend on the other rows."""
+for bit, the chosen tokens, the log-sum-exp, the filters' threshold (which keeps a top-p set, checked from first
+principles); and a row's result does not depend on the other rows."""
 
 import pytest
 import torch
@@ -72,19 +73,80 @@ def test_sample_kernel_rows_are_batch_invariant():
         assert torch.equal(alone[0], tokens[one]) and torch.equal(alone[1], lse[one])
 
 
-def test_top_p_kernel_equals_reference():
-    ordered = rand(6, VOCAB, seed=5, scale=2.0).sort(dim=-1, descending=True).values
-    keep = torch.tensor([VOCAB, 10, 500, VOCAB, 3, 1], device=DEVICE)
-    inv_t = torch.tensor([1.0, 1 / 0.7, 1 / 1.3, 1.0, 2.0, 0.5], device=DEVICE)
-    top_p = torch.tensor([0.9, 0.5, 0.95, 0.99, 1.0, 0.3], device=DEVICE)
-    ref = sampling.top_p_threshold_reference(ordered, keep, inv_t, top_p, BLOCK)
-    assert torch.equal(sampling.top_p_threshold_triton(ordered, keep, inv_t, top_p, BLOCK), ref)
-    # the cut, from first principles: the smallest prefix of the top-k whose mass reaches top_p
-    for r in range(6):
-        probs = torch.softmax(ordered[r, : keep[r]].double() * inv_t[r], dim=0)
-        before = torch.cumsum(probs, dim=0) - probs
-        last = int((before < top_p[r]).sum()) - 1
-        assert ref[r] == ordered[r, last]
+NO_MIN_P = float("-inf")
+
+
+def filter_rows(count, seed=5, dtype=torch.float32):
+    """Logits with ties (rounded to 1/4) and a -inf, and filters: top-p alone, top-k alone, both, with min-p,
+    greedy and unfiltered rows (whose tau is -inf)."""
+    logits = (rand(count, VOCAB, seed=seed, scale=2.0) * 4).round() / 4
+    logits[:, 7] = float("-inf")
+    logits = logits.to(dtype)
+    pattern = [  # (top-k's k, 1/T, top_p, min-p offset)
+        (VOCAB, 1.0, 0.9, NO_MIN_P), (10, 1 / 0.7, 0.5, NO_MIN_P), (500, 1 / 1.3, 0.95, NO_MIN_P),
+        (VOCAB, 1.0, 0.99, -1.5), (3, 2.0, 1.0, NO_MIN_P), (1, 0.5, 0.3, NO_MIN_P), (VOCAB, 1.0, 1.0, NO_MIN_P),
+        (VOCAB, 0.0, 0.9, NO_MIN_P), (40, 1 / 0.7, 1e-6, NO_MIN_P), (VOCAB, 1 / 0.3, 0.999, NO_MIN_P),
+    ]  # fmt: skip
+    keep, inv_t, top_p, min_p = (torch.tensor(v, device=DEVICE) for v in zip(*pattern[:count], strict=True))
+    return logits, keep, inv_t.float(), top_p.float(), min_p.float()
+
+
+METHODS = [(torch.float32, "radix"), (torch.bfloat16, "radix"), (torch.bfloat16, "counts")]
+
+
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_kernel_equals_reference(dtype, method):
+    args = filter_rows(10, dtype=dtype)
+    ref = sampling.filter_threshold_reference(*args)
+    assert torch.equal(sampling.filter_threshold_triton(*args, block=BLOCK, method=method), ref)
+    assert torch.isinf(ref[6]) and torch.isinf(ref[7])  # no filters; greedy (top-p alone)
+    assert torch.isfinite(ref[[0, 1, 2, 3, 4, 5, 8, 9]]).all()
+
+
+@pytest.mark.parametrize("dtype,method", [METHODS[0], METHODS[2]])
+def test_filter_threshold_keeps_a_top_p_set_from_first_principles(dtype, method):
+    """The kept set {logit >= tau}, in float64 from the definitions: the top-k tokens (ties with the k-th kept),
+    and among them the smallest set of most likely tokens, ties kept together, whose renormalised probability
+    reaches top_p (within fp32 rounding: a set one tie group smaller must fall short by more than 1e-6)."""
+    logits, keep, inv_t, top_p, min_p = filter_rows(10, dtype=dtype)
+    tau = sampling.filter_threshold_triton(logits, keep, inv_t, top_p, min_p, block=BLOCK, method=method)
+    for r in [0, 1, 2, 3, 4, 5, 8, 9]:
+        x = logits[r].double()
+        values = x.unique(sorted=True).flip(0)  # distinct logits, largest first
+        floor_k = values[(x[None, :] >= values[:, None]).sum(dim=1) >= keep[r]][0] if keep[r] < VOCAB else -torch.inf
+        inside = x >= floor_k
+        probs = torch.where(inside, torch.softmax(torch.where(inside, x * inv_t[r].double(), -torch.inf), 0), 0.0)
+        if top_p[r] < 1:
+            at_least = torch.stack([probs[x >= v].sum() for v in values])  # mass at or above each distinct logit
+            reach = int((at_least < top_p[r].double() - 1e-6).sum())  # groups that clearly fall short
+            short = int((at_least < top_p[r].double() + 1e-6).sum())  # groups that fall short within rounding
+            candidates = values[reach : short + 1]  # tau_p is one of these (usually the only one)
+        else:
+            candidates = torch.tensor([-torch.inf], dtype=torch.float64)
+        floor_min_p = x.max() + min_p[r].double()
+        expected = torch.maximum(torch.maximum(candidates, torch.as_tensor(floor_k).double()), floor_min_p)
+        assert (expected == tau[r].double()).any(), (r, tau[r], expected)
+
+
+@pytest.mark.parametrize("dtype,method", [METHODS[0], METHODS[2]])
+def test_filter_threshold_rows_are_batch_invariant(dtype, method):
+    """A row's tau is the same alone, in any batch and at any place in it (the verify's rows, padding rows)."""
+    args = filter_rows(10, seed=8, dtype=dtype)
+    together = sampling.filter_threshold_triton(*args, block=BLOCK, method=method)
+    for rows in ([3], [9, 0], [5, 5, 1, 2]):
+        index = torch.tensor(rows, device=DEVICE)
+        alone = sampling.filter_threshold_triton(*(a[index] for a in args), block=BLOCK, method=method)
+        assert torch.equal(alone, together[index])
+
+
+def test_fixed_point_mass_is_the_exponential():
+    """The portable exp (Cody-Waite reduction, a polynomial with one rounding per operation, an integer shift) is
+    exp to about 1 ulp, in integers: the most likely token weighs exactly 2^MASS_BITS."""
+    x = torch.linspace(-40, 0, 20001)[None, :]
+    mass = sampling.fixed_point_mass(x, torch.zeros(1), torch.ones(1))
+    exact = torch.exp(x.double()) * 2.0**sampling.MASS_BITS
+    assert mass.dtype == torch.long and mass[0, -1] == 2**sampling.MASS_BITS
+    assert ((mass - exact).abs() <= exact * 1e-7 + 1).all()  # ~1 ulp, and the floor
 
 
 def test_kernels_take_one_requests_parameters_expanded_over_its_verify_rows():
@@ -92,7 +154,6 @@ def test_kernels_take_one_requests_parameters_expanded_over_its_verify_rows():
     `sampling.choose` gets by expanding [B] over the rows, sitting in one tensor beside the other parameters
     (`sampling.rows_of`). Every row must read the request's own values, not its neighbours in memory."""
     logits = rand(4, VOCAB, seed=6, scale=3.0)
-    ordered = logits.sort(dim=-1, descending=True).values
     packed = torch.tensor([[0.0], [1.0], [0.9], [float("-inf")]], device=DEVICE)  # 1/T (greedy), then others
     ints = torch.tensor([[12345], [678]], device=DEVICE)  # seed, then another request's
     inv_t, seed = packed[0].expand(4), ints[0].expand(4)
@@ -107,5 +168,7 @@ def test_kernels_take_one_requests_parameters_expanded_over_its_verify_rows():
     tokens, _ = sampling.sample_tokens_triton(logits, sampled[0].expand(4), None, seed, positions, BLOCK)
     ref, _ = sampling.sample_tokens_reference(logits, own[0], None, seed.contiguous(), positions, BLOCK)
     assert torch.equal(tokens, ref)
-    cut = sampling.top_p_threshold_triton(ordered, keep, sampled[0].expand(4), top_p, BLOCK)
-    assert torch.equal(cut, sampling.top_p_threshold_reference(ordered, keep, own[0], own[1], BLOCK))
+    minus_inf = packed[3].expand(4)
+    cut = sampling.filter_threshold_triton(logits, keep, sampled[0].expand(4), top_p, minus_inf, BLOCK)
+    own_min_p = torch.full((4,), float("-inf"), device=DEVICE)
+    assert torch.equal(cut, sampling.filter_threshold_reference(logits, keep, own[0], own[1], own_min_p))

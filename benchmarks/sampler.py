@@ -1,0 +1,89 @@
+"""Micro-benchmark on the GPU: the filters' threshold (`filter_threshold_triton`, no sort: bf16 value counts, or
+radix selects) against the sort the removed top-p path ran first (`logits.float().sort(descending=True)`, before
+its scan kernel), and the sampler kernel itself for scale, at 1, 4, 32 and 128 rows (B32 K=3 verifies 128) of the
+real vocabulary, each timed as a replayed CUDA graph. Checks the kernels against the reference on every shape.
+Prints a table; writes sampler.json to $OUT or cwd.
+
+    python benchmarks/sampler.py [--rows 1 4 32 128] [--dtype bfloat16] [--radix-bits 4] [--block 2048]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from qwen_mtp.ops import sampling as ops
+
+VOCAB = 248_320
+
+
+def inputs(rows: int, dtype: torch.dtype, top_k: bool):
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, VOCAB, generator=gen) * 3).to(dtype).cuda()
+    inv_t = torch.full((rows,), 1 / 0.7, device="cuda")
+    keep = torch.full((rows,), 50 if top_k else VOCAB, device="cuda")
+    top_p = torch.full((rows,), 0.95, device="cuda")
+    min_p = torch.full((rows,), float("-inf"), device="cuda")
+    return logits, keep, inv_t, top_p, min_p
+
+
+def graphed_us(fn) -> float:
+    fn()  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+
+
+def measure(rows: int, top_k: bool, dtype: torch.dtype, block: int) -> dict:
+    logits, keep, inv_t, top_p, min_p = inputs(rows, dtype, top_k)
+    seed = torch.arange(rows, device="cuda")
+    position = torch.full((rows,), 1000, device="cuda")
+    expected = ops.filter_threshold_reference(logits, keep, inv_t, top_p, min_p)
+    result = dict(
+        rows=rows,
+        filters="top-k 50 + top-p 0.95" if top_k else "top-p 0.95",
+        kept=(logits.float() >= expected[:, None]).sum(dim=-1).float().mean().item(),
+        sort_us=graphed_us(lambda: logits.float().sort(dim=-1, descending=True)),
+        sampler_us=graphed_us(lambda: ops.sample_tokens_triton(logits, inv_t, expected, seed, position)),
+    )
+    for method in ("counts", "radix") if dtype == torch.bfloat16 else ("radix",):
+
+        def threshold(method=method):
+            return ops.filter_threshold_triton(logits, keep, inv_t, top_p, min_p, block=block, method=method)
+
+        result[f"{method}_us"] = graphed_us(threshold)
+        result[f"{method}_equals_reference"] = torch.equal(threshold(), expected)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 128])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--radix-bits", type=int, default=ops.RADIX_BITS, choices=[2, 4, 8])
+    parser.add_argument("--block", type=int, default=ops.RADIX_BLOCK, help="tokens per program of a row (both methods)")
+    args = parser.parse_args()
+    ops.RADIX_BITS = args.radix_bits  # read at each call of filter_threshold_triton
+    report = []
+    for rows in args.rows:
+        for top_k in (False, True):
+            r = measure(rows, top_k, getattr(torch, args.dtype), args.block)
+            r.update(dtype=args.dtype, radix_bits=args.radix_bits, block=args.block)
+            report.append(r)
+            methods = "  ".join(
+                f"{m} {r[f'{m}_us']:8.1f} us ({r['sort_us'] / r[f'{m}_us']:5.1f}x, exact: {r[f'{m}_equals_reference']})"
+                for m in ("counts", "radix")
+                if f"{m}_us" in r
+            )
+            print(
+                f"R={rows:4d} {r['filters']:22s} {methods}  sort alone {r['sort_us']:8.1f} us"
+                f"  sampler {r['sampler_us']:7.1f} us  kept {r['kept']:8.0f} tokens",
+                flush=True,
+            )
+    with open(os.path.join(os.environ.get("OUT", "."), "sampler.json"), "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,8 @@ LINEAR = Path(__file__).resolve().parents[1] / "qwen_mtp" / "ops" / "linear.py"
 
 
 def table_pattern(name: str) -> re.Pattern:
-    return re.compile(rf"^{name}: dict\[tuple\[int, int\], GemmPlan\] = \{{\n.*?^\}}\n", re.S | re.M)
+    """The table's whole text in linear.py: `{...}` over several lines, or an empty `{}`."""
+    return re.compile(rf"^{name}: dict\[tuple\[int, int\], GemmPlan\] = \{{(?:\}}|\n.*?^\}})\n", re.S | re.M)
 
 
 def best_plans(reports: list[Path], slack: float) -> dict[tuple[int, int], tuple[GemmPlan, str]]:

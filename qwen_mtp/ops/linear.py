@@ -161,7 +161,18 @@ TUNED: dict[tuple[int, int], GemmPlan] = {
 
 # W8A16 plans (fp8 weights): `benchmarks/gemm_fp8.py --family` times the plan family on the GPU and
 # `benchmarks/apply_plans.py --fp8 REPORT` writes the winners here; a shape not here takes its bf16 plan.
-TUNED_FP8: dict[tuple[int, int], GemmPlan] = {}
+TUNED_FP8: dict[tuple[int, int], GemmPlan] = {
+    # qwen3.5-27b gdn in_proj qkv+z: d swap64x2 s1
+    (16384, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b gdn out_proj / attn o_proj: d swap64x2 s3
+    (5120, 6144): GemmPlan(128, 128, 16, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b attn qkv: d swap64x2 s1
+    (14336, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b mlp gate_up: d swap64x2 s1
+    (34816, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b mlp down: d swap64x2 s3
+    (5120, 17408): GemmPlan(128, 128, 46, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+}
 
 
 def gemm_plan_fp8(n: int, k: int) -> GemmPlan:

@@ -4,10 +4,12 @@ bf16 at M = 1 .. 128, with the bitwise invariance of W8A16 rows across M checked
 of the copy bandwidth (bytes read: e4m3 weight + fp32 scales + bf16 activations and output); then the prefill
 candidates at M = 512 .. 8192 (`FP8_PREFILL`: scaled_mm with the fused activation quantization, dequantize +
 cuBLAS, w8a16; cuBLAS bf16 and, when torchao imports, its blockwise Triton GEMM with its activation quantization
-for reference), with the fastest method per shape. `--sweep` instead searches W8A16 plans of both families per
-shape (fastest at M = 1 and 16 among plans whose rows are bitwise equal across M) and prints a `TUNED_FP8`
-table to paste into ops/linear.py. The JSON report goes to --out (default: $OUT/gemm_fp8.json or cwd).
-Usage (GPU box): python3 benchmarks/gemm_fp8.py [qwen3.5-27b] [name filter] [--sweep] [--out PATH]
+for reference), with the fastest method per shape. The JSON report goes to --out (default: $OUT/gemm_fp8.json).
+`--family` instead times the W8A16 plan family per shape (`fp8_candidates`: the current plan and each of
+`FP8_VARIANTS` at its K splits, M = 1 .. 128 under CUDA graphs, rows checked bitwise across M, the best plan
+checked against our bf16 kernel on the dequantized weight) into $OUT/gemm-fp8-family.json, which
+`benchmarks/apply_plans.py --fp8` writes into `TUNED_FP8` (27B: about 2-3 minutes on an H200).
+Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_fp8.py [qwen3.5-27b] [name filter] [--family]
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import argparse
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
-import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +38,6 @@ from qwen_mtp.ops.linear import (
     scaled_mm_linear,
     scaled_mm_supported,
 )
-from qwen_mtp.quant.fp8 import quantize_fp8_block
 from qwen_mtp.testing.synthetic import synthetic_config
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 96, 128)
@@ -62,9 +65,10 @@ def timed(fn, x: torch.Tensor, weights: list) -> float:
 
 
 def weights_for(n: int, k: int):
+    """Enough weight copies to rotate past L2: e4m3 with bf16-valued block scales, and their dequantized bf16."""
     copies = max(2, ROTATE_BYTES // (n * k))
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(max(2, copies // 2))]
-    fp8 = [quantize_fp8_block(w) for w in dense] + [quantize_fp8_block(w * 1.5) for w in dense]
+    fp8 = [random_fp8(n, k, seed) for seed in range(copies)]
+    dense = [dequantize_triton(q, s, torch.bfloat16) for q, s in fp8[: max(2, copies // 2)]]
     return dense, fp8
 
 
@@ -132,68 +136,202 @@ def table(preset: str, only: str, bandwidth: float) -> list[dict]:
     return rows
 
 
-def candidate_plans(n: int, k: int):
-    """About 120 plans a shape (~2 minutes on an H200): filter by shape name to stay within a call's limit."""
-    for block_n, block_k, stages in itertools.product((32, 64, 128), (128, 256, 512), (3,)):
-        k_blocks = -(-k // block_k)
-        seen = set()
-        for splits in (1, 2, 4, 8, 16):
-            per = -(-k_blocks // min(splits, k_blocks))
-            if per in seen:
-                continue
-            seen.add(per)
-            yield GemmPlan(block_n, block_k, per, 4, stages)
-            yield GemmPlan(block_n, block_k, per, 4, stages, family="stream", row_tiles=2)
-            if block_n >= 64:
-                yield GemmPlan(block_n, block_k, per, 4, stages, family="stream", row_tiles=2, swap_ab=True)
+# The W8A16 plan family: name -> tile shape (K split chosen per weight shape by `gemm_family.split_choices`). An
+# e4m3 weight tile is half a bf16 one, so the activation tiles (bf16, every stage holds row_tiles x block_m rows)
+# take a larger share of shared memory: the fp8 variants trade row tiles for pipeline stages (bytes in flight).
+#  f: 128x128 weight tiles, 8 warps, swapped (the weight is wgmma's 64-row side); swap32x4 is the bf16 winner.
+#  e: 64x128 tiles, one warpgroup: twice the programs (fuller last wave on wide shapes).
+#  g: 256-deep K blocks (half the loop trips; 16-byte copies of e4m3).
+#  d: 64-row column side, two tiles: 128 rows per weight pass (large M).
+#  b: unswapped 16-row mma.sync tiles on 32-wide weight slices (the old grid plans' shape, streamed).
+FP8_VARIANTS: dict[str, GemmPlan] = {
+    "f swap32x4": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "f swap16x4 s4": GemmPlan(128, 128, 1, 8, 4, family="stream", block_m=16, row_tiles=4, swap_ab=True),
+    "f swap16x2 s6": GemmPlan(128, 128, 1, 8, 6, family="stream", block_m=16, row_tiles=2, swap_ab=True),
+    "f swap32x2 s5": GemmPlan(128, 128, 1, 8, 5, family="stream", block_m=32, row_tiles=2, swap_ab=True),
+    "e swap32x4": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    "e swap16x4 s6": GemmPlan(64, 128, 1, 4, 6, family="stream", block_m=16, row_tiles=4, swap_ab=True),
+    "e swap16x2 s8": GemmPlan(64, 128, 1, 4, 8, family="stream", block_m=16, row_tiles=2, swap_ab=True),
+    "g swap16x2 k256": GemmPlan(64, 256, 1, 4, 4, family="stream", block_m=16, row_tiles=2, swap_ab=True),
+    "g swap16x2 k256 w8": GemmPlan(128, 256, 1, 8, 4, family="stream", block_m=16, row_tiles=2, swap_ab=True),
+    "d swap64x2": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    "b 16x4 n32": GemmPlan(32, 128, 1, 4, 4, family="stream", block_m=16, row_tiles=4),
+}
+FAMILY_M = (1, 8, 16, 32, 64, 128)
+CHOICE_M = (1, 8, 16, 32, 64)  # the decode / verify row counts the plan is chosen for
 
 
-def sweep(preset: str, only: str) -> list[dict]:
-    report, tuned = [], {}
-    for name, (n, k) in fp8_shapes(preset).items():
-        if (n, k) in tuned or only not in name:
+def fp8_candidates(n: int, k: int, sms: int) -> dict[str, GemmPlan]:
+    """The plans timed for one fp8 weight shape: the current one (`gemm_plan_fp8`), then each variant at its
+    split choices."""
+    from gemm_family import _with_splits, split_choices
+
+    plans = {"current": gemm_plan_fp8(n, k)}
+    for name, tile in FP8_VARIANTS.items():
+        for splits in split_choices(tile, n, k, sms)[:2]:
+            plan = _with_splits(tile, k, splits)
+            plans.setdefault(f"{name} s{plan.splits(k)}", plan)
+    return plans
+
+
+def random_fp8(n: int, k: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """A random e4m3 weight [N, K] (values over the whole e4m3 range, subnormals included) and fp32 block scales
+    holding bf16 values (as Qwen's releases store them), without torchao (not on the GPU box)."""
+    g = torch.Generator(device).manual_seed(seed)
+    q = (torch.randn(n, k, device=device, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    grid = (-(-n // 128), -(-k // 128))
+    scale = (torch.rand(grid, device=device, generator=g) * 4e-4 + 1e-5).to(torch.bfloat16).float()
+    return q, scale
+
+
+def best_fp8_plan(results: dict[str, dict]) -> str | None:
+    """The plan whose rows never depend on M with the lowest mean time over `CHOICE_M` (every decode row count
+    counts alike: the time of a step is what it reads, whatever the batch)."""
+    ok = [label for label, r in results.items() if not r["invariance_failures"]]
+    return min(ok, key=lambda label: sum(results[label]["us"][m] for m in CHOICE_M)) if ok else None
+
+
+_WORKER_WEIGHTS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _compile(task: tuple[int, int, GemmPlan, bool]) -> str | None:
+    """Worker: launch the plan once on an fp8 weight (W8A16) or on its bf16 dequantization (compiling it into
+    Triton's disk cache); the error, if any."""
+    from gemm_family import _error
+
+    n, k, plan, fp8 = task
+    try:
+        wq = _WORKER_WEIGHTS.get((n, k))
+        if wq is None:
+            wq = _WORKER_WEIGHTS[n, k] = random_fp8(n, k, 0)
+        x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
+        if fp8:
+            invariant_matmul_triton(x, wq[0], plan, scale=wq[1])
+        else:
+            invariant_matmul_triton(x, dequantize_triton(*wq, torch.bfloat16), plan)
+        torch.cuda.synchronize()
+        return None
+    except Exception as err:  # a plan the compiler cannot build (shared memory, registers)
+        return _error(err)
+
+
+def measure_family_shape(n: int, k: int, plans: dict[str, GemmPlan], bandwidth: float) -> dict:
+    """Every W8A16 plan of one shape at `FAMILY_M` (graph replay, weights rotated past L2), with its rows checked
+    bitwise across M; cuBLAS bf16 and our bf16 plan on the dequantized weight as the baselines; the best plan's
+    rows against our bf16 kernel on the dequantized weight with the same plan (bitwise: the dequantization is
+    transformers') and against cuBLAS (max abs difference)."""
+    from gemm_family import _error, graph_us, invariance_failures
+
+    copies = max(2, -(-ROTATE_BYTES // (n * k)))
+    fp8 = [random_fp8(n, k, seed) for seed in range(copies)]
+    dense = [dequantize_triton(q, s, torch.bfloat16) for q, s in fp8[: max(1, copies // 2)]]
+    x = torch.randn(256, k, device=fp8[0][0].device, dtype=torch.bfloat16)
+    entry = dict(n=n, k=k, cublas_us={m: graph_us(F.linear, x[:m], dense) for m in FAMILY_M})
+    bf16_plan = gemm_plan(n, k)
+    entry["bf16_ours_us"] = {m: graph_us(lambda a, w: invariant_matmul_triton(a, w, bf16_plan), x[:m], dense)
+                             for m in FAMILY_M}  # fmt: skip
+    entry["roofline_us"] = {m: (n * k + 4 * fp8[0][1].numel() + 2 * m * (n + k)) / bandwidth * 1e6 for m in FAMILY_M}
+    results, skipped = {}, {}
+    for label, plan in plans.items():
+        fn = w8a16(plan)
+        try:
+            fails = invariance_failures(fn, x, fp8[0])
+            us = {m: graph_us(fn, x[:m], fp8) for m in FAMILY_M}
+        except Exception as err:  # a plan the compiler cannot build: reported, skipped
+            skipped[label] = _error(err)
             continue
-        _, fp8 = weights_for(n, k)
-        x = torch.randn(65, k, device="cuda", dtype=torch.bfloat16)
-        results = []
-        for plan in candidate_plans(n, k):
-            try:
-                if not invariant_rows(w8a16(plan), x, fp8[0]):
-                    continue
-                t1, t16 = timed(w8a16(plan), x[:1], fp8), timed(w8a16(plan), x[:16], fp8)
-            except Exception as err:  # noqa: BLE001 (a plan the compiler cannot build: skip it)
-                print(f"  skip {plan}: {type(err).__name__}", file=sys.stderr)
-                continue
-            results.append((t1 + t16, t1, t16, plan))
-        results.sort(key=lambda r: r[0])
-        _, b1, b16, best = results[0]
-        c1 = timed(w8a16(gemm_plan_fp8(n, k)), x[:1], fp8)
-        print(f"{name:18s} {n:6d}x{k:<6d} best M=1 {b1:6.1f} us M=16 {b16:6.1f} us  current M=1 {c1:6.1f}  "
-              f"(bf16 plan {gemm_plan(n, k)})  {best}", flush=True)  # fmt: skip
-        tuned[(n, k)] = best
-        report.append(dict(name=name, n=n, k=k, best_m1_us=b1, best_m16_us=b16, current_m1_us=c1,
-                           plan=dataclasses.asdict(best)))  # fmt: skip
-        del fp8
-        torch.cuda.empty_cache()
-    print("TUNED_FP8: dict[tuple[int, int], GemmPlan] = {")
-    for (n, k), p in tuned.items():
-        fields = ", ".join(f"{f.name}={getattr(p, f.name)!r}" for f in dataclasses.fields(p))
-        print(f"    ({n}, {k}): GemmPlan({fields}),")
-    print("}")
+        results[label] = dict(plan=dataclasses.asdict(plan), splits=plan.splits(k), us=us, invariance_failures=fails)
+    entry.update(plans=results, skipped=skipped, best=best_fp8_plan(results))
+    if entry["best"] is not None:
+        plan, (q, s) = plans[entry["best"]], fp8[0]
+        ours = invariant_matmul_triton(x, q, plan, scale=s)
+        deq = dequantize_triton(q, s, torch.bfloat16)
+        entry["best_equals_bf16_kernel_on_dequantized"] = torch.equal(ours, invariant_matmul_triton(x, deq, plan))
+        entry["best_max_abs_diff_vs_cublas"] = (ours.float() - F.linear(x, deq).float()).abs().max().item()
+    del fp8, dense, x
+    torch.cuda.empty_cache()
+    return entry
+
+
+def print_family_shape(name: str, e: dict) -> None:
+    print(f"\n{name} {e['n']}x{e['k']} ({e['n'] * e['k'] / 1e6:.0f} MB e4m3): us per call", flush=True)
+    print(f"  {'plan':22s} {'sp':>2s} " + " ".join(f"{'M=' + str(m):>7s}" for m in FAMILY_M) + "  invariant")
+    baselines = (("roofline (copy bw)", "roofline_us"), ("cuBLAS bf16", "cublas_us"), ("ours bf16", "bf16_ours_us"))
+    for label, key in baselines:
+        print(f"  {label:22s} {'':>2s} " + " ".join(f"{e[key][m]:7.1f}" for m in FAMILY_M))
+    for label, r in e["plans"].items():
+        fails = r["invariance_failures"]
+        cells = " ".join(f"{r['us'][m]:7.1f}" for m in FAMILY_M)
+        inv = "yes" if not fails else "NO: " + ", ".join(fails[:4])
+        print(f"{'*' if label == e['best'] else ' '} {label:22s} {r['splits']:2d} {cells}  {inv}")
+    for label, err in e["skipped"].items():
+        print(f"  {label:22s} skipped: {err}")
+
+
+def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: float) -> dict:
+    """The W8A16 family sweep: every FP8 shape of the preset, `fp8_candidates` each; returns the report that
+    `apply_plans.py --fp8` turns into `TUNED_FP8`."""
+    props = torch.cuda.get_device_properties(0)
+    t0 = time.time()
+    names: dict[tuple[int, int], list[str]] = {}
+    for name, nk in fp8_shapes(preset).items():
+        names.setdefault(nk, []).append(name)
+    todo = {" / ".join(ns): (nk, fp8_candidates(*nk, props.multi_processor_count))
+            for nk, ns in names.items() if any(only in name for name in ns)}  # fmt: skip
+    tasks = [(n, k, plan, True) for (n, k), plans in todo.values() for plan in plans.values()]
+    tasks += [(n, k, gemm_plan(n, k), False) for (n, k), _ in todo.values()]  # the bf16 baseline
+    errors = precompile_fp8(tasks, jobs)
+    print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errors)} errors)")
+    report = {}
+    for name, ((n, k), plans) in todo.items():
+        report[name] = measure_family_shape(n, k, plans, bandwidth)
+        print_family_shape(name, report[name])
+    print("\nBest W8A16 plan per shape (lowest mean us over M = " + ", ".join(map(str, CHOICE_M)) + "): % of the copy")
+    print("bandwidth at each M, x our bf16 plan, bitwise equal to our bf16 kernel on the dequantized weight")
+    for name, e in report.items():
+        if e["best"] is None:
+            print(f"  {name:30s} no invariant plan")
+            continue
+        us = e["plans"][e["best"]]["us"]
+        pct = " ".join(f"{100 * e['roofline_us'][m] / us[m]:4.0f}%" for m in FAMILY_M)
+        speed = " ".join(f"{e['bf16_ours_us'][m] / us[m]:4.2f}x" for m in FAMILY_M)
+        print(f"  {name:30s} {e['best']:22s} {pct}  {speed}  {e['best_equals_bf16_kernel_on_dequantized']}")
+    print(f"{time.time() - t0:.0f} s in all")
+    path = out_path or os.path.join(os.environ.get("OUT", "."), "gemm-fp8-family.json")
+    meta = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, preset=preset, kind="fp8")
+    with open(path, "w") as f:
+        json.dump(dict(meta, copy_bandwidth=bandwidth, shapes=report), f, indent=1)
+    print(f"wrote {path}")
     return report
+
+
+def precompile_fp8(tasks: list[tuple[int, int, GemmPlan, bool]], jobs: int) -> list[str]:
+    """Compile every plan in `jobs` processes at once (as `gemm_family.precompile` does for bf16), so that the
+    measuring process loads them from Triton's disk cache; the workers' errors."""
+    if jobs <= 1:
+        return []
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return [err for err in pool.map(_compile, tasks) if err]
+    except Exception as err:  # a worker died: compile while measuring
+        return [f"parallel compile failed: {type(err).__name__}: {err}"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preset", nargs="?", default="qwen3.5-27b")
     parser.add_argument("only", nargs="?", default="", help="only the shapes whose name contains this")
-    parser.add_argument("--sweep", action="store_true", help="search W8A16 plans and print TUNED_FP8")
-    parser.add_argument("--out", help="JSON path (default: $OUT/gemm_fp8.json or cwd)")
+    parser.add_argument("--family", action="store_true", help="time the W8A16 plan family (report for apply_plans)")
+    parser.add_argument("--out", help="JSON path (default: $OUT/gemm_fp8.json, --family: $OUT/gemm-fp8-family.json)")
+    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows = sweep(args.preset, args.only) if args.sweep else table(args.preset, args.only, bandwidth)
+    if args.family:
+        family(args.preset, args.only, args.out, args.jobs, bandwidth)
+        return
+    rows = table(args.preset, args.only, bandwidth)
     path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm_fp8.json")
     with open(path, "w") as f:
         json.dump({"preset": args.preset, "copy_bandwidth": bandwidth, "rows": rows}, f, indent=2)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
-# plan sweep, a step profile), and `qwen-mtp bench`. STAGE=tests|kernels|sweep|family|longprefill|profile|bench|compile
-# runs one part (compile, sweep, family and longprefill only when asked: minutes each).
+# plan sweep, a step profile), and `qwen-mtp bench`.
+# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile runs one part (compile, sweep,
+# family, fp8family and longprefill only when asked: minutes each).
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -44,6 +45,15 @@ if [[ "$STAGE" == family ]]; then  # the GEMM family sweep per preset (1-2 min e
     sed -n '/^Best invariant plan/,$p' "$OUT/gemm-family-${preset#qwen3.5-}.log" | grep -v "^    (" | head -40
   done
   [[ -n "${APPLY_PLANS:-}" ]] && python3 benchmarks/apply_plans.py "$OUT"/gemm-family-*.json
+fi
+if [[ "$STAGE" == fp8family ]]; then  # the W8A16 plan family at a preset's FP8 shapes (~2-3 min), then into TUNED_FP8
+  preset="${FP8_PRESET:-qwen3.5-27b}"; report="$OUT/gemm-fp8-family-${preset#qwen3.5-}"
+  python3 benchmarks/gemm_fp8.py "$preset" "${FP8_FILTER:-}" --family --out "$report.json" >"$report.log" 2>&1 \
+    || tail -20 "$report.log"
+  sed -n '/^Best W8A16 plan/,$p' "$report.log"
+  if [[ -n "${APPLY_PLANS:-}" ]]; then  # the tuned table, for the rest of this call and back in $OUT
+    python3 benchmarks/apply_plans.py --fp8 "$report.json" && cp qwen_mtp/ops/linear.py "$OUT/linear.py"
+  fi
 fi
 if [[ "$STAGE" == longprefill ]]; then  # TTFT of a long prompt per prefill chunk size, with a GPU time split
   python3 benchmarks/long_prefill.py "${1:-recipes/bench-27b.yaml}" --length "${LENGTH:-32768}" \

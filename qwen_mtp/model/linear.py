@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from qwen_mtp.ops.linear import linear, linear_fp8
-from qwen_mtp.quant.fp8 import FP8_BLOCK, quantize_fp8_block, scale_grid
+from qwen_mtp.quant.fp8 import FP8_BLOCK, check_kernel_scales, quantize_fp8_block, scale_grid
 
 
 def _init_like_nn_linear(weight: torch.Tensor) -> None:
@@ -102,6 +102,7 @@ class Linear(nn.Module):
     @torch.no_grad()
     def scale_loader(self, tensor: torch.Tensor, segment: None = None) -> None:
         """Copy a checkpoint `weight_scale_inv` [ceil(out/128), ceil(in/128)] into the block scales."""
+        check_kernel_scales(tensor)
         self.weight_scale_inv.copy_(tensor)
 
 
@@ -172,6 +173,7 @@ class MergedLinear(nn.Module):
     @torch.no_grad()
     def scale_loader(self, tensor: torch.Tensor, segment: str) -> None:
         """Copy projection `segment`'s checkpoint `weight_scale_inv` into its rows of the block scales."""
+        check_kernel_scales(tensor)
         self.segment_scale(segment).copy_(tensor)
 
     def fp8_candidates(self, path: str) -> list[tuple[str, str]]:

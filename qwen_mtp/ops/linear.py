@@ -30,8 +30,9 @@ path, which no property needs (decode and verify rows never take these plans).
 and wherever the reference is forced, dequantizes as transformers does, `(fp8.float() * scale).to(x.dtype)`,
 then runs the product above. On CUDA the invariant path is the same two kernel families with the weight tile
 dequantized in registers by that formula (so with the same plan it equals the bf16 kernel on the dequantized
-weight bit for bit), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other path (prefill) is
-`FP8_PREFILL`'s choice (see `_fp8_prefill`).
+weight bit for bit; in bf16 without conversion instructions, exact for bf16-valued scales as Qwen stores
+them: `triton_helpers.fp8_dequantize`), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other
+path (prefill) is `FP8_PREFILL`'s choice (see `_fp8_prefill`).
 """
 
 from __future__ import annotations
@@ -158,8 +159,20 @@ TUNED: dict[tuple[int, int], GemmPlan] = {
 }
 
 
-# W8A16 plans (fp8 weights, benchmarks/gemm_fp8.py --sweep prints this table); a shape not here takes its bf16 plan.
-TUNED_FP8: dict[tuple[int, int], GemmPlan] = {}
+# W8A16 plans (fp8 weights): `benchmarks/gemm_fp8.py --family` times the plan family on the GPU and
+# `benchmarks/apply_plans.py --fp8 REPORT` writes the winners here; a shape not here takes its bf16 plan.
+TUNED_FP8: dict[tuple[int, int], GemmPlan] = {
+    # qwen3.5-27b gdn in_proj qkv+z: d swap64x2 s1
+    (16384, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b gdn out_proj / attn o_proj: d swap64x2 s3
+    (5120, 6144): GemmPlan(128, 128, 16, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b attn qkv: d swap64x2 s1
+    (14336, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b mlp gate_up: d swap64x2 s1
+    (34816, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+    # qwen3.5-27b mlp down: d swap64x2 s3
+    (5120, 17408): GemmPlan(128, 128, 46, 8, 3, family="stream", block_m=64, row_tiles=2, swap_ab=True),
+}
 
 
 def gemm_plan_fp8(n: int, k: int) -> GemmPlan:
@@ -222,7 +235,7 @@ def _matmul_kernel():
         x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
@@ -244,7 +257,9 @@ def _matmul_kernel():
                 w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
             )
             if FP8:
-                w = triton_utils.fp8_dequantize(w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+                w = triton_utils.fp8_dequantize(
+                    w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED, MMA_SYNC
+                )
             acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
         tile = ms[:, None] * N + ns[None, :]
         mask = (ms[:, None] < M) & (ns[None, :] < N)
@@ -299,7 +314,7 @@ def _stream_kernel():
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -323,8 +338,9 @@ def _stream_kernel():
                         )  # fmt: skip
                         if FP8:
                             w = triton_utils.fp8_dequantize(
-                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty
-                            )
+                                w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED,
+                                MMA_SYNC,
+                            )  # fmt: skip
                         updated = ()
                         for t in tl.static_range(tiles):
                             ms = row0 + t * BLOCK_M + rows
@@ -383,6 +399,14 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
+def feeds_mma_sync(plan: GemmPlan, arch: int) -> bool:
+    """Whether Triton runs the plan's `tl.dot` as mma.sync on a GPU of compute capability `arch`.x rather than as
+    Hopper's wgmma, which needs a multiple of 64 MMA rows (the weight block's when swapped) and of 4 warps. The
+    W8A16 dequantization needs to know (`triton_helpers.fp8_dequantize`, MMA_SYNC)."""
+    rows = plan.block_n if plan.swap_ab else plan.block_m
+    return not (arch == 9 and rows % 64 == 0 and plan.num_warps % 4 == 0)
+
+
 def invariant_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -419,6 +443,7 @@ def invariant_matmul_triton(
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
         FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        MMA_SYNC=fp8 and not INTERPRET and feeds_mma_sync(plan, torch.cuda.get_device_capability(x.device)[0]),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
@@ -629,13 +654,17 @@ def _dequantize_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def kernel(
+        w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr
+    ):
         ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         ks = k0 + tl.arange(0, BLOCK_K)
         offsets, mask = ns[:, None].to(tl.int64) * K + ks[None, :], (ns[:, None] < N) & (ks[None, :] < K)
         w = tl.load(w_ptr + offsets, mask=mask, other=0.0)
-        dense = triton_utils.fp8_dequantize(w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+        dense = triton_utils.fp8_dequantize(
+            w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty, INTERPRETED
+        )
         tl.store(out_ptr + offsets, dense, mask=mask)
 
     return kernel
@@ -649,5 +678,7 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     assert weight.is_contiguous() and scale.stride(1) == 1
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
-    _dequantize_kernel()[grid](weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128)
+    _dequantize_kernel()[grid](
+        weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128, INTERPRETED=INTERPRET
+    )
     return out

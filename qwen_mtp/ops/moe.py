@@ -46,6 +46,8 @@ from qwen_mtp.ops.triton_utils import INTERPRET
 from qwen_mtp.quant.fp8 import FP8_BLOCK
 
 BLOCK_M = 16  # pairs per tl.dot (tl.dot's minimum), fixed: the row count of every MMA never depends on routing
+# (16 rows: below wgmma's 64, so every dot runs as mma.sync, which the FP8 tiles' dequantization must know to lay
+# its operand out as the bf16 kernel's: `triton_helpers.fp8_dequantize`, MMA_SYNC)
 BLOCK_K = 64
 ALIGN_CHUNK = 128  # pairs per step of the alignment loop
 
@@ -284,10 +286,13 @@ def _gate_up_kernel():
                     wu = tl.load(w_up + (k0 + ks)[None, :], mask=wmask, other=0.0)
                     if FP8:  # the up rows are rows I.. of the expert's [2I, H] weight and scale grid
                         dtype_x = x_ptr.dtype.element_ty
-                        wg = triton_utils.fp8_dequantize(wg, scales, ns, k0, ss_n, INTER, H, BLOCK_N, BLOCK_K, dtype_x)
-                        wu = triton_utils.fp8_dequantize(
-                            wu, scales, INTER + ns, k0, ss_n, 2 * INTER, H, BLOCK_N, BLOCK_K, dtype_x
+                        wg = triton_utils.fp8_dequantize(
+                            wg, scales, ns, k0, ss_n, INTER, H, BLOCK_N, BLOCK_K, dtype_x, INTERPRETED, MMA_SYNC=True
                         )
+                        wu = triton_utils.fp8_dequantize(
+                            wu, scales, INTER + ns, k0, ss_n, 2 * INTER, H, BLOCK_N, BLOCK_K, dtype_x, INTERPRETED,
+                            MMA_SYNC=True,
+                        )  # fmt: skip
                     acc_gate += triton_utils.dot(x, tl.trans(wg), INTERPRETED, PRECISION)
                     acc_up += triton_utils.dot(x, tl.trans(wu), INTERPRETED, PRECISION)
                 dtype = h_ptr.dtype.element_ty
@@ -330,8 +335,9 @@ def _down_kernel():
                     w = tl.load(w_rows + (k0 + ks)[None, :], mask=(ns[:, None] < H) & kmask[None, :], other=0.0)
                     if FP8:
                         w = triton_utils.fp8_dequantize(
-                            w, scales, ns, k0, ss_n, H, INTER, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty
-                        )
+                            w, scales, ns, k0, ss_n, H, INTER, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty, INTERPRETED,
+                            MMA_SYNC=True,
+                        )  # fmt: skip
                     acc += triton_utils.dot(h, tl.trans(w), INTERPRETED, PRECISION)
                 dtype = y_ptr.dtype.element_ty
                 routing = tl.load(rw_ptr + pair, mask=live, other=0.0).to(tl.float32)

@@ -27,22 +27,64 @@ def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
         return tl.dot(a, b, input_precision=PRECISION)
 
 
+# Two e4m3 bytes ($1) -> two bf16 ($0, one bf16x2) times their factors ($2): prmt sign-extends each byte to 16
+# bits (selector nibbles 8, 9 replicate a byte's sign), shl + and keep sign | exponent | mantissa in bf16's places
+# (the e4m3 value times 2^-120, exactly), fma with -0 rounds value x factor once (fma, not mul: sm_80 has it).
+FP8_TO_BF16_SCALED = tl.constexpr("""
+{
+.reg .b32 t, z;
+prmt.b32 t, $1, 0, 0x9180;
+shl.b32 t, t, 4;
+and.b32 t, t, 0x87F087F0;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, t, $2, z;
+}
+""")
+
+
 @triton.jit
-def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # noqa: N803
+def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,  # noqa: N803
+                   INTERPRETED: tl.constexpr = False, MMA_SYNC: tl.constexpr = False):  # noqa: N803  # fmt: skip
     """An e4m3 weight tile w [BLOCK_N, BLOCK_K] (rows `ns`, columns k0..k0+BLOCK_K) -> `dtype`, each element times
-    its 128x128 block's scale (scale_ptr: [ceil(N/128), ceil(K/128)], row stride s_n) in fp32 and rounded once:
-    transformers' `(fp8.float() * scale.float()).to(dtype)`, so the tile equals the dequantized weight's.
-    A tile of at most 128 columns lies in one block column (k0 is a multiple of BLOCK_K); a wider one spans
-    BLOCK_K // 128 of them."""
+    its 128x128 block's scale (scale_ptr: [ceil(N/128), ceil(K/128)], row stride s_n), rounded once: transformers'
+    `(fp8.float() * scale.float()).to(dtype)`, so the tile equals the dequantized weight's.
+
+    Compiled in bf16 (the decode path), no conversion instruction runs per weight: Hopper converts at a quarter
+    of its integer rate, and e4m3 -> f16 -> fp32 -> bf16 took two conversions a weight, so the kernel ran at the
+    conversion rate, not at the memory's. Instead the e4m3 byte, sign-extended to 16 bits, shifted left by 4 and
+    masked, is the bit pattern of a bf16 equal to the e4m3 value times 2^-120 exactly (subnormals included: both
+    formats keep the 3 mantissa bits right under the exponent, and bf16's exponent bias is 120 more), and one
+    bf16 multiply by scale * 2^120 rounds the exact product once, as the reference does (`FP8_TO_BF16_SCALED`:
+    four instructions per two weights). That factor is exact for scales that are bf16 values below 2^8 (a block
+    amax below 114688): what Qwen's releases store and what `quant.fp8.quantize_fp8_block` gives a bf16 weight;
+    an fp32 scale with more bits would be rounded to bf16 here. Interpreted, or in fp32 / fp16 (the CPU tests),
+    the fp32 formula. A tile of at most 128 columns lies in one block column (k0 is a multiple of BLOCK_K); a
+    wider one spans BLOCK_K // 128 of them.
+
+    MMA_SYNC: the tile feeds a `tl.dot` that runs as mma.sync (`linear.feeds_mma_sync`). Triton lays out an
+    mma.sync operand by the narrowest load it traces it back to through pure elementwise ops: from the e4m3 load
+    each thread would hold 4 consecutive K values where the bf16 weight's layout holds 2, so the MMAs would add
+    the same products in another grouping and round differently from the bf16 kernel. The asm is then marked
+    impure, which ends that trace at it (the bf16 kernel's layout). wgmma plans keep it pure: their register
+    operand layout is fixed, and the impure asm costs them layout conversions."""
     if BLOCK_K <= 128:
-        scale = tl.load(scale_ptr + (ns // 128) * s_n + k0 // 128, mask=ns < N, other=0.0)  # [BLOCK_N]
-        return (w.to(tl.float32) * scale[:, None]).to(dtype)
+        scale = tl.load(scale_ptr + (ns // 128) * s_n + k0 // 128, mask=ns < N, other=0.0).to(tl.float32)[:, None]
     else:
         blocks = k0 // 128 + tl.arange(0, BLOCK_K // 128)
         mask = (ns[:, None] < N) & (blocks[None, :] < tl.cdiv(K, 128))
         scale = tl.load(scale_ptr + (ns // 128)[:, None] * s_n + blocks[None, :], mask=mask, other=0.0)
-        scaled = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 128, 128)) * scale[:, :, None]
-        return tl.reshape(scaled, (BLOCK_N, BLOCK_K)).to(dtype)
+        scale = scale.to(tl.float32)[:, :, None]  # [BLOCK_N, BLOCK_K // 128, 1]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // 128, 128))
+    if dtype == tl.bfloat16 and not INTERPRETED:
+        factor = (scale * 1.329227995784916e36).to(tl.bfloat16)  # scale * 2^120, exact
+        bits = w.to(tl.int8, bitcast=True)
+        if MMA_SYNC:
+            scaled = tl.inline_asm_elementwise(FP8_TO_BF16_SCALED, "=r,r,r", [bits, factor], tl.bfloat16, False, 2)
+        else:
+            scaled = tl.inline_asm_elementwise(FP8_TO_BF16_SCALED, "=r,r,r", [bits, factor], tl.bfloat16, True, 2)
+    else:
+        scaled = w.to(tl.float32) * scale
+    return tl.reshape(scaled, (BLOCK_N, BLOCK_K)).to(dtype)
 
 
 @triton.jit

@@ -42,6 +42,26 @@ def dequantize_fp8_block(
     return weight.float() * _expand(scale_inv.float(), weight.shape, block)
 
 
+def kernel_exact_scales(scale: torch.Tensor) -> bool:
+    """Whether every block scale is a bf16 value below 2^8: then the CUDA W8A16 kernel, which multiplies in bf16
+    (`ops.triton_helpers.fp8_dequantize`), dequantizes exactly as transformers does. Qwen's releases store bf16
+    scales and `quantize_fp8_block` gives a bf16 weight bf16-valued ones; fp32 scales with more bits are rounded
+    to bf16 by that kernel (a difference within one bf16 rounding of each weight)."""
+    values = scale.float()
+    return bool(torch.equal(values.to(torch.bfloat16).float(), values) and (values.abs() < 256).all())
+
+
+def check_kernel_scales(scale: torch.Tensor) -> None:
+    """Warn (once per call site) when checkpoint scales are not `kernel_exact_scales`."""
+    if not kernel_exact_scales(scale):
+        warnings.warn(
+            f"FP8 block scales {tuple(scale.shape)} hold values that are not bf16 numbers below 2^8: the CUDA W8A16 "
+            "kernel rounds them to bf16, so its weights differ from transformers' dequantization by up to one bf16 "
+            "rounding (batch invariance and MTP exactness are unaffected)",
+            stacklevel=3,
+        )
+
+
 def _torchao_primitives():
     # Nothing we use lives in torchao's compiled extensions (CUDA sparse / SM100 kernels, built for one torch):
     # skip loading them, which on a CPU-only torch or another torch version only prints warnings.

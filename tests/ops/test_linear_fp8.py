@@ -18,7 +18,7 @@ from qwen_mtp.ops.linear import (
     quantize_activations_reference,
     quantize_activations_triton,
 )
-from qwen_mtp.quant.fp8 import quantize_fp8_block
+from qwen_mtp.quant.fp8 import kernel_exact_scales, quantize_fp8_block
 
 # Under the interpreter: activations in fp32 / fp16 (its bf16 and fp8 downcasts truncate, docs/development.md).
 DTYPES = [torch.bfloat16] if REAL else [torch.float32, torch.float16]
@@ -28,7 +28,9 @@ ROW_COUNTS = (1, 2, 16, 17, 33)  # tile edges of 16 rows, groups of 2 and 3 tile
 
 
 def fp8_weight(n, k, seed=1):
-    q, scale = quantize_fp8_block(rand(n, k, seed=seed).cpu())
+    """A bf16 weight quantized as Qwen's releases are (bf16-valued scales: the W8A16 kernel's exact case)."""
+    q, scale = quantize_fp8_block(rand(n, k, dtype=torch.bfloat16, seed=seed).cpu())
+    assert kernel_exact_scales(scale)
     return q.to(DEVICE), scale.to(DEVICE)
 
 
@@ -128,3 +130,36 @@ def test_gemm_rejects_a_scale_of_the_wrong_grid():
     weight, scale = fp8_weight(40, 300)
     with pytest.raises(AssertionError, match="scale grid"):
         invariant_matmul_triton(rand(2, 300), weight, scale=scale[:, :2].contiguous())
+
+
+def _kernel_bf16_dequantization(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What `triton_helpers.FP8_TO_BF16_SCALED` computes, in torch: the e4m3 byte sign-extended to 16 bits,
+    shifted left by 4 and masked to 0x87F0 is read as a bf16, then multiplied by the bf16 factor scale * 2^120
+    with one round to nearest (`fma.rn.bf16x2` with -0; here an exact fp32 product rounded once)."""
+    bits = (codes.view(torch.int8).to(torch.int16) << 4) & 0x87F0 - 0x10000  # 0x87F0 as an int16
+    factor = (scale.float() * 2.0**120).to(torch.bfloat16)
+    return (bits.view(torch.bfloat16).float() * factor.float()).to(torch.bfloat16)
+
+
+def test_bf16_dequantization_bits_equal_transformers_for_every_e4m3_value():
+    """The compiled bf16 path dequantizes without conversion instructions (integer ops and one bf16 multiply per
+    weight); for every e4m3 code (subnormals, both zeros, +-448) and bf16 scales across the range the model can
+    hold (2^-40 .. 2^8, random mantissas), the result equals `(fp8.float() * scale).to(bf16)` bit for bit."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~codes.float().isnan()]
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-40, 8, (400,), generator=g).float()
+    scales = (torch.rand(400, generator=g) + 1).mul(2.0**exponents).to(torch.bfloat16).float()
+    scales = torch.cat([scales, torch.tensor([1.0, 2.0**-40, 255.0, 1e-4, 3e-3]).to(torch.bfloat16).float()])
+    w, s = codes[None, :].expand(len(scales), -1), scales[:, None]
+    expected = (w.float() * s).to(torch.bfloat16)
+    got = _kernel_bf16_dequantization(w, s)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_kernel_exact_scales():
+    """bf16-valued scales below 2^8 are the kernel's exact case; quantizing a bf16 weight gives them."""
+    weight = rand(300, 200, dtype=torch.bfloat16, seed=6).cpu()
+    assert kernel_exact_scales(quantize_fp8_block(weight)[1])
+    assert not kernel_exact_scales(torch.tensor([[1.0 + 2.0**-12]]))
+    assert not kernel_exact_scales(torch.tensor([[256.0]]))

@@ -560,9 +560,33 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
     4. `block_sums` (blocks of 1024 values of a row): each block's count and mass;
     5. `counted_threshold` (a program a row): the block where the sums from the top reach k (or top_p of the total
        mass), then the value inside it; tau = max(top-k's, top-p's, max + T ln(min_p))."""
+    _, _, _, block_sums, counted_threshold = _count_kernels()
+    rows, vocab = logits.shape
+    device = logits.device
+    counts, window, total = _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block)
+    blocks = (1 << 16) // COUNTS_BINS
+    block_count = torch.empty(rows, blocks, dtype=torch.int64, device=device)
+    block_mass = torch.empty_like(block_count)
+    block_sums[(rows, blocks)](
+        counts, inv_temperature, top_p, row_max, window, block_count, block_mass, BLOCKS=blocks, BINS=COUNTS_BINS,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    tau = torch.empty(rows, dtype=torch.float32, device=device)
+    counted_threshold[(rows,)](
+        counts, block_count, block_mass, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
+        BLOCKS=blocks, BINS=COUNTS_BINS,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return tau
+
+
+def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
+    """Steps 1-3 of `_counted_threshold`: the value counts [R, 2^16] (int32, valid up to each row's largest value)
+    of the window's tokens, the windows [R] (int32: the lowest level counted; -1: none) and each top-p-alone row's
+    exact mass [R] (int64)."""
     import triton
 
-    level_counts, count_window, value_counts, block_sums, counted_threshold = _count_kernels()
+    level_counts, count_window, value_counts, _, _ = _count_kernels()
     rows, vocab = logits.shape
     device = logits.device
     chunks = triton.cdiv(vocab, block)
@@ -584,20 +608,7 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
         logits, logits.stride(0), vocab, inv_temperature, row_max, window, counts, BLOCK=block,
         enable_fp_fusion=False,  # the levels must be `level_counts`' to the bit
     )  # fmt: skip
-    blocks = (1 << 16) // COUNTS_BINS
-    block_count = torch.empty(rows, blocks, dtype=torch.int64, device=device)
-    block_mass = torch.empty_like(block_count)
-    block_sums[(rows, blocks)](
-        counts, inv_temperature, top_p, row_max, window, block_count, block_mass, BLOCKS=blocks, BINS=COUNTS_BINS,
-        enable_fp_fusion=False,
-    )  # fmt: skip
-    tau = torch.empty(rows, dtype=torch.float32, device=device)
-    counted_threshold[(rows,)](
-        counts, block_count, block_mass, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
-        BLOCKS=blocks, BINS=COUNTS_BINS,
-        enable_fp_fusion=False,
-    )  # fmt: skip
-    return tau
+    return counts, window, total
 
 
 def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):

@@ -135,6 +135,14 @@ def fixed_point_mass(x: torch.Tensor, row_max: torch.Tensor, inv_temperature: to
     return torch.where(shift >= 0, whole << shift.clamp(min=0), whole >> (-shift).clamp(min=0))
 
 
+def value_keys(values: torch.Tensor) -> torch.Tensor:
+    """The 16-bit order key (long) of bf16 values, the index of their value counts (the kernels' `order_key` >> 16):
+    a negative value's bits flipped, a positive one's sign bit set, -0.0 keyed as +0.0."""
+    bits = values.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    bits = torch.where(bits == 0x8000, 0, bits)
+    return torch.where(bits >= 0x8000, 0x7FFF - (bits & 0x7FFF), bits | 0x8000)
+
+
 def filter_threshold_reference(
     logits: torch.Tensor,  # [R, V] float32 or bfloat16
     keep: torch.Tensor,  # [R] long in [1, V]: top-k's k (V: no top-k)

@@ -134,17 +134,10 @@ def test_counted_threshold_counts_a_small_window_of_peaked_rows():
     whole of an all-equal one."""
     logits, keep, inv_t, top_p, _ = edge_rows(torch.bfloat16)
     counts, _, _ = ops._windowed_counts(logits, keep, inv_t, top_p, logits.amax(dim=-1).float(), ops.RADIX_BLOCK)
-    row_max_key = [int(k) for k in value_keys(logits.amax(dim=-1))]
+    row_max_key = ops.value_keys(logits.amax(dim=-1)).tolist()
     counted = [int(counts[r, : row_max_key[r] + 1].sum()) for r in range(len(logits))]
     assert counted[0] == VOCAB and counted[1] == VOCAB
     assert counted[2] < 2000 and counted[3] < 2000, counted
-
-
-def value_keys(values):
-    """The 16-bit order key of bf16 values (`triton_utils.order_key` >> 16)."""
-    bits = values.view(torch.int16).long() & 0xFFFF
-    bits = torch.where(bits == 0x8000, 0, bits)
-    return torch.where(bits >= 0x8000, 0x7FFF - (bits & 0x7FFF), bits | 0x8000)
 
 
 def mixed_params(i, max_new):

@@ -179,14 +179,6 @@ def test_filter_threshold_edge_rows_equal_reference(method):
     assert torch.isinf(ref[12]) and ref[3] == 0 and ref[4] == 0  # filters off; all equal: all kept
 
 
-def value_keys(logits):
-    """The 16-bit order key of each bf16 logit (`triton_utils.order_key` >> 16): negative values' bits flipped,
-    -0.0 keyed as +0.0."""
-    bits = logits.view(torch.int16).long() & 0xFFFF
-    bits = torch.where(bits == 0x8000, 0, bits)
-    return torch.where(bits >= 0x8000, 0x7FFF - (bits & 0x7FFF), bits | 0x8000)
-
-
 def test_value_counts_hold_the_top_of_a_row_and_little_of_a_peaked_one():
     """The window is a top set of each row: its counts equal the row's own above their lowest counted value, and
     they hold every kept token; a peaked row's window is a small part of it, a flat row's all of it."""
@@ -194,7 +186,7 @@ def test_value_counts_hold_the_top_of_a_row_and_little_of_a_peaked_one():
     tau = sampling.filter_threshold_reference(logits, keep, inv_t, top_p, min_p)
     row_max = logits.amax(dim=-1).float()
     counts, window, _ = sampling._windowed_counts(logits, keep, inv_t, top_p, row_max, BLOCK)
-    keys = value_keys(logits)
+    keys = sampling.value_keys(logits)
     for r in range(len(logits)):
         if window[r] < 0:
             assert keep[r] == logits.shape[1] and (top_p[r] == 1 or inv_t[r] == 0)  # no top-k, no top-p

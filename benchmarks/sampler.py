@@ -51,9 +51,10 @@ def measure(rows: int, top_k: bool, dtype: torch.dtype, block: int) -> dict:
     )
     if dtype == torch.bfloat16:
         row_max = logits.amax(dim=-1).float()
-        counts, _, _ = ops._windowed_counts(logits, keep, inv_t, top_p, row_max, block)
-        tops = ops.value_keys(row_max).tolist()  # counts above a row's largest value are never written
-        result["counted"] = sum(int(counts[r, : top + 1].sum()) for r, top in enumerate(tops)) / rows
+        counts, _, low, _ = ops._windowed_counts(logits, keep, inv_t, top_p, row_max, block)
+        tops = ops.value_keys(row_max).tolist()  # a row's counts hold its values from `low` up to its largest
+        lows = low.tolist()
+        result["counted"] = sum(int(counts[r, lows[r] : top + 1].sum()) for r, top in enumerate(tops)) / rows
     for method in ("counts", "radix") if dtype == torch.bfloat16 else ("radix",):
 
         def threshold(method=method):

@@ -370,15 +370,17 @@ def _count_kernels():
 
     @triton.jit
     def count_window(
-        levels_ptr, mass_ptr, chunks, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, total_ptr,
-        counts_ptr, BLOCK_C: tl.constexpr, LEVELS: tl.constexpr, MASS_BITS: tl.constexpr, ZERO: tl.constexpr,
+        levels_ptr, mass_ptr, chunks, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, low_ptr,
+        total_ptr, counts_ptr, BLOCK_C: tl.constexpr, LEVELS: tl.constexpr, MASS_BITS: tl.constexpr,
+        ZERO: tl.constexpr,
     ):  # fmt: skip
         """One row's window: the lowest level whose tokens (with those of every level above) surely hold the
         threshold, so that only they need value counts (-1: a row without top-k or top-p). With top-k, the level
         where the count reaches k (top-p's threshold is never below top-k's, and the top-k set's mass comes from
         the counts). Top-p alone: the row's exact mass (stored in `total`) less a bound on the levels below (a
         token of level l weighs under 2^(MASS_BITS + 1 - l)), with a margin of 2^-40 for float64's rounding,
-        reaches top_p of it. Zeroes the row's counts up to its largest value (the rest are never read)."""
+        reaches top_p of it. Zeroes the row's counts from `low`, a value below every token of the window, up to its
+        largest value (the others are never read)."""
         row = tl.program_id(0)
         keep = tl.load(keep_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
@@ -412,8 +414,17 @@ def _count_kernels():
                 margin = 9.094947017729282e-13  # 2^-40
                 sure = (whole - whole * margin - (below + below * margin) >= target) & (levels < LEVELS - 1)
                 window = tl.min(tl.where(sure, LEVELS - 2 - levels, LEVELS - 1), axis=0)
-            top = (triton_utils.order_key(tl.load(row_max_ptr + row)) >> 16).to(tl.int32)
-            for start in range(0, top + 1, ZERO):
+            row_max = tl.load(row_max_ptr + row)
+            top = (triton_utils.order_key(row_max) >> 16).to(tl.int32)
+            low = tl.zeros([], dtype=tl.int32)
+            if window < LEVELS - 1:
+                # a token of level <= window has (x - max) / T >= -(window + 1/2) ln 2 (up to fp32 rounding): one
+                # more level of margin, and one bf16 value less for the rounding of `floor` itself
+                scale = tl.where(inv_t > 0.0, inv_t, 1.0)
+                floor = row_max - (window.to(tl.float32) + 1.5) * 0.6931472 / scale
+                low = tl.maximum((triton_utils.order_key(floor) >> 16).to(tl.int32) - 1, 0)
+            tl.store(low_ptr + row, low)
+            for start in range(low // ZERO * ZERO, top + 1, ZERO):
                 tl.store(counts_ptr + row * 65536 + start + tl.arange(0, ZERO), tl.zeros([ZERO], dtype=tl.int32))
         tl.store(window_ptr + row, window)
 
@@ -436,20 +447,22 @@ def _count_kernels():
 
     @triton.jit
     def block_sums(
-        counts_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, block_count_ptr, block_mass_ptr,
+        counts_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, low_ptr, block_count_ptr, block_mass_ptr,
         BLOCKS: tl.constexpr, BINS: tl.constexpr,
     ):  # fmt: skip
-        """A block of BINS values of a row's counts: their count and (top-p) mass [R, BLOCKS] (int64); 0 above the
-        row's largest value."""
+        """A block of BINS values of a row's counts: their count and (top-p) mass [R, BLOCKS] (int64); 0 outside
+        the counted values (from the row's `low` to its largest)."""
         row, block = tl.program_id(0), tl.program_id(1)
         row_max = tl.load(row_max_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
         top = triton_utils.order_key(row_max) >> 16
         count_sum = tl.zeros([], dtype=tl.int64)
         mass_sum = tl.zeros([], dtype=tl.int64)
-        if (tl.load(window_ptr + row) >= 0) & (block * BINS <= top):
+        low = tl.load(low_ptr + row)  # (any number where the window is -1)
+        if (tl.load(window_ptr + row) >= 0) & (block * BINS <= top) & (block * BINS + BINS > low):
             values = block * BINS + tl.arange(0, BINS)
-            count = tl.load(counts_ptr + row * 65536 + values, mask=values <= top, other=0).to(tl.int64)
+            counted = (values >= low) & (values <= top)
+            count = tl.load(counts_ptr + row * 65536 + values, mask=counted, other=0).to(tl.int64)
             count_sum = tl.sum(count, axis=0)
             if (tl.load(top_p_ptr + row) < 1.0) & (inv_t > 0.0) & (count_sum > 0):
                 x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)  # (no NaNs)
@@ -459,8 +472,8 @@ def _count_kernels():
 
     @triton.jit
     def counted_threshold(
-        counts_ptr, block_count_ptr, block_mass_ptr, total_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr, min_p_ptr,
-        row_max_ptr, tau_ptr, BLOCKS: tl.constexpr, BINS: tl.constexpr,
+        counts_ptr, block_count_ptr, block_mass_ptr, low_ptr, total_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr,
+        min_p_ptr, row_max_ptr, tau_ptr, BLOCKS: tl.constexpr, BINS: tl.constexpr,
     ):  # fmt: skip
         """One bf16 row's tau from its counts, largest values first: top-k's value, where the count at or above it
         reaches k, then top-p's, where the mass at or above it (over the top-k set) reaches top_p of the set's;
@@ -471,6 +484,7 @@ def _count_kernels():
         top_p = tl.load(top_p_ptr + row)
         row_max = tl.load(row_max_ptr + row)
         top = triton_utils.order_key(row_max) >> 16
+        low = tl.load(low_ptr + row)  # (any number where no filter is on: then unread)
         counts = counts_ptr + row * 65536
         order = tl.arange(0, BLOCKS)
         blocks = BLOCKS - 1 - order  # largest values first
@@ -486,14 +500,15 @@ def _count_kernels():
             above = tl.sum(tl.where(order < at, count, 0), axis=0)
             block_k = BLOCKS - 1 - at
             values = block_k * BINS + BINS - 1 - lanes
-            inner = above + tl.cumsum(tl.load(counts + values, mask=values <= top, other=0).to(tl.int64), axis=0)
+            count = tl.load(counts + values, mask=(values >= low) & (values <= top), other=0).to(tl.int64)
+            inner = above + tl.cumsum(count, axis=0)
             key_k = (block_k * BINS + BINS - 1 - tl.min(tl.where(inner >= keep, lanes, BINS - 1), axis=0)).to(tl.int64)
             by_k = triton_utils.key_value(key_k, 16)
         if (top_p < 1.0) & (inv_t > 0.0):
             mass = tl.load(block_mass_ptr + row * BLOCKS + blocks)
             if keep < vocab:  # the top-k set: the blocks above top-k's, and its own from top-k's value up
                 values = block_k * BINS + BINS - 1 - lanes
-                count = tl.load(counts + values, mask=values <= top, other=0).to(tl.int64)
+                count = tl.load(counts + values, mask=(values >= low) & (values <= top), other=0).to(tl.int64)
                 x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
                 own = tl.where(values >= key_k, count * triton_utils.fixed_point_mass(x, row_max, inv_t), 0)
                 mass = tl.where(blocks > block_k, mass, tl.where(blocks == block_k, tl.sum(own, axis=0), 0))
@@ -506,7 +521,7 @@ def _count_kernels():
             above = tl.sum(tl.where(order < at, mass, 0), axis=0)
             block_p = BLOCKS - 1 - at
             values = block_p * BINS + BINS - 1 - lanes
-            count = tl.load(counts + values, mask=values <= top, other=0).to(tl.int64)
+            count = tl.load(counts + values, mask=(values >= low) & (values <= top), other=0).to(tl.int64)
             x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
             inner = above + tl.cumsum(
                 tl.where(values >= key_k, count * triton_utils.fixed_point_mass(x, row_max, inv_t), 0), axis=0
@@ -562,7 +577,8 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
     1. `level_counts` (chunks of a row): each token's level, the power of two of its mass (at T = 1 for greedy
        rows), counted per chunk; top-p alone: the chunk's exact mass too;
     2. `count_window` (a program a row): the window, the levels from the top that surely hold tau (top-k's count,
-       or top-p's mass less a bound on the levels below), and zeroed counts;
+       or top-p's mass less a bound on the levels below), and the counts zeroed from a value below its tokens
+       (`low`) up to the row's largest;
     3. `value_counts` (chunks): int32 atomics count how many of the window's tokens hold each of the 2^16 values,
        the only per-token atomics (a peaked row's window is a few hundred tokens; a flat one's the whole row);
     4. `block_sums` (blocks of 1024 values of a row): each block's count and mass;
@@ -571,17 +587,18 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
     _, _, _, block_sums, counted_threshold = _count_kernels()
     rows, vocab = logits.shape
     device = logits.device
-    counts, window, total = _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block)
+    counts, window, low, total = _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block)
     blocks = (1 << 16) // COUNTS_BINS
     block_count = torch.empty(rows, blocks, dtype=torch.int64, device=device)
     block_mass = torch.empty_like(block_count)
     block_sums[(rows, blocks)](
-        counts, inv_temperature, top_p, row_max, window, block_count, block_mass, BLOCKS=blocks, BINS=COUNTS_BINS,
+        counts, inv_temperature, top_p, row_max, window, low, block_count, block_mass,
+        BLOCKS=blocks, BINS=COUNTS_BINS,
         enable_fp_fusion=False,
     )  # fmt: skip
     tau = torch.empty(rows, dtype=torch.float32, device=device)
     counted_threshold[(rows,)](
-        counts, block_count, block_mass, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
+        counts, block_count, block_mass, low, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
         BLOCKS=blocks, BINS=COUNTS_BINS,
         enable_fp_fusion=False,
     )  # fmt: skip
@@ -589,9 +606,9 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
 
 
 def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
-    """Steps 1-3 of `_counted_threshold`: the value counts [R, 2^16] (int32, valid up to each row's largest value)
-    of the window's tokens, the windows [R] (int32: the lowest level counted; -1: none) and each top-p-alone row's
-    exact mass [R] (int64)."""
+    """Steps 1-3 of `_counted_threshold`: the value counts [R, 2^16] (int32; valid from each row's `low` up to its
+    largest value) of the window's tokens, the windows [R] (int32: the lowest level counted; -1: none), `low` [R]
+    (int32: a value below every token of the window) and each top-p-alone row's exact mass [R] (int64)."""
     import triton
 
     level_counts, count_window, value_counts, _, _ = _count_kernels()
@@ -605,18 +622,18 @@ def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
         BLOCK=block, LEVELS=MASS_LEVELS,
         enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
     )  # fmt: skip
-    window = torch.empty(rows, dtype=torch.int32, device=device)
+    window, low = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(2))
     total = torch.empty(rows, dtype=torch.int64, device=device)
     counts = torch.empty(rows, 1 << 16, dtype=torch.int32, device=device)
     count_window[(rows,)](
-        levels, chunk_mass, chunks, vocab, keep, inv_temperature, top_p, row_max, window, total, counts,
+        levels, chunk_mass, chunks, vocab, keep, inv_temperature, top_p, row_max, window, low, total, counts,
         BLOCK_C=max(2, triton.next_power_of_2(chunks)), LEVELS=MASS_LEVELS, MASS_BITS=MASS_BITS, ZERO=COUNTS_ZERO,
     )  # fmt: skip
     value_counts[(rows, chunks)](
         logits, logits.stride(0), vocab, inv_temperature, row_max, window, counts, BLOCK=block,
         enable_fp_fusion=False,  # the levels must be `level_counts`' to the bit
     )  # fmt: skip
-    return counts, window, total
+    return counts, window, low, total
 
 
 def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):

@@ -133,9 +133,10 @@ def test_counted_threshold_counts_a_small_window_of_peaked_rows():
     """The speed of the bf16 path: the value counts hold a few tokens of a peaked row (its head and a margin), the
     whole of an all-equal one."""
     logits, keep, inv_t, top_p, _ = edge_rows(torch.bfloat16)
-    counts, _, _ = ops._windowed_counts(logits, keep, inv_t, top_p, logits.amax(dim=-1).float(), ops.RADIX_BLOCK)
-    row_max_key = ops.value_keys(logits.amax(dim=-1)).tolist()
-    counted = [int(counts[r, : row_max_key[r] + 1].sum()) for r in range(len(logits))]
+    counts, _, low, _ = ops._windowed_counts(logits, keep, inv_t, top_p, logits.amax(dim=-1).float(), ops.RADIX_BLOCK)
+    tops = ops.value_keys(logits.amax(dim=-1)).tolist()
+    lows = low.tolist()
+    counted = [int(counts[r, lows[r] : tops[r] + 1].sum()) for r in range(len(logits))]
     assert counted[0] == VOCAB and counted[1] == VOCAB
     assert counted[2] < 2000 and counted[3] < 2000, counted
 

@@ -180,25 +180,43 @@ def test_filter_threshold_edge_rows_equal_reference(method):
 
 
 def test_value_counts_hold_the_top_of_a_row_and_little_of_a_peaked_one():
-    """The window is a top set of each row: its counts equal the row's own above their lowest counted value, and
-    they hold every kept token; a peaked row's window is a small part of it, a flat row's all of it."""
+    """The window is a top set of each row: its counts (from the row's `low` up to its largest value) equal the
+    row's own above their lowest counted value, and they hold every kept token; a peaked row's window is a small
+    part of it, a flat row's all of it."""
     logits, keep, inv_t, top_p, min_p = edge_rows()
     tau = sampling.filter_threshold_reference(logits, keep, inv_t, top_p, min_p)
     row_max = logits.amax(dim=-1).float()
-    counts, window, _ = sampling._windowed_counts(logits, keep, inv_t, top_p, row_max, BLOCK)
+    counts, window, low, _ = sampling._windowed_counts(logits, keep, inv_t, top_p, row_max, BLOCK)
     keys = sampling.value_keys(logits)
+    counted = {}
     for r in range(len(logits)):
         if window[r] < 0:
             assert keep[r] == logits.shape[1] and (top_p[r] == 1 or inv_t[r] == 0)  # no top-k, no top-p
             continue
         own = torch.bincount(keys[r], minlength=1 << 16)
-        top = int(keys[r].max())
-        counted = counts[r, : top + 1].long()
-        lowest = int(counted.nonzero().min())
-        assert torch.equal(counted[lowest:], own[lowest : top + 1]), r
-        assert counted[lowest:].sum() >= (logits[r].float() >= tau[r]).sum(), r
-    assert counts[7].sum() < 50 and counts[8].sum() < 50  # the peaked head's 5 tokens and little else
-    assert counts[3].sum() == logits.shape[1]  # all equal: one value, every token
+        bottom, top = int(low[r]), int(keys[r].max())
+        mine = counts[r, bottom : top + 1].long()
+        lowest = bottom + int(mine.nonzero().min())
+        assert torch.equal(counts[r, lowest : top + 1].long(), own[lowest : top + 1]), r
+        counted[r] = int(mine.sum())
+        assert counted[r] >= (logits[r].float() >= tau[r]).sum(), r
+    assert counted[7] < 50 and counted[8] < 50  # the peaked head's 5 tokens and little else
+    assert counted[3] == logits.shape[1]  # all equal: one value, every token
+
+
+def test_counted_threshold_reads_only_what_it_wrote(monkeypatch):
+    """The kernels' buffers come from `torch.empty` (a CUDA graph's pool holds the last step's numbers): filled with
+    garbage here, tau is still the reference's."""
+    empty = torch.empty
+
+    def garbage(*shape, dtype=None, **kwargs):
+        out = empty(*shape, dtype=dtype, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else 12345)
+
+    args = edge_rows()
+    ref = sampling.filter_threshold_reference(*args)
+    monkeypatch.setattr(torch, "empty", garbage)
+    assert torch.equal(sampling.filter_threshold_triton(*args, block=BLOCK, method="counts"), ref)
 
 
 def test_fixed_point_mass_is_the_exponential():

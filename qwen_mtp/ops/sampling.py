@@ -705,7 +705,7 @@ def filter_threshold(
     top_p: torch.Tensor,
     min_p_offset: torch.Tensor,
 ) -> torch.Tensor:
-    """Custom op: `filter_threshold_reference` on CPU (a sort), the radix selects on CUDA (no sort)."""
+    """Custom op: `filter_threshold_reference` on CPU (a sort), `filter_threshold_triton` on CUDA (no sort)."""
     return filter_threshold_reference(logits, keep, inv_temperature, top_p, min_p_offset)
 
 

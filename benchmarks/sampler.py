@@ -1,10 +1,12 @@
-"""Micro-benchmark on the GPU: the filters' threshold (`filter_threshold_triton`, no sort: bf16 value counts, or
-radix selects) against the sort the removed top-p path ran first (`logits.float().sort(descending=True)`, before
-its scan kernel), and the sampler kernel itself for scale, at 1, 4, 32 and 128 rows (B32 K=3 verifies 128) of the
-real vocabulary, each timed as a replayed CUDA graph. Checks the kernels against the reference on every shape.
-Prints a table; writes sampler.json to $OUT or cwd.
+"""Micro-benchmark on the GPU: the filters' threshold (`filter_threshold_triton`, no sort: bf16 value counts of a
+window of each row, or radix selects) against the sort the removed top-p path ran first
+(`logits.float().sort(descending=True)`, before its scan kernel), and the sampler kernel itself for scale, at 1, 4,
+32 and 128 rows (B32 K=3 verifies 128) of the real vocabulary, each timed as a replayed CUDA graph. Checks the
+kernels against the reference on every shape, and reports how many tokens a row's value counts held (the window).
+Prints a table; writes sampler.json to $OUT or cwd. `--profile` prints each kernel's time instead (torch.profiler,
+the counts method at the largest row count).
 
-    python benchmarks/sampler.py [--rows 1 4 32 128] [--dtype bfloat16] [--radix-bits 4] [--block 2048]
+    python benchmarks/sampler.py [--rows 1 4 32 128] [--dtype bfloat16] [--radix-bits 4] [--block 2048] [--profile]
 """
 
 import argparse
@@ -47,6 +49,12 @@ def measure(rows: int, top_k: bool, dtype: torch.dtype, block: int) -> dict:
         sort_us=graphed_us(lambda: logits.float().sort(dim=-1, descending=True)),
         sampler_us=graphed_us(lambda: ops.sample_tokens_triton(logits, inv_t, expected, seed, position)),
     )
+    if dtype == torch.bfloat16:
+        row_max = logits.amax(dim=-1).float()
+        counts, _, low, _ = ops._windowed_counts(logits, keep, inv_t, top_p, row_max, block)
+        tops = ops.value_keys(row_max).tolist()  # a row's counts hold its values from `low` up to its largest
+        lows = low.tolist()
+        result["counted"] = sum(int(counts[r, lows[r] : top + 1].sum()) for r, top in enumerate(tops)) / rows
     for method in ("counts", "radix") if dtype == torch.bfloat16 else ("radix",):
 
         def threshold(method=method):
@@ -57,14 +65,35 @@ def measure(rows: int, top_k: bool, dtype: torch.dtype, block: int) -> dict:
     return result
 
 
+def profile(rows: int, block: int) -> None:
+    """Each kernel's CUDA time in the counted threshold, top-p alone and top-k + top-p (eager, 20 calls each)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    for top_k in (False, True):
+        logits, keep, inv_t, top_p, min_p = inputs(rows, torch.bfloat16, top_k)
+        ops.filter_threshold_triton(logits, keep, inv_t, top_p, min_p, block=block, method="counts")
+        torch.cuda.synchronize()
+        with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                ops.filter_threshold_triton(logits, keep, inv_t, top_p, min_p, block=block, method="counts")
+            torch.cuda.synchronize()
+        print(f"R={rows} {'top-k 50 + top-p 0.95' if top_k else 'top-p 0.95'} (20 calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 128])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--radix-bits", type=int, default=ops.RADIX_BITS, choices=[2, 4, 8])
     parser.add_argument("--block", type=int, default=ops.RADIX_BLOCK, help="tokens per program of a row (both methods)")
+    parser.add_argument("--profile", action="store_true", help="each kernel's time (counts, largest row count)")
     args = parser.parse_args()
     ops.RADIX_BITS = args.radix_bits  # read at each call of filter_threshold_triton
+    if args.profile:
+        profile(max(args.rows), args.block)
+        return
     report = []
     for rows in args.rows:
         for top_k in (False, True):
@@ -78,7 +107,8 @@ def main() -> None:
             )
             print(
                 f"R={rows:4d} {r['filters']:22s} {methods}  sort alone {r['sort_us']:8.1f} us"
-                f"  sampler {r['sampler_us']:7.1f} us  kept {r['kept']:8.0f} tokens",
+                f"  sampler {r['sampler_us']:7.1f} us  kept {r['kept']:8.0f} tokens"
+                + (f", counted {r['counted']:8.0f}" if "counted" in r else ""),
                 flush=True,
             )
     with open(os.path.join(os.environ.get("OUT", "."), "sampler.json"), "w") as f:

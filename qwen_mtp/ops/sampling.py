@@ -135,6 +135,14 @@ def fixed_point_mass(x: torch.Tensor, row_max: torch.Tensor, inv_temperature: to
     return torch.where(shift >= 0, whole << shift.clamp(min=0), whole >> (-shift).clamp(min=0))
 
 
+def value_keys(values: torch.Tensor) -> torch.Tensor:
+    """The 16-bit order key (long) of bf16 values, the index of their value counts (the kernels' `order_key` >> 16):
+    a negative value's bits flipped, a positive one's sign bit set, -0.0 keyed as +0.0."""
+    bits = values.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    bits = torch.where(bits == 0x8000, 0, bits)
+    return torch.where(bits >= 0x8000, 0x7FFF - (bits & 0x7FFF), bits | 0x8000)
+
+
 def filter_threshold_reference(
     logits: torch.Tensor,  # [R, V] float32 or bfloat16
     keep: torch.Tensor,  # [R] long in [1, V]: top-k's k (V: no top-k)
@@ -252,7 +260,7 @@ def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, blo
 
 
 @functools.cache  # as `_kernels`
-def _threshold_kernels():
+def _radix_kernels():
     import triton
     import triton.language as tl
 
@@ -327,76 +335,209 @@ def _threshold_kernels():
         elif LAST:
             tl.store(out_ptr + row, float("-inf"))
 
-    @triton.jit
-    def value_counts(logits_ptr, stride, vocab, active_ptr, counts_ptr, BLOCK: tl.constexpr):
-        """counts [R, 2^16] (int32, zeroed) += how many tokens of one chunk of a bf16 row hold each value (the value
-        is the top 16 bits of its order key). Integer atomics: the counts are exact whatever order adds them."""
-        row, chunk = tl.program_id(0), tl.program_id(1)
-        if tl.load(active_ptr + row):
-            offs = chunk * BLOCK + tl.arange(0, BLOCK)
-            valid = offs < vocab
-            x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=0.0).to(tl.float32)
-            value = triton_utils.order_key(x) >> 16
-            tl.atomic_add(counts_ptr + row * 65536 + value, 1, mask=valid, sem="relaxed")
+    return radix_histogram, radix_select
+
+
+@functools.cache  # as `_kernels`
+def _count_kernels():
+    import triton
+    import triton.language as tl
 
     @triton.jit
-    def counted_thresholds(
-        counts_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, by_k_ptr, by_p_ptr, BLOCK: tl.constexpr
-    ):
-        """One bf16 row's top-k and top-p thresholds from its value counts, scanning the 2^16 values from the
-        largest down: top-k's is the first value where the count at or above it reaches k; top-p's the first where
-        the mass at or above it (count times the value's fixed-point mass, over values >= top-k's) reaches top_p of
-        the total. -inf where a filter is off."""
+    def level_counts(
+        logits_ptr, stride, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, levels_ptr, mass_ptr, chunks,
+        BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+    ):  # fmt: skip
+        """Partial counts [R, chunks, LEVELS] (int32) of one chunk of a bf16 row's tokens by level
+        (`triton_utils.mass_level`, at T = 1 for a greedy row) and, for a row with top-p and no top-k, the chunk's
+        fixed-point mass [R, chunks] (int64: exact in any order)."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        keep = tl.load(keep_ptr + row)
+        inv_t = tl.load(inv_t_ptr + row)
+        top_p_on = (tl.load(top_p_ptr + row) < 1.0) & (inv_t > 0.0)
+        if (keep < vocab) | top_p_on:
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            valid = offs < vocab
+            x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+            row_max = tl.load(row_max_ptr + row)
+            level = triton_utils.mass_level(x, row_max, tl.where(inv_t > 0.0, inv_t, 1.0))
+            levels = tl.arange(0, LEVELS)
+            past_end = tl.where(levels == LEVELS - 1, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)  # -inf there
+            tl.store(levels_ptr + (row * chunks + chunk) * LEVELS + levels, tl.histogram(level, LEVELS) - past_end)
+            if top_p_on & (keep >= vocab):
+                mass = tl.where(valid, triton_utils.fixed_point_mass(x, row_max, inv_t), 0)
+                tl.store(mass_ptr + row * chunks + chunk, tl.sum(mass, axis=0))
+
+    @triton.jit
+    def count_window(
+        levels_ptr, mass_ptr, chunks, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, low_ptr,
+        total_ptr, counts_ptr, BLOCK_C: tl.constexpr, LEVELS: tl.constexpr, MASS_BITS: tl.constexpr,
+        ZERO: tl.constexpr,
+    ):  # fmt: skip
+        """One row's window: the lowest level whose tokens (with those of every level above) surely hold the
+        threshold, so that only they need value counts (-1: a row without top-k or top-p). With top-k, the level
+        where the count reaches k (top-p's threshold is never below top-k's, and the top-k set's mass comes from
+        the counts). Top-p alone: the row's exact mass (stored in `total`) less a bound on the levels below (a
+        token of level l weighs under 2^(MASS_BITS + 1 - l)), with a margin of 2^-40 for float64's rounding,
+        reaches top_p of it. Zeroes the row's counts from `low`, a value below every token of the window, up to its
+        largest value (the others are never read)."""
+        row = tl.program_id(0)
+        keep = tl.load(keep_ptr + row)
+        inv_t = tl.load(inv_t_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        window = tl.full([], -1, dtype=tl.int32)
+        if (keep < vocab) | ((top_p < 1.0) & (inv_t > 0.0)):
+            c = tl.arange(0, BLOCK_C)[:, None]
+            levels = tl.arange(0, LEVELS)
+            if keep < vocab:
+                parts = tl.load(levels_ptr + (row * chunks + c) * LEVELS + levels[None, :], mask=c < chunks, other=0)
+                reach = tl.cumsum(tl.sum(parts, axis=0).to(tl.int64), axis=0)  # tokens at this level or above
+                window = tl.min(tl.where(reach >= keep, levels, LEVELS - 1), axis=0)
+            else:
+                lowest_first = LEVELS - 1 - levels
+                parts = tl.load(
+                    levels_ptr + (row * chunks + c) * LEVELS + lowest_first[None, :], mask=c < chunks, other=0
+                )
+                weight = tl.where(
+                    lowest_first <= MASS_BITS + 1,
+                    tl.full([LEVELS], 1, dtype=tl.int64) << tl.maximum(MASS_BITS + 1 - lowest_first, 0).to(tl.int64),
+                    0,
+                )
+                # below[i]: bound on the mass of levels LEVELS - 1 .. LEVELS - 1 - i, all but those of window
+                # LEVELS - 2 - i (a sum of exact non-negative terms: its rounding is relative to it)
+                below = tl.cumsum(tl.sum(parts, axis=0).to(tl.float64) * weight.to(tl.float64), axis=0)
+                each = tl.arange(0, BLOCK_C)
+                total = tl.sum(tl.load(mass_ptr + row * chunks + each, mask=each < chunks, other=0), axis=0)
+                tl.store(total_ptr + row, total)
+                whole = total.to(tl.float64)
+                target = top_p.to(tl.float64) * whole
+                margin = 9.094947017729282e-13  # 2^-40
+                sure = (whole - whole * margin - (below + below * margin) >= target) & (levels < LEVELS - 1)
+                window = tl.min(tl.where(sure, LEVELS - 2 - levels, LEVELS - 1), axis=0)
+            row_max = tl.load(row_max_ptr + row)
+            top = (triton_utils.order_key(row_max) >> 16).to(tl.int32)
+            low = tl.zeros([], dtype=tl.int32)
+            if window < LEVELS - 1:
+                # a token of level <= window has (x - max) / T >= -(window + 1/2) ln 2 (up to fp32 rounding): one
+                # more level of margin, and one bf16 value less for the rounding of `floor` itself
+                scale = tl.where(inv_t > 0.0, inv_t, 1.0)
+                floor = row_max - (window.to(tl.float32) + 1.5) * 0.6931472 / scale
+                low = tl.maximum((triton_utils.order_key(floor) >> 16).to(tl.int32) - 1, 0)
+            tl.store(low_ptr + row, low)
+            for start in range(low // ZERO * ZERO, top + 1, ZERO):
+                tl.store(counts_ptr + row * 65536 + start + tl.arange(0, ZERO), tl.zeros([ZERO], dtype=tl.int32))
+        tl.store(window_ptr + row, window)
+
+    @triton.jit
+    def value_counts(
+        logits_ptr, stride, vocab, inv_t_ptr, row_max_ptr, window_ptr, counts_ptr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """counts [R, 2^16] (int32) += how many of one chunk's tokens in the row's window hold each value (the top
+        16 bits of its order key). Integer atomics: the counts are exact whatever order adds them."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        window = tl.load(window_ptr + row)
+        if window >= 0:
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            valid = offs < vocab
+            x = tl.load(logits_ptr + row * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+            inv_t = tl.load(inv_t_ptr + row)
+            level = triton_utils.mass_level(x, tl.load(row_max_ptr + row), tl.where(inv_t > 0.0, inv_t, 1.0))
+            value = triton_utils.order_key(x) >> 16
+            tl.atomic_add(counts_ptr + row * 65536 + value, 1, mask=valid & (level <= window), sem="relaxed")
+
+    @triton.jit
+    def block_sums(
+        counts_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, low_ptr, block_count_ptr, block_mass_ptr,
+        BLOCKS: tl.constexpr, BINS: tl.constexpr,
+    ):  # fmt: skip
+        """A block of BINS values of a row's counts: their count and (top-p) mass [R, BLOCKS] (int64); 0 outside
+        the counted values (from the row's `low` to its largest)."""
+        row, block = tl.program_id(0), tl.program_id(1)
+        row_max = tl.load(row_max_ptr + row)
+        inv_t = tl.load(inv_t_ptr + row)
+        top = triton_utils.order_key(row_max) >> 16
+        count_sum = tl.zeros([], dtype=tl.int64)
+        mass_sum = tl.zeros([], dtype=tl.int64)
+        low = tl.load(low_ptr + row)  # (any number where the window is -1)
+        if (tl.load(window_ptr + row) >= 0) & (block * BINS <= top) & (block * BINS + BINS > low):
+            values = block * BINS + tl.arange(0, BINS)
+            counted = (values >= low) & (values <= top)
+            count = tl.load(counts_ptr + row * 65536 + values, mask=counted, other=0).to(tl.int64)
+            count_sum = tl.sum(count, axis=0)
+            if (tl.load(top_p_ptr + row) < 1.0) & (inv_t > 0.0) & (count_sum > 0):
+                x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)  # (no NaNs)
+                mass_sum = tl.sum(count * triton_utils.fixed_point_mass(x, row_max, inv_t), axis=0)
+        tl.store(block_count_ptr + row * BLOCKS + block, count_sum)
+        tl.store(block_mass_ptr + row * BLOCKS + block, mass_sum)
+
+    @triton.jit
+    def counted_threshold(
+        counts_ptr, block_count_ptr, block_mass_ptr, low_ptr, total_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr,
+        min_p_ptr, row_max_ptr, tau_ptr, BLOCKS: tl.constexpr, BINS: tl.constexpr,
+    ):  # fmt: skip
+        """One bf16 row's tau from its counts, largest values first: top-k's value, where the count at or above it
+        reaches k, then top-p's, where the mass at or above it (over the top-k set) reaches top_p of the set's;
+        each found as the block where the block sums reach the target, then the value inside that block."""
         row = tl.program_id(0)
         keep = tl.load(keep_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         row_max = tl.load(row_max_ptr + row)
-        lanes = tl.arange(0, BLOCK)
+        top = triton_utils.order_key(row_max) >> 16
+        low = tl.load(low_ptr + row)  # (any number where no filter is on: then unread)
         counts = counts_ptr + row * 65536
-        by_k = tl.full([], -1, dtype=tl.int64)  # the top-k value (as its 16-bit key); -1: none
+        order = tl.arange(0, BLOCKS)
+        blocks = BLOCKS - 1 - order  # largest values first
+        lanes = tl.arange(0, BINS)
+        by_k = tl.full([], float("-inf"), dtype=tl.float32)
+        by_p = tl.full([], float("-inf"), dtype=tl.float32)
+        key_k = tl.full([], -1, dtype=tl.int64)  # top-k's value (its 16-bit key); -1: no top-k
+        block_k = tl.full([], -1, dtype=tl.int32)
         if keep < vocab:
-            above = tl.zeros([], dtype=tl.int64)
-            for start in range(0, 65536, BLOCK):
-                values = 65535 - start - lanes  # largest first
-                reach = above + tl.cumsum(tl.load(counts + values).to(tl.int64), axis=0)
-                first = tl.min(tl.where(reach >= keep, lanes, BLOCK), axis=0)
-                by_k = tl.where((by_k < 0) & (first < BLOCK), 65535 - start - first, by_k)
-                above = tl.max(reach, axis=0)
-        none = float("-inf")
-        tl.store(by_k_ptr + row, tl.where(by_k >= 0, triton_utils.key_value(by_k, 16), none))
+            count = tl.load(block_count_ptr + row * BLOCKS + blocks)
+            reach = tl.cumsum(count, axis=0)
+            at = tl.min(tl.where(reach >= keep, order, BLOCKS - 1), axis=0)
+            above = tl.sum(tl.where(order < at, count, 0), axis=0)
+            block_k = BLOCKS - 1 - at
+            values = block_k * BINS + BINS - 1 - lanes
+            count = tl.load(counts + values, mask=(values >= low) & (values <= top), other=0).to(tl.int64)
+            inner = above + tl.cumsum(count, axis=0)
+            key_k = (block_k * BINS + BINS - 1 - tl.min(tl.where(inner >= keep, lanes, BINS - 1), axis=0)).to(tl.int64)
+            by_k = triton_utils.key_value(key_k, 16)
         if (top_p < 1.0) & (inv_t > 0.0):
-            total = tl.zeros([], dtype=tl.int64)
-            for start in range(0, 65536, BLOCK):
-                values = 65535 - start - lanes
-                count = tl.load(counts + values)
-                if tl.max(count, axis=0) > 0:  # most blocks of values hold no token
-                    x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)  # (no NaNs)
-                    mass = count.to(tl.int64) * triton_utils.fixed_point_mass(x, row_max, inv_t)
-                    total += tl.sum(tl.where(values >= by_k, mass, 0), axis=0)
+            mass = tl.load(block_mass_ptr + row * BLOCKS + blocks)
+            if keep < vocab:  # the top-k set: the blocks above top-k's, and its own from top-k's value up
+                values = block_k * BINS + BINS - 1 - lanes
+                count = tl.load(counts + values, mask=(values >= low) & (values <= top), other=0).to(tl.int64)
+                x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
+                own = tl.where(values >= key_k, count * triton_utils.fixed_point_mass(x, row_max, inv_t), 0)
+                mass = tl.where(blocks > block_k, mass, tl.where(blocks == block_k, tl.sum(own, axis=0), 0))
+                total = tl.sum(mass, axis=0)
+            else:  # the whole row's, of which the counts hold the window
+                total = tl.load(total_ptr + row)
             target = top_p.to(tl.float64) * total.to(tl.float64)
-            above = tl.zeros([], dtype=tl.int64)
-            by_p = tl.full([], -1, dtype=tl.int64)
-            for start in range(0, 65536, BLOCK):
-                values = 65535 - start - lanes
-                count = tl.load(counts + values)
-                if (by_p < 0) & (tl.max(count, axis=0) > 0):
-                    x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
-                    mass = count.to(tl.int64) * triton_utils.fixed_point_mass(x, row_max, inv_t)
-                    reach = above + tl.cumsum(tl.where(values >= by_k, mass, 0), axis=0)
-                    first = tl.min(tl.where(reach.to(tl.float64) >= target, lanes, BLOCK), axis=0)
-                    by_p = tl.where(first < BLOCK, 65535 - start - first, by_p)
-                    above = tl.max(reach, axis=0)
-            tl.store(by_p_ptr + row, triton_utils.key_value(by_p, 16))
-        else:
-            tl.store(by_p_ptr + row, none)
+            reach = tl.cumsum(mass, axis=0)
+            at = tl.min(tl.where(reach.to(tl.float64) >= target, order, BLOCKS - 1), axis=0)
+            above = tl.sum(tl.where(order < at, mass, 0), axis=0)
+            block_p = BLOCKS - 1 - at
+            values = block_p * BINS + BINS - 1 - lanes
+            count = tl.load(counts + values, mask=(values >= low) & (values <= top), other=0).to(tl.int64)
+            x = tl.where(count > 0, triton_utils.key_value(values.to(tl.int64), 16), row_max)
+            inner = above + tl.cumsum(
+                tl.where(values >= key_k, count * triton_utils.fixed_point_mass(x, row_max, inv_t), 0), axis=0
+            )
+            first = tl.min(tl.where(inner.to(tl.float64) >= target, lanes, BINS - 1), axis=0)
+            by_p = triton_utils.key_value((block_p * BINS + BINS - 1 - first).to(tl.int64), 16)
+        tl.store(tau_ptr + row, tl.maximum(tl.maximum(by_k, by_p), row_max + tl.load(min_p_ptr + row)))
 
-    return radix_histogram, radix_select, value_counts, counted_thresholds
+    return level_counts, count_window, value_counts, block_sums, counted_threshold
 
 
 RADIX_BITS = 4  # key bits a radix step settles: 16 bins; 4 steps for 16-bit keys, 8 for 32-bit ones
 RADIX_BLOCK, RADIX_SUB = 2048, 128  # tokens per program (122 programs a row at 248k), tokens per inner step
-COUNTS_SCAN = 1024  # values per step of a bf16 row's scan over its 2^16 value counts
+MASS_LEVELS = 64  # levels of a token's mass exponent (`triton_utils.mass_level`): which tokens need value counts
+COUNTS_BINS = 1024  # values per block of a row's 2^16 value counts: 64 blocks, summed in parallel
+COUNTS_ZERO = 4096  # counts zeroed per store
 
 
 def filter_threshold_triton(
@@ -404,13 +545,12 @@ def filter_threshold_triton(
 ):
     """Triton version of `filter_threshold_reference` (same arguments, the same tau bit for bit), with no sort.
 
-    `method` "counts" (bf16 logits; their default): a bf16 logit has 2^16 possible values, so one pass counts how
-    many tokens hold each (`value_counts`, int32 atomics) and one program a row scans the counts from the largest
-    value down (`counted_thresholds`): top-k where the count reaches k, top-p where count x mass reaches top_p of
-    the total. "radix" (any dtype; the default for fp32): two radix selects over the order keys, top-k's on counts,
-    then top-p's on the masses of the top-k set, 4 bits a step, each step a histogram of the row in parallel chunks
-    (`radix_histogram`, int64 partials) and one program a row picking the bin (`radix_select`). Either way every
-    sum is of integers, exact in any order, and a row's work depends on nothing but its row."""
+    `method` "counts" (bf16 logits; their default): a bf16 logit has 2^16 possible values, so tau comes from how
+    many tokens hold each value, counted only for the tokens that can matter (`_counted_threshold`). "radix" (any
+    dtype; the default for fp32): two radix selects over the order keys, top-k's on counts, then top-p's on the
+    masses of the top-k set, 4 bits a step, each step a histogram of the row in parallel chunks (`radix_histogram`,
+    int64 partials) and one program a row picking the bin (`radix_select`). Either way every sum is of integers,
+    exact in any order, and a row's work depends on nothing but its row."""
     rows, vocab = logits.shape
     if vocab > MAX_VOCAB:
         raise ValueError(
@@ -425,33 +565,82 @@ def filter_threshold_triton(
     # the kernels read row r's parameters at offset r (a verify's rows see one request's values as stride-0 views)
     keep, inv_temperature, top_p, min_p_offset = (t.contiguous() for t in (keep, inv_temperature, top_p, min_p_offset))
     row_max = logits.amax(dim=-1).float()
-    thresholds = _counted_thresholds if method == "counts" else _radix_thresholds
-    by_k, by_p = thresholds(logits, keep, inv_temperature, top_p, row_max, block)
+    if method == "counts":
+        return _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_max, block)
+    by_k, by_p = _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block)
     return torch.maximum(torch.maximum(by_k, by_p), row_max + min_p_offset)
 
 
-def _counted_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
-    """Top-k's and top-p's thresholds [R] of bf16 rows from their value counts (see `filter_threshold_triton`)."""
+def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_max, block):
+    """tau [R] of bf16 rows from their value counts, in five launches, each parallel over its rows:
+
+    1. `level_counts` (chunks of a row): each token's level, the power of two of its mass (at T = 1 for greedy
+       rows), counted per chunk; top-p alone: the chunk's exact mass too;
+    2. `count_window` (a program a row): the window, the levels from the top that surely hold tau (top-k's count,
+       or top-p's mass less a bound on the levels below), and the counts zeroed from a value below its tokens
+       (`low`) up to the row's largest;
+    3. `value_counts` (chunks): int32 atomics count how many of the window's tokens hold each of the 2^16 values,
+       the only per-token atomics (a peaked row's window is a few hundred tokens; a flat one's the whole row);
+    4. `block_sums` (blocks of 1024 values of a row): each block's count and mass;
+    5. `counted_threshold` (a program a row): the block where the sums from the top reach k (or top_p of the total
+       mass), then the value inside it; tau = max(top-k's, top-p's, max + T ln(min_p))."""
+    _, _, _, block_sums, counted_threshold = _count_kernels()
+    rows, vocab = logits.shape
+    device = logits.device
+    counts, window, low, total = _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block)
+    blocks = (1 << 16) // COUNTS_BINS
+    block_count = torch.empty(rows, blocks, dtype=torch.int64, device=device)
+    block_mass = torch.empty_like(block_count)
+    block_sums[(rows, blocks)](
+        counts, inv_temperature, top_p, row_max, window, low, block_count, block_mass,
+        BLOCKS=blocks, BINS=COUNTS_BINS,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    tau = torch.empty(rows, dtype=torch.float32, device=device)
+    counted_threshold[(rows,)](
+        counts, block_count, block_mass, low, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
+        BLOCKS=blocks, BINS=COUNTS_BINS,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return tau
+
+
+def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
+    """Steps 1-3 of `_counted_threshold`: the value counts [R, 2^16] (int32; valid from each row's `low` up to its
+    largest value) of the window's tokens, the windows [R] (int32: the lowest level counted; -1: none), `low` [R]
+    (int32: a value below every token of the window) and each top-p-alone row's exact mass [R] (int64)."""
     import triton
 
-    _, _, value_counts, counted_thresholds = _threshold_kernels()
+    level_counts, count_window, value_counts, _, _ = _count_kernels()
     rows, vocab = logits.shape
-    counts = torch.zeros(rows, 1 << 16, dtype=torch.int32, device=logits.device)
-    active = (keep < vocab) | ((top_p < 1.0) & (inv_temperature > 0))
-    value_counts[(rows, triton.cdiv(vocab, block))](logits, logits.stride(0), vocab, active, counts, BLOCK=block)
-    by_k, by_p = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(2))
-    counted_thresholds[(rows,)](
-        counts, vocab, keep, inv_temperature, top_p, row_max, by_k, by_p, BLOCK=COUNTS_SCAN,
+    device = logits.device
+    chunks = triton.cdiv(vocab, block)
+    levels = torch.empty(rows, chunks, MASS_LEVELS, dtype=torch.int32, device=device)
+    chunk_mass = torch.empty(rows, chunks, dtype=torch.int64, device=device)
+    level_counts[(rows, chunks)](
+        logits, logits.stride(0), vocab, keep, inv_temperature, top_p, row_max, levels, chunk_mass, chunks,
+        BLOCK=block, LEVELS=MASS_LEVELS,
         enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
     )  # fmt: skip
-    return by_k, by_p
+    window, low = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(2))
+    total = torch.empty(rows, dtype=torch.int64, device=device)
+    counts = torch.empty(rows, 1 << 16, dtype=torch.int32, device=device)
+    count_window[(rows,)](
+        levels, chunk_mass, chunks, vocab, keep, inv_temperature, top_p, row_max, window, low, total, counts,
+        BLOCK_C=max(2, triton.next_power_of_2(chunks)), LEVELS=MASS_LEVELS, MASS_BITS=MASS_BITS, ZERO=COUNTS_ZERO,
+    )  # fmt: skip
+    value_counts[(rows, chunks)](
+        logits, logits.stride(0), vocab, inv_temperature, row_max, window, counts, BLOCK=block,
+        enable_fp_fusion=False,  # the levels must be `level_counts`' to the bit
+    )  # fmt: skip
+    return counts, window, low, total
 
 
 def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
     """Top-k's and top-p's thresholds [R] by radix selects (see `filter_threshold_triton`)."""
     import triton
 
-    histogram, select, _, _ = _threshold_kernels()
+    histogram, select = _radix_kernels()
     rows, vocab = logits.shape
     key_bits = 16 if logits.dtype == torch.bfloat16 else 32
     chunks = triton.cdiv(vocab, block)
@@ -516,7 +705,7 @@ def filter_threshold(
     top_p: torch.Tensor,
     min_p_offset: torch.Tensor,
 ) -> torch.Tensor:
-    """Custom op: `filter_threshold_reference` on CPU (a sort), the radix selects on CUDA (no sort)."""
+    """Custom op: `filter_threshold_reference` on CPU (a sort), `filter_threshold_triton` on CUDA (no sort)."""
     return filter_threshold_reference(logits, keep, inv_temperature, top_p, min_p_offset)
 
 

@@ -143,6 +143,7 @@ _LN2_HI = tl.constexpr(_sampling.LN2_HI)
 _LN2_LO = tl.constexpr(_sampling.LN2_LO)
 _E0, _E1, _E2, _E3, _E4, _E5 = (tl.constexpr(c) for c in _sampling.EXP_POLYNOMIAL)
 _MASS_SHIFT = tl.constexpr(_sampling.MASS_BITS - 24)
+_LEVELS = tl.constexpr(_sampling.MASS_LEVELS)
 
 
 @triton.jit
@@ -166,11 +167,26 @@ def key_value(top, SHIFT: tl.constexpr):  # noqa: N803
 
 
 @triton.jit
+def mass_exponent(x, row_max, inv_t):
+    """y = max((x - max) / T, -45) and n = round(y / ln 2), the power of two of x's fixed-point mass (fp32, both
+    computed as `sampling.fixed_point_mass` does)."""
+    y = tl.maximum((x - row_max) * inv_t, -45.0)
+    return y, tl.floor(y * _LOG2E + 0.5)
+
+
+@triton.jit
+def mass_level(x, row_max, inv_t):
+    """x's level (int32 in [0, MASS_LEVELS)): -n of `mass_exponent`, the last level holding every lower one. It
+    never rises as x falls, and a token of level l weighs less than 2^(MASS_BITS + 1 - l) (`sampling`)."""
+    _, n = mass_exponent(x, row_max, inv_t)
+    return tl.minimum(-n, _LEVELS - 1).to(tl.int32)
+
+
+@triton.jit
 def fixed_point_mass(x, row_max, inv_t):
     """`sampling.fixed_point_mass`: the same fp32 operations in the same order (kernels calling it are launched
     with `enable_fp_fusion=False`, so no product is contracted into an FMA), hence the same int64 masses."""
-    y = tl.maximum((x - row_max) * inv_t, -45.0)
-    n = tl.floor(y * _LOG2E + 0.5)
+    y, n = mass_exponent(x, row_max, inv_t)
     r = (y - n * _LN2_HI) - n * _LN2_LO
     p = ((((r * _E0 + _E1) * r + _E2) * r + _E3) * r + _E4) * r + _E5
     p = p * (r * r) + r + 1.0

@@ -95,6 +95,52 @@ def test_filter_threshold_is_batch_invariant_at_real_vocab(dtype, method):
         assert torch.equal(ops.filter_threshold_triton(*(a[index] for a in args), method=method), together[index])
 
 
+def edge_rows(dtype):
+    """Rows at the real vocabulary where the counted threshold's window and block scan meet their limits: all equal
+    logits (the window is the whole row), a peaked head (a window of a few tokens), ties, kept sets across 2.0 and
+    across the sign, a wide row whose mass lies far down (T = 1.5, top_p 0.999), tiny top_p, each filter alone."""
+    gen = torch.Generator().manual_seed(7)
+    noise = torch.randn(VOCAB, generator=gen)
+    peaked = noise * 2
+    peaked[:30] += 12.0
+    ties = (noise * 2).round() / 2
+    cases = [  # (logits, k, 1/T, top_p, min-p offset)
+        (torch.zeros(VOCAB), VOCAB, 1.0, 0.9, float("-inf")),
+        (torch.zeros(VOCAB), 50, 1.0, 0.9, float("-inf")),
+        (peaked, VOCAB, 1 / 0.7, 0.95, float("-inf")),
+        (peaked, 50, 1 / 0.7, 0.95, float("-inf")),
+        (ties, VOCAB, 1.0, 0.8, float("-inf")),
+        (ties, 1000, 1 / 0.7, 0.99, float("-inf")),
+        (2.0 + 0.05 * noise, VOCAB, 1 / 0.05, 0.5, float("-inf")),
+        (0.02 * noise, VOCAB, 1 / 0.01, 0.9, float("-inf")),
+        (noise * 8, VOCAB, 1 / 1.5, 0.999, float("-inf")),
+        (noise * 3, VOCAB, 1 / 0.7, 1e-6, float("-inf")),
+        (noise * 3, 20, 0.0, 0.9, float("-inf")),
+        (noise * 3, VOCAB, 1 / 0.7, 1.0, -2.0),
+    ]
+    logits = torch.stack([c[0] for c in cases]).to(dtype).cuda()
+    keep, inv_t, top_p, min_p = (torch.tensor(v).cuda() for v in list(zip(*cases, strict=True))[1:])
+    return logits, keep, inv_t.float(), top_p.float(), min_p.float()
+
+
+@pytest.mark.parametrize("dtype,method", METHODS)
+def test_filter_threshold_edge_rows_equal_reference_at_real_vocab(dtype, method):
+    args = edge_rows(dtype)
+    assert torch.equal(ops.filter_threshold_triton(*args, method=method), ops.filter_threshold_reference(*args))
+
+
+def test_counted_threshold_counts_a_small_window_of_peaked_rows():
+    """The speed of the bf16 path: the value counts hold a few tokens of a peaked row (its head and a margin), the
+    whole of an all-equal one."""
+    logits, keep, inv_t, top_p, _ = edge_rows(torch.bfloat16)
+    counts, _, low, _ = ops._windowed_counts(logits, keep, inv_t, top_p, logits.amax(dim=-1).float(), ops.RADIX_BLOCK)
+    tops = ops.value_keys(logits.amax(dim=-1)).tolist()
+    lows = low.tolist()
+    counted = [int(counts[r, lows[r] : tops[r] + 1].sum()) for r in range(len(logits))]
+    assert counted[0] == VOCAB and counted[1] == VOCAB
+    assert counted[2] < 2000 and counted[3] < 2000, counted
+
+
 def mixed_params(i, max_new):
     """Request i's parameters: greedy, plain temperature, top-p, top-k + min-p, with and without logprobs."""
     kinds = [

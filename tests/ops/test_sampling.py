@@ -139,6 +139,86 @@ def test_filter_threshold_rows_are_batch_invariant(dtype, method):
         assert torch.equal(alone, together[index])
 
 
+def edge_rows(vocab=777):
+    """bf16 rows the counted threshold must get right (777 tokens: no multiple of the chunk), each (logits, k, 1/T,
+    top_p, min-p offset): kept sets across a block of 1024 values (1.0 and 2.0 end one) and across the sign, ties,
+    all-equal logits, a peaked head, each filter alone, top_p tiny, filters off, and a greedy row's top-k."""
+    noise = rand(vocab, seed=11)
+    peaked = noise.clone()
+    peaked[:5] += 12.0
+    ties = (noise * 2).round() / 2
+    ties[:40] = 3.0
+    cases = [
+        (2.0 + 0.05 * noise, vocab, 1 / 0.05, 0.5, NO_MIN_P),  # across 2.0
+        (1.0 + 0.05 * noise, 300, 1 / 0.02, 0.7, NO_MIN_P),  # top-k and top-p across 1.0
+        (0.02 * noise, vocab, 1 / 0.01, 0.9, NO_MIN_P),  # across the sign
+        (torch.zeros(vocab), vocab, 1.0, 0.9, NO_MIN_P),  # all equal: every token kept
+        (torch.zeros(vocab), 10, 1.0, 1.0, NO_MIN_P),  # all equal, top-k: still every token
+        (ties, vocab, 1.0, 0.8, NO_MIN_P),  # a tie group of 40 holding most of the mass
+        (ties, 45, 1 / 0.7, 0.99, NO_MIN_P),  # top-k's k-th inside a tie group
+        (peaked, vocab, 1 / 0.7, 0.95, NO_MIN_P),  # a peaked head: a small window
+        (peaked, 3, 1 / 0.7, 1.0, NO_MIN_P),  # top-k alone
+        (noise, vocab, 1 / 0.7, 0.9, NO_MIN_P),  # top-p alone
+        (noise, vocab, 1 / 0.7, 1.0, -1.0),  # min-p alone
+        (noise, vocab, 1 / 0.7, 1e-6, NO_MIN_P),  # top_p tiny: the largest logit
+        (noise, vocab, 1 / 0.7, 1.0, NO_MIN_P),  # filters off
+        (noise, 20, 0.0, 0.9, NO_MIN_P),  # greedy: top-k alone (top-p needs a temperature)
+        (noise * 8, vocab, 1 / 1.5, 0.999, NO_MIN_P),  # a wide row, most of its mass far down
+        (noise, vocab - 1, 2.0, 0.95, -0.5),  # every filter
+    ]
+    logits = torch.stack([c[0] for c in cases]).to(torch.bfloat16)
+    keep, inv_t, top_p, min_p = (torch.tensor(v, device=DEVICE) for v in list(zip(*cases, strict=True))[1:])
+    return logits, keep, inv_t.float(), top_p.float(), min_p.float()
+
+
+@pytest.mark.parametrize("method", ["counts", "radix"])
+def test_filter_threshold_edge_rows_equal_reference(method):
+    args = edge_rows()
+    ref = sampling.filter_threshold_reference(*args)
+    assert torch.equal(sampling.filter_threshold_triton(*args, block=BLOCK, method=method), ref)
+    assert torch.isinf(ref[12]) and ref[3] == 0 and ref[4] == 0  # filters off; all equal: all kept
+
+
+def test_value_counts_hold_the_top_of_a_row_and_little_of_a_peaked_one():
+    """The window is a top set of each row: its counts (from the row's `low` up to its largest value) equal the
+    row's own above their lowest counted value, and they hold every kept token; a peaked row's window is a small
+    part of it, a flat row's all of it."""
+    logits, keep, inv_t, top_p, min_p = edge_rows()
+    tau = sampling.filter_threshold_reference(logits, keep, inv_t, top_p, min_p)
+    row_max = logits.amax(dim=-1).float()
+    counts, window, low, _ = sampling._windowed_counts(logits, keep, inv_t, top_p, row_max, BLOCK)
+    keys = sampling.value_keys(logits)
+    counted = {}
+    for r in range(len(logits)):
+        if window[r] < 0:
+            assert keep[r] == logits.shape[1] and (top_p[r] == 1 or inv_t[r] == 0)  # no top-k, no top-p
+            continue
+        own = torch.bincount(keys[r], minlength=1 << 16)
+        bottom, top = int(low[r]), int(keys[r].max())
+        mine = counts[r, bottom : top + 1].long()
+        lowest = bottom + int(mine.nonzero().min())
+        assert torch.equal(counts[r, lowest : top + 1].long(), own[lowest : top + 1]), r
+        counted[r] = int(mine.sum())
+        assert counted[r] >= (logits[r].float() >= tau[r]).sum(), r
+    assert counted[7] < 50 and counted[8] < 50  # the peaked head's 5 tokens and little else
+    assert counted[3] == logits.shape[1]  # all equal: one value, every token
+
+
+def test_counted_threshold_reads_only_what_it_wrote(monkeypatch):
+    """The kernels' buffers come from `torch.empty` (a CUDA graph's pool holds the last step's numbers): filled with
+    garbage here, tau is still the reference's."""
+    empty = torch.empty
+
+    def garbage(*shape, dtype=None, **kwargs):
+        out = empty(*shape, dtype=dtype, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else 12345)
+
+    args = edge_rows()
+    ref = sampling.filter_threshold_reference(*args)
+    monkeypatch.setattr(torch, "empty", garbage)
+    assert torch.equal(sampling.filter_threshold_triton(*args, block=BLOCK, method="counts"), ref)
+
+
 def test_fixed_point_mass_is_the_exponential():
     """The portable exp (Cody-Waite reduction, a polynomial with one rounding per operation, an integer shift) is
     exp to about 1 ulp, in integers: the most likely token weighs exactly 2^MASS_BITS."""

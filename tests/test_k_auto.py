@@ -15,6 +15,7 @@ from helpers import random_prompt
 
 from qwen_mtp import Engine, SamplingParams
 from qwen_mtp.engine.k_policy import AcceptanceAverage, KPolicy, StepTimes, best_k, expected_tokens
+from qwen_mtp.engine.speculative import spread_tokens
 
 MAX_NEW = 14
 PROMPTS = [random_prompt(n, seed=700 + n) for n in (1, 4, 5, 33, 2, 19, 9, 17)]
@@ -212,3 +213,16 @@ def test_compiled_buckets_with_k_per_step_equal_plain(checkpoint):
     engine.speculator.policy = Scripted([2, 0, 1, 2, 0, 0, 2])
     assert run(engine, greedy, prompts) == expected
     assert sorted(engine.runner.graphs._steps) == steps  # nothing built after the warm-up
+
+
+def test_step_times_are_measured_on_tokens_spread_over_the_vocabulary(checkpoint):
+    """The padding rows that time each (bucket, K) hold distinct tokens wherever the vocabulary allows, so an
+    MoE verify is timed routing to many experts as real traffic does (one token everywhere routed every row and
+    position to the same experts, and K: auto took a large K for cheap)."""
+    ids = spread_tokens(32, 5, 248_320)
+    assert ids.shape == (32, 5) and ids.unique().numel() == 160 and 0 <= int(ids.min()) and int(ids.max()) < 248_320
+    assert spread_tokens(9, 5, 40).unique().numel() == 40  # more rows than tokens: every token used
+    engine = make_engine(checkpoint("tiny"), "auto", max_k=3)
+    batch = engine.speculator._padding_batch(8, 4)
+    vocab = engine.runner.model.shapes.vocab_size
+    assert batch.token_ids.unique().numel() == min(32, vocab) and int(batch.token_ids.max()) < vocab

@@ -186,11 +186,15 @@ class Speculator:
         return StepTimes(tuple(verify), tuple(draft))
 
     def _padding_batch(self, size: int, length: int) -> StepBatch:
+        """Rows of `length` tokens on the scratch state row and page. The tokens are spread over the vocabulary
+        (a fixed multiplicative hash of their index), so that, as in real traffic, a step's rows and positions
+        route to many experts of an MoE model: with one token everywhere they all picked the same experts, and
+        the verify at a large K was timed far cheaper than it runs (k: auto then chose that K)."""
         pages, states, device = self.runner.pages, self.runner.states, self.runner.device
         width = pages_for(length + 2 * self.max_k, pages.page_size)
         return StepBatch(
             kind=StepKind.DECODE,
-            token_ids=torch.zeros(size, length, dtype=torch.long, device=device),
+            token_ids=spread_tokens(size, length, self.runner.model.shapes.vocab_size, device),
             positions=torch.arange(length, device=device).expand(size, length).contiguous(),
             state_rows=torch.full((size,), states.scratch_row, dtype=torch.long, device=device),
             block_tables=torch.full((size, width), pages.scratch_page, dtype=torch.int32, device=device),
@@ -230,3 +234,10 @@ class Speculator:
         index = accepted[:, None] + torch.arange(k, device=device)
         override = torch.gather(self.runner.tensor(tokens), 1, index)
         return override, torch.gather(self.runner.tensor(use, torch.bool), 1, index)
+
+
+def spread_tokens(rows: int, length: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rows, length] token ids, distinct wherever the vocabulary allows, scattered over it by Knuth's
+    multiplicative hash of their index (deterministic: the timings do not depend on a generator)."""
+    index = torch.arange(rows * length, dtype=torch.long, device=device)
+    return ((index * 2654435761 + 40503) % vocab).view(rows, length)

@@ -49,17 +49,16 @@ def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK
     its 128x128 block's scale (scale_ptr: [ceil(N/128), ceil(K/128)], row stride s_n), rounded once: transformers'
     `(fp8.float() * scale.float()).to(dtype)`, so the tile equals the dequantized weight's.
 
-    Compiled in bf16 (the decode path), no conversion instruction runs per weight: Hopper converts at a quarter
-    of its integer rate, and e4m3 -> f16 -> fp32 -> bf16 took two conversions a weight, so the kernel ran at the
-    conversion rate, not at the memory's. Instead the e4m3 byte, sign-extended to 16 bits, shifted left by 4 and
-    masked, is the bit pattern of a bf16 equal to the e4m3 value times 2^-120 exactly (subnormals included: both
-    formats keep the 3 mantissa bits right under the exponent, and bf16's exponent bias is 120 more), and one
-    bf16 multiply by scale * 2^120 rounds the exact product once, as the reference does (`FP8_TO_BF16_SCALED`:
-    four instructions per two weights). That factor is exact for scales that are bf16 values below 2^8 (a block
-    amax below 114688): what Qwen's releases store and what `quant.fp8.quantize_fp8_block` gives a bf16 weight;
-    an fp32 scale with more bits would be rounded to bf16 here. Interpreted, or in fp32 / fp16 (the CPU tests),
-    the fp32 formula. A tile of at most 128 columns lies in one block column (k0 is a multiple of BLOCK_K); a
-    wider one spans BLOCK_K // 128 of them.
+    Compiled in bf16 (the decode path), no conversion instruction runs per weight (Hopper converts at a quarter of
+    its integer rate; e4m3 -> f16 -> fp32 -> bf16 took two a weight). Instead the e4m3 byte, sign-extended to 16
+    bits, shifted left by 4 and masked, is the bit pattern of a bf16 equal to the e4m3 value times 2^-120 exactly
+    (subnormals included: both formats keep the 3 mantissa bits right under the exponent, and bf16's exponent bias
+    is 120 more), and one bf16 multiply by scale * 2^120 rounds the exact product once, as the reference does
+    (`FP8_TO_BF16_SCALED`: four instructions per two weights). That factor is exact for scales that are bf16 values
+    below 2^8 (a block amax below 114688): what Qwen's releases store and what `quant.fp8.quantize_fp8_block` gives
+    a bf16 weight; an fp32 scale with more bits would be rounded to bf16 here. Interpreted, or in fp32 / fp16 (the
+    CPU tests), the fp32 formula. A tile of at most 128 columns lies in one block column (k0 is a multiple of
+    BLOCK_K); a wider one spans BLOCK_K // 128 of them.
 
     MMA_SYNC: the tile feeds a `tl.dot` that runs as mma.sync (`linear.feeds_mma_sync`). Triton lays out an
     mma.sync operand by the narrowest load it traces it back to through pure elementwise ops: from the e4m3 load

@@ -71,6 +71,21 @@ def test_w8a8_kernel_equals_the_reference_in_its_k_order(plan):
     assert torch.equal(got, w8a8_block_products_reference(q, q_scale, weight, scale, plan))
 
 
+@pytest.mark.skipif(REAL, reason="exact only without the MMA's reduced-precision accumulation (GPU: tests/gpu)")
+@pytest.mark.parametrize("plan", [PLANS["default"], PLANS["unswapped 3 x 16 rows"]], ids=["default", "unswapped"])
+def test_w8a8_op_equals_the_reference_quantization_included(plan):
+    """The whole decode product (quantization launch + GEMM) against `linear_fp8_w8a8_reference`, on rows whose
+    1x128 groups each hold +-448 x 2^e and other e4m3 values times 2^e: their quantization is exact (scale 2^e),
+    so the interpreter's e4m3 rounding never comes in, and the block sums are exact as in `exact_operands`."""
+    q, _, weight, scale = exact_operands(37, N_TEST, K_TEST)
+    g = torch.Generator().manual_seed(7)
+    groups = q.float().cpu().view(37, -1, 128)
+    groups[:, :, 0] = 448.0 * torch.where(torch.rand(groups.shape[:2], generator=g) < 0.5, -1.0, 1.0)
+    x = (groups * 2.0 ** torch.randint(-10, 3, (*groups.shape[:2], 1), generator=g)).view(37, -1).to(DEVICE)
+    got = linear_fp8_w8a8_triton(x, weight, scale, plan)
+    assert torch.equal(got, linear_fp8_w8a8_reference(x, weight, scale, plan))
+
+
 def _plan_rows_never_depend_on_m(plan, counts):
     weight, scale = fp8_weight(N_TEST, K_TEST)
     x = rand(70, K_TEST, dtype=torch.float32, seed=2, scale=3.0)

@@ -762,7 +762,9 @@ def w8a8_block_products_reference(
 ) -> torch.Tensor:
     """What the W8A8 kernel computes, in fp32 [M, N], in its order: per K split (the plan's), the 128-deep blocks
     from the split's first upwards, acc += (q_blk @ w_blk^T) * (q_scale[row, kb] * scale[n // 128, kb]) (the
-    e4m3 products summed in fp32), then the splits' sums added in split order 0, 1, ... (fp32)."""
+    e4m3 products summed in fp32), then the splits' sums added in split order 0, 1, ... (fp32). The kernel adds
+    each scaled block with one fused multiply-add; here the product is rounded first: the same bits whenever it
+    is exact (power-of-two scales, as the CPU tests use), else within an ulp of the sum per block."""
     n, k = weight.shape
     w_scale = scale.float().repeat_interleave(FP8_BLOCK[0], 0)[:n]  # [N, K/128]
     k_blocks = k // FP8_BLOCK[1]
@@ -793,8 +795,10 @@ def _w8a8_kernel():
     """The "stream" family on e4m3 activations (`_stream_kernel` for the structure and why a row never depends on
     M): each weight block [BLOCK_N, 128] is loaded once per row group and goes from shared memory straight into
     the MMA of every row tile, as do the rows' e4m3 blocks (both K-major, as an fp8 wgmma needs). Each block's
-    product starts from zero and is scaled in fp32 by its rows' and weight block's scales before it joins the
-    accumulator: the MMA's own (reduced-precision on Hopper) accumulation spans 128 columns only."""
+    product starts from zero and is scaled in fp32 by its rows' and weight block's scales as it joins the
+    accumulator: the MMA's own (reduced-precision on Hopper) accumulation spans 128 columns only. That join is an
+    explicit fused multiply-add (one rounding), so no compiler contraction choice can differ between the loops
+    compiled for different live tile counts."""
     import triton
     import triton.language as tl
 
@@ -837,7 +841,7 @@ def _w8a8_kernel():
                             else:
                                 prod = triton_utils.dot(x, tl.trans(w), INTERPRETED, "ieee")  # [BLOCK_M, BLOCK_N]
                                 factor = x_scale[:, None] * w_scale[None, :]
-                            updated = updated + (accs[t] + prod * factor,)
+                            updated = updated + (tl.fma(prod, factor, accs[t]),)
                         accs = updated
                     for t in tl.static_range(tiles):
                         acc = tl.trans(accs[t]) if SWAP_AB else accs[t]  # [BLOCK_M, BLOCK_N]
@@ -877,8 +881,8 @@ def w8a8_matmul_triton(
 ) -> torch.Tensor:
     """e4m3 rows q [M, K] with their 1x128 scales q_scale [M, K/128] (row-major) times the e4m3 weight [N, K] with
     its 128x128 scales -> [M, N] in `out_dtype`, by the plan (default `gemm_plan_w8a8`): equal to
-    `w8a8_block_products_reference` up to the MMA's accumulation within a block, and a row's result never depends
-    on M."""
+    `w8a8_block_products_reference` up to the MMA's accumulation within a block and the fused scaling (see
+    there), and a row's result never depends on M."""
     import triton
 
     m, k = q.shape

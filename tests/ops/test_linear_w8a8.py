@@ -46,15 +46,16 @@ PLANS = {
 
 
 def exact_operands(m: int, n: int, k: int, seed: int = 0):
-    """e4m3 rows (integers up to 448) and weights (integers up to 64) with random fp32 scales: every 128-deep
-    block sum is an integer below 2^24, exact in fp32 whatever the order of its additions, so the kernel and
-    the reference meet on the same partial products (the interpreter's dot sums in its own order)."""
+    """e4m3 rows (integers up to 448) and weights (integers up to 64) with random power-of-two scales: every
+    128-deep block sum is an integer below 2^24, exact in fp32 whatever the order of its additions (the
+    interpreter's dot sums in its own order), and its scaled value is exact too (the kernel's fused
+    multiply-add and the reference's multiply-then-add agree); the sums of scaled blocks still round."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-448, 449, (m, k), generator=g).float().to(torch.float8_e4m3fn)
     weight = torch.randint(-64, 65, (n, k), generator=g).float().to(torch.float8_e4m3fn)
     assert q.float().abs().max() <= 448 and weight.float().abs().max() <= 64
-    q_scale = torch.rand(m, k // 128, generator=g) * 2.0 ** torch.randint(-12, 0, (m, k // 128), generator=g)
-    scale = torch.rand(-(-n // 128), k // 128, generator=g) * 1e-3
+    q_scale = 2.0 ** torch.randint(-12, 0, (m, k // 128), generator=g).float()
+    scale = 2.0 ** torch.randint(-16, -6, (-(-n // 128), k // 128), generator=g).float()
     return q.to(DEVICE), q_scale.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE)
 
 

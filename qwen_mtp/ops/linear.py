@@ -750,6 +750,8 @@ def quantize_activation_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torc
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, k // FP8_BLOCK[1], dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
     grid = (triton.cdiv(m, 16), k // FP8_BLOCK[1])
     _quantize_activations_kernel()[grid](
         x, q, scale, m, m, k, x.stride(0), 1, scale.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=16

@@ -91,6 +91,7 @@ def _plan_rows_never_depend_on_m(plan, counts):
     weight, scale = fp8_weight(N_TEST, K_TEST)
     x = rand(70, K_TEST, dtype=torch.float32, seed=2, scale=3.0)
     full = linear_fp8_w8a8_triton(x, weight, scale, plan)
+    assert linear_fp8_w8a8_triton(x[:0], weight, scale, plan).shape == (0, N_TEST)
     for m in counts:
         assert torch.equal(linear_fp8_w8a8_triton(x[:m], weight, scale, plan), full[:m]), f"M={m}"
     assert torch.equal(linear_fp8_w8a8_triton(x[45:46], weight, scale, plan), full[45:46])

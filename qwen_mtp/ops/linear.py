@@ -626,7 +626,7 @@ def _quantize_activations_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["M", "M_PAD"])
+    @triton.jit(do_not_specialize=["M", "M_PAD", "ss_k"])  # ss_k: M_PAD for the prefill layout
     def kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, ss_k, ss_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
         # A program per (row block, 128-column group): its rows' amax, scale and e4m3 values, in one pass. A row's
         # values depend on that row alone (its group's amax; one division per element).

@@ -32,7 +32,10 @@ then runs the product above. On CUDA the invariant path is the same two kernel f
 dequantized in registers by that formula (so with the same plan it equals the bf16 kernel on the dequantized
 weight bit for bit; in bf16 without conversion instructions, exact for bf16-valued scales as Qwen stores
 them: `triton_helpers.fp8_dequantize`), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other
-path (prefill) is `FP8_PREFILL`'s choice (see `_fp8_prefill`).
+path (prefill) is `FP8_PREFILL`'s choice (see `_fp8_prefill`). `FP8_DECODE = "w8a8"` instead runs the decode path
+with e4m3 activations (per row and 1x128 group) into an fp8 x fp8 "stream" GEMM whose 128-deep block products are
+scaled in fp32 (`w8a8_matmul_triton`, its reference `linear_fp8_w8a8_reference`): batch-invariant too, but no
+longer transformers' W8A16 numbers.
 """
 
 from __future__ import annotations
@@ -537,7 +540,11 @@ def _(x, weight, scale, invariant):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
     if invariant:
-        out = invariant_matmul_triton(rows, weight, _invariant_plan(*weight.shape), scale=scale)
+        plan = _invariant_plan(*weight.shape)
+        if plan is None and _decode_w8a8(weight):
+            out = linear_fp8_w8a8_triton(rows, weight, scale)
+        else:
+            out = invariant_matmul_triton(rows, weight, plan, scale=scale)
     else:
         out = _fp8_prefill(rows, weight, scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -619,9 +626,10 @@ def _quantize_activations_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["M", "M_PAD"])
-    def kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-        # A program per (row block, 128-column group): its rows' amax, scale and e4m3 values, in one pass.
+    @triton.jit(do_not_specialize=["M", "M_PAD", "ss_k"])  # ss_k: M_PAD for the prefill layout
+    def kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, ss_k, ss_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+        # A program per (row block, 128-column group): its rows' amax, scale and e4m3 values, in one pass. A row's
+        # values depend on that row alone (its group's amax; one division per element).
         ms = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         ks = tl.program_id(1) * 128 + tl.arange(0, 128)
         x = tl.load(x_ptr + ms[:, None] * sx_m + ks[None, :], mask=ms[:, None] < M, other=0.0).to(tl.float32)
@@ -629,7 +637,7 @@ def _quantize_activations_kernel():
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
         live = ms < M_PAD
         tl.store(q_ptr + ms[:, None].to(tl.int64) * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
-        tl.store(s_ptr + tl.program_id(1) * M_PAD + ms, scale, mask=live)  # M-major: [K/128, M_PAD] in memory
+        tl.store(s_ptr + tl.program_id(1) * ss_k + ms * ss_m, scale, mask=live)
 
     return kernel
 
@@ -644,7 +652,9 @@ def quantize_activations_triton(x: torch.Tensor, block_rows: int = 16) -> tuple[
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(k // FP8_BLOCK[1], rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, block_rows), k // FP8_BLOCK[1])
-    _quantize_activations_kernel()[grid](x, q, scale, m, rows, k, x.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=block_rows)
+    _quantize_activations_kernel()[grid](
+        x, q, scale, m, rows, k, x.stride(0), rows, 1, FLOOR=SCALE_FLOOR, BLOCK_ROWS=block_rows
+    )  # scales M-major: [K/128, M_PAD] in memory
     return q, scale.t()
 
 
@@ -682,3 +692,230 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
         weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128, INTERPRETED=INTERPRET
     )
     return out
+
+
+# ---- W8A8 on the decode path (FP8_DECODE = "w8a8") -------------------------------------------------------------
+
+# The invariant (decode, verify, draft) FP8 GEMM on CUDA: "w8a16" (the default: bf16 activations, the weight tile
+# dequantized in registers, equal to the bf16 kernel on transformers' dequantized weight) or "w8a8" (activations
+# quantized per row and 1x128 group to e4m3, then e4m3 x e4m3 MMAs with both operands from shared memory, each
+# 128-deep block's product scaled in fp32: `w8a8_matmul_triton`). Read when the op runs (a CUDA graph keeps what it
+# was captured with). Weights whose K is not a multiple of 128 take "w8a16" either way; so do packed prefill rows
+# (`prefill_rows`). Both are batch-invariant, so MTP-on == MTP-off holds with either.
+FP8_DECODE = "w8a16"
+FP8_DECODE_METHODS = ("w8a16", "w8a8")
+
+# W8A8 plans: `benchmarks/gemm_w8a8.py --family` times the plan family on the GPU; a shape not here takes
+# `gemm_plan_w8a8`'s default.
+TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {}
+
+
+def gemm_plan_w8a8(n: int, k: int) -> GemmPlan:
+    """The W8A8 plan for an [N, K] fp8 weight (a function of (N, K) only): tuned, else a "stream" plan with the
+    weight block as wgmma's 64-row side (swap_ab: 8 warps on 128 weight rows, or one warpgroup on 64 for narrow
+    weights) and 4 tiles of 32 rows per weight pass, its K loop split so that about 160 programs run (at most 4
+    splits)."""
+    if (n, k) in TUNED_W8A8:
+        return TUNED_W8A8[n, k]
+    block_n, warps = (128, 8) if n >= 4096 else (64, 4)
+    tiles, k_blocks = -(-n // block_n), -(-k // FP8_BLOCK[1])
+    splits = max(1, min(4, k_blocks, 160 // tiles))
+    return GemmPlan(block_n, FP8_BLOCK[1], -(-k_blocks // splits), warps, 4, "stream", 32, 4, True)
+
+
+def check_w8a8_plan(plan: GemmPlan) -> None:
+    """W8A8 runs the "stream" family with K blocks of exactly one activation scale group (128 columns)."""
+    if plan.family != "stream" or plan.block_k != FP8_BLOCK[1]:
+        raise ValueError(f"a W8A8 plan is a 'stream' plan with block_k {FP8_BLOCK[1]}, got {plan}")
+
+
+def w8a8_supported(weight: torch.Tensor) -> bool:
+    """Whether W8A8 runs this weight: its K a whole number of 1x128 activation groups."""
+    return weight.shape[-1] % FP8_BLOCK[1] == 0
+
+
+def _decode_w8a8(weight: torch.Tensor) -> bool:
+    if FP8_DECODE not in FP8_DECODE_METHODS:
+        raise ValueError(f"ops.linear.FP8_DECODE must be one of {FP8_DECODE_METHODS}, got {FP8_DECODE!r}")
+    return FP8_DECODE == "w8a8" and w8a8_supported(weight)
+
+
+def quantize_activation_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations_reference` of x [M, K] in one launch (the prefill kernel), unpadded, with the scales
+    row-major [M, K/128]: their row stride depends on K alone, so the GEMM that reads them compiles one binary for
+    every M. A row's bytes and scales never depend on the other rows."""
+    import triton
+
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, k // FP8_BLOCK[1], dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    grid = (triton.cdiv(m, 16), k // FP8_BLOCK[1])
+    _quantize_activations_kernel()[grid](
+        x, q, scale, m, m, k, x.stride(0), 1, scale.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=16
+    )
+    return q, scale
+
+
+def w8a8_block_products_reference(
+    q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, plan: GemmPlan
+) -> torch.Tensor:
+    """What the W8A8 kernel computes, in fp32 [M, N], in its order: per K split (the plan's), the 128-deep blocks
+    from the split's first upwards, acc += (q_blk @ w_blk^T) * (q_scale[row, kb] * scale[n // 128, kb]) (the
+    e4m3 products summed in fp32), then the splits' sums added in split order 0, 1, ... (fp32). The kernel adds
+    each scaled block with one fused multiply-add; here the product is rounded first: the same bits whenever it
+    is exact (power-of-two scales, as the CPU tests use), else within an ulp of the sum per block."""
+    n, k = weight.shape
+    w_scale = scale.float().repeat_interleave(FP8_BLOCK[0], 0)[:n]  # [N, K/128]
+    k_blocks = k // FP8_BLOCK[1]
+    total = None
+    for first in range(0, k_blocks, plan.k_per_split):
+        acc = torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
+        for kb in range(first, min(k_blocks, first + plan.k_per_split)):
+            cols = slice(kb * FP8_BLOCK[1], (kb + 1) * FP8_BLOCK[1])
+            partial = q[:, cols].float() @ weight[:, cols].float().T
+            acc = acc + partial * (q_scale[:, kb, None].float() * w_scale[None, :, kb])
+        total = acc if total is None else total + acc
+    return total
+
+
+def linear_fp8_w8a8_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, plan: GemmPlan | None = None
+) -> torch.Tensor:
+    """The W8A8 decode product in plain PyTorch: x [M, K] quantized per row and 1x128 group as the kernel does
+    (`quantize_activations_reference`), then `w8a8_block_products_reference` with the shape's plan, in x's
+    dtype."""
+    q, q_scale = quantize_activations_reference(x)
+    plan = plan or gemm_plan_w8a8(*weight.shape)
+    return w8a8_block_products_reference(q, q_scale, weight, scale, plan).to(x.dtype)
+
+
+@functools.cache
+def _w8a8_kernel():
+    """The "stream" family on e4m3 activations (`_stream_kernel` for the structure and why a row never depends on
+    M): each weight block [BLOCK_N, 128] is loaded once per row group and goes from shared memory straight into
+    the MMA of every row tile, as do the rows' e4m3 blocks (both K-major, as an fp8 wgmma needs). Each block's
+    product starts from zero and is scaled in fp32 by its rows' and weight block's scales as it joins the
+    accumulator: the MMA's own (reduced-precision on Hopper) accumulation spans 128 columns only. That join is an
+    explicit fused multiply-add (one rounding), so no compiler contraction choice can differ between the loops
+    compiled for different live tile counts."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
+    def kernel(
+        q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        sq_m, sqs_m, sw_n, ss_n, so_m, k_per_split,
+        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        pid_n, split = tl.program_id(0), tl.program_id(1)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
+        k_start = split * k_per_split * BLOCK_K
+        k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
+        plane = M.to(tl.int64) * N
+        part = part_ptr + split * plane
+        w_rows = w_ptr + ns[:, None].to(tl.int64) * sw_n + ks[None, :]
+        for row0 in range(0, M, ROW_TILES * BLOCK_M):
+            live = tl.minimum(tl.cdiv(M - row0, BLOCK_M), ROW_TILES)
+            for tiles in tl.static_range(1, ROW_TILES + 1):
+                if live == tiles:
+                    acc0 = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    accs = (acc0,) * tiles
+                    for k0 in range(k_start, k_end, BLOCK_K):
+                        kb = k0 // BLOCK_K
+                        w = tl.load(w_rows + k0, mask=ns[:, None] < N, other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
+                        w_scale = tl.load(s_ptr + (ns // 128) * ss_n + kb, mask=ns < N, other=0.0)
+                        updated = ()
+                        for t in tl.static_range(tiles):
+                            ms = row0 + t * BLOCK_M + rows
+                            x = tl.load(
+                                q_ptr + ms[:, None].to(tl.int64) * sq_m + (k0 + ks)[None, :],
+                                mask=ms[:, None] < M, other=0.0,
+                            )  # fmt: skip
+                            x_scale = tl.load(qs_ptr + ms * sqs_m + kb, mask=ms < M, other=0.0)
+                            if SWAP_AB:
+                                prod = triton_utils.dot(w, tl.trans(x), INTERPRETED, "ieee")  # [BLOCK_N, BLOCK_M]
+                                factor = w_scale[:, None] * x_scale[None, :]
+                            else:
+                                prod = triton_utils.dot(x, tl.trans(w), INTERPRETED, "ieee")  # [BLOCK_M, BLOCK_N]
+                                factor = x_scale[:, None] * w_scale[None, :]
+                            updated = updated + (tl.fma(prod, factor, accs[t]),)
+                        accs = updated
+                    for t in tl.static_range(tiles):
+                        acc = tl.trans(accs[t]) if SWAP_AB else accs[t]  # [BLOCK_M, BLOCK_N]
+                        ms = (row0 + t * BLOCK_M + rows).to(tl.int64)
+                        mask = (ms[:, None] < M) & (ns[None, :] < N)
+                        if SPLITS == 1:
+                            out = acc.to(out_ptr.dtype.element_ty)
+                            tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                        else:
+                            tl.store(part + ms[:, None] * N + ns[None, :], acc, mask=mask)
+            if SPLITS > 1:
+                # The split partials of this row group, added in split order by the last split to finish them.
+                tl.debug_barrier()
+                counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
+                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                    for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
+                        ms = (r0 + rows).to(tl.int64)
+                        mask = (ms[:, None] < M) & (ns[None, :] < N)
+                        tile = ms[:, None] * N + ns[None, :]
+                        total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        for s in range(1, SPLITS):
+                            total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        out = total.to(out_ptr.dtype.element_ty)
+                        tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
+
+    return kernel
+
+
+def w8a8_matmul_triton(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    plan: GemmPlan | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """e4m3 rows q [M, K] with their 1x128 scales q_scale [M, K/128] (row-major) times the e4m3 weight [N, K] with
+    its 128x128 scales -> [M, N] in `out_dtype`, by the plan (default `gemm_plan_w8a8`): equal to
+    `w8a8_block_products_reference` up to the MMA's accumulation within a block and the fused scaling (see
+    there), and a row's result never depends on M."""
+    import triton
+
+    m, k = q.shape
+    n = weight.shape[0]
+    assert q.dtype == weight.dtype == torch.float8_e4m3fn and q.stride(1) == 1 and weight.stride(1) == 1
+    assert k % FP8_BLOCK[1] == 0 and tuple(q_scale.shape) == (m, k // FP8_BLOCK[1]) and q_scale.stride(1) == 1
+    assert tuple(scale.shape) == (-(-n // FP8_BLOCK[0]), k // FP8_BLOCK[1]) and scale.stride(1) == 1, "scale grid"
+    plan = plan or gemm_plan_w8a8(n, k)
+    check_w8a8_plan(plan)
+    splits = plan.splits(k)
+    out = torch.empty(m, n, dtype=out_dtype, device=q.device)
+    if m == 0:
+        return out
+    n_tiles = triton.cdiv(n, plan.block_n)
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=q.device)
+    counters = out
+    if splits > 1:
+        counters = _tile_counters(q.device, n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m))
+    _w8a8_kernel()[(n_tiles, splits)](
+        q, q_scale, weight, scale, out, part, counters, m, n, k,
+        q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,
+        SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=plan.row_tiles,
+        SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def linear_fp8_w8a8_triton(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, plan: GemmPlan | None = None
+) -> torch.Tensor:
+    """The W8A8 decode product of x [M, K]: two launches, the activation quantization
+    (`quantize_activation_rows_triton`) and `w8a8_matmul_triton`, in x's dtype."""
+    q, q_scale = quantize_activation_rows_triton(x)
+    return w8a8_matmul_triton(q, q_scale, weight, scale, plan, x.dtype)

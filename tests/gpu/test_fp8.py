@@ -1,6 +1,7 @@
 """On CUDA with FP8 block weights: the W8A16 GEMMs at real shapes equal the bf16 GEMMs on the dequantized weights
-bit for bit and never depend on M, the prefill GEMMs are within a stated tolerance of the dequantized model,
-and MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs."""
+bit for bit and never depend on M, the W8A8 decode GEMMs never depend on M either and are within stated
+tolerances of their reference, the prefill GEMMs are within a stated tolerance of the dequantized model, and
+MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs (K = 2, 4 with W8A8 decode)."""
 
 import pytest
 import torch
@@ -11,10 +12,15 @@ from qwen_mtp.ops import linear as linear_ops
 from qwen_mtp.ops.linear import (
     dequantize_weight,
     gemm_plan_fp8,
+    gemm_plan_w8a8,
     invariant_matmul_triton,
+    linear_fp8_w8a8_triton,
+    quantize_activation_rows_triton,
     quantize_activations_reference,
     scaled_mm_linear,
     scaled_mm_supported,
+    w8a8_block_products_reference,
+    w8a8_matmul_triton,
 )
 from qwen_mtp.quant.fp8 import quantize_fp8_block
 
@@ -36,6 +42,32 @@ def test_w8a16_equals_bf16_kernel_on_dequantized_weights_and_is_invariant(n, k):
     for m in (1, 2, 8, 16, 17, 32, 64, 96, 128, 200):
         assert torch.equal(invariant_matmul_triton(x[:m], weight, scale=scale), full[:m]), f"M={m}"
     assert torch.equal(invariant_matmul_triton(x[150:151], weight, scale=scale), full[150:151])
+
+
+W8A8_SHAPES = [(34816, 5120), (5120, 17408), (16384, 5120), (14336, 5120), (5120, 6144), (8192, 1024), (1024, 3584)]
+
+
+@pytest.mark.parametrize("n,k", W8A8_SHAPES)  # 27B's FP8 projections; 0.8B's
+def test_w8a8_rows_never_depend_on_m_and_match_the_reference(n, k):
+    """FP8_DECODE = "w8a8": a row's bytes are the same alone and among M = 1..256 rows (the activation
+    quantization included, whose bytes equal the reference's), within the MMA's accumulation of the reference
+    (fp32 block products in the kernel's order) and within e4m3 activations of the dequantized bf16 product."""
+    weight, scale = fp8_weight(n, k)
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    full = linear_fp8_w8a8_triton(x, weight, scale)
+    for m in (1, 2, 8, 16, 17, 31, 32, 33, 64, 96, 127, 128, 129, 200):
+        assert torch.equal(linear_fp8_w8a8_triton(x[:m], weight, scale), full[:m]), f"M={m}"
+    for row in (0, 100, 150, 255):
+        assert torch.equal(linear_fp8_w8a8_triton(x[row : row + 1], weight, scale), full[row : row + 1])
+    q, q_scale = quantize_activation_rows_triton(x)
+    ref_q, ref_scale = quantize_activations_reference(x)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(q_scale, ref_scale)
+    plan = gemm_plan_w8a8(n, k)
+    reference = w8a8_block_products_reference(q, q_scale, weight, scale, plan)
+    assert torch.equal(w8a8_matmul_triton(q, q_scale, weight, scale, plan), full)
+    assert (full.float() - reference).norm() / reference.norm() < 4e-3  # bf16 output (~1.1e-3) + the MMA's sums
+    dense = x.float() @ dequantize_weight(weight, scale, torch.float32).T
+    assert (full.float() - dense).norm() / dense.norm() < 4e-2  # e4m3 activations: ~2.6e-2
 
 
 @pytest.mark.parametrize("m", [1, 5, 512, 2048])
@@ -84,6 +116,23 @@ def engine_for(k=None, mode_graphs=True, max_batch=32):
     if k is not None:
         recipe["mtp"] = {"enabled": True, "k": k, "draft": "oracle", "oracle_accept": 0.7}
     return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_fp8_w8a8_decode_mtp_equals_plain_batch_1_8_32_graphs(k, monkeypatch):
+    """With FP8_DECODE = "w8a8" (every FP8 projection of the 0.8B preset has K a multiple of 128), MTP-on ==
+    MTP-off at batch 1, 8 and 32 with CUDA graphs, and the W8A8 kernel is what the decode path ran."""
+    runs = []
+    w8a8 = linear_ops.linear_fp8_w8a8_triton
+    monkeypatch.setattr(linear_ops, "FP8_DECODE", "w8a8")
+    monkeypatch.setattr(linear_ops, "linear_fp8_w8a8_triton", lambda *args: runs.append(1) or w8a8(*args))
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
+    plain, spec = engine_for(), engine_for(k=k)
+    for batch in (1, 8, 32):
+        expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        assert got == expected, f"K={k} batch={batch}"
+    assert runs  # the decode path (captured into the engines' graphs) ran the W8A8 kernel
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -1,4 +1,4 @@
-"""The W8A8 block-FP8 decode GEMM on the GPU (`ops.linear.FP8_DECODE = "w8a8"`) at a preset's FP8 shapes, under
+"""The W8A8 block-FP8 decode GEMM on the GPU (`model.fp8_decode: w8a8`) at a preset's FP8 shapes, under
 CUDA graphs with weights rotated past L2: W8A8 (its activation quantization launch included, and the GEMM alone)
 against the W8A16 plans in use (`gemm_plan_fp8`), our bf16 kernel and cuBLAS bf16 at M = 1 .. 128, with W8A8 rows
 checked bitwise across M (`gemm_family.invariance_failures`: M up to 256, permuted rows, rows alone), its error

@@ -27,6 +27,7 @@ class ModelSection:
     seed: int = 0  # fixture / synthetic weights' seed
     dtype: DtypeName = "bfloat16"
     quant: Literal["none", "fp8-block"] = "none"
+    fp8_decode: Literal["w8a8", "w8a16"] = "w8a8"  # FP8 projections on the CUDA decode path (docs/fp8.md)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (checked in _validate)
 
 

@@ -12,8 +12,10 @@ import torch
 from helpers import assert_greedy_matches_hf, load_hf, random_prompt
 from safetensors.torch import load_file, save_file
 
-from qwen_mtp import CheckpointError, Engine, load_model
+from qwen_mtp import CheckpointError, Engine, RecipeError, load_model
 from qwen_mtp.model import MergedLinear
+from qwen_mtp.quant.fp8 import set_fp8_decode
+from qwen_mtp.recipe import load_recipe
 
 PROMPTS = [random_prompt(n, seed=n) for n in (1, 3, 25, 7, 40)]
 ONE_GEMM = [None, True]  # per-projection products (HF's) and the CUDA layout (one GEMM per stored weight)
@@ -168,6 +170,23 @@ def test_quantize_on_load_is_torchaos_block_quantization(checkpoint):
         return [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)]
 
     assert run({"enabled": True, "k": 3}) == run({"enabled": False})
+
+
+def test_fp8_decode_reaches_every_fp8_projection(checkpoint):
+    """`model.fp8_decode` (default w8a8) is each FP8 projection's own choice, set by `set_fp8_decode` when the
+    engine loads the model; an unknown method is an error naming the choices, in the recipe and the function."""
+    path = fp8_checkpoint(checkpoint)
+
+    def methods(model):
+        return {m.fp8_decode for m in model.modules() if getattr(m, "weight_scale_inv", None) is not None}
+
+    assert methods(load_model(path, dtype=torch.bfloat16)) == {"w8a8"}
+    recipe = {"model": {"path": str(path), "device": "cpu", "fp8_decode": "w8a16"}}
+    assert methods(Engine.from_recipe(recipe, log=lambda _: None).model) == {"w8a16"}
+    with pytest.raises(RecipeError, match="fp8_decode"):
+        load_recipe({"model": {"path": str(path), "fp8_decode": "w4a4"}})
+    with pytest.raises(ValueError, match="fp8_decode must be one of"):
+        set_fp8_decode(load_model(path, dtype=torch.bfloat16), "w4a4")
 
 
 def test_merged_linear_with_fp8_and_bf16_segments():

@@ -14,7 +14,7 @@ from qwen_mtp.errors import CheckpointError, RecipeError
 from qwen_mtp.loader import check_device, load_model
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.parallel import current
-from qwen_mtp.quant.fp8 import quantize_
+from qwen_mtp.quant.fp8 import quantize_, set_fp8_decode
 from qwen_mtp.recipe import Recipe
 
 
@@ -92,6 +92,7 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
         model = synthetic_model(recipe.model.synthetic, dtype, device, recipe.model.seed, parallel)
         if recipe.model.quant == "fp8-block":
             quantize_(model)  # a rank quantizes its own shard
+        set_fp8_decode(model, recipe.model.fp8_decode)
         return LoadedModel(model, None, Path(f"synthetic:{recipe.model.synthetic}"), device)
     if recipe.model.fixture is not None:
         from qwen_mtp.testing import fixture_path
@@ -103,4 +104,5 @@ def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
     model = load_model(
         checkpoint, dtype=dtype, device=device, progress=progress, quant=recipe.model.quant, parallel=parallel
     )
+    set_fp8_decode(model, recipe.model.fp8_decode)
     return LoadedModel(model, load_tokenizer(checkpoint), checkpoint, device)

@@ -9,9 +9,11 @@ not a mode.
 
 FP8 storage (`to_fp8`, done by the loader for an FP8 checkpoint and by `quant.fp8.quantize_`): `weight` becomes
 float8_e4m3fn [N, K] and `weight_scale_inv` its fp32 block scales [ceil(N/128), ceil(K/128)] (a multiplier, the
-checkpoint's name and meaning). A merged projection concatenates its FP8 segments' weights and scales along N,
-so every FP8 segment but the last must have a multiple of 128 rows (a scale block must not straddle two
-segments); segments kept in the model dtype (the GDN's in_proj_b/a in Qwen's releases) move to
+checkpoint's name and meaning), and `fp8_decode` says how the CUDA decode path multiplies it: "w8a8" (activations
+quantized to e4m3 per 1x128 group, the default) or "w8a16" (bf16 activations: transformers' numbers); set by
+`quant.fp8.set_fp8_decode` from the recipe's `model.fp8_decode`. A merged projection concatenates its FP8 segments'
+weights and scales along N, so every FP8 segment but the last must have a multiple of 128 rows (a scale block must
+not straddle two segments); segments kept in the model dtype (the GDN's in_proj_b/a in Qwen's releases) move to
 `unquantized_weight`, a second fused weight with its own GEMM. Cast a model (`.to(dtype)`) before `to_fp8`:
 Module.to casts every floating tensor, e4m3 included.
 """
@@ -65,6 +67,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         _init_like_nn_linear(self.weight)
         self.register_parameter("weight_scale_inv", None)  # FP8 storage: the weight's block scales
+        self.fp8_decode = "w8a8"  # FP8 storage: the CUDA decode product, "w8a8" or "w8a16" (module docstring)
         self.reduce: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
@@ -74,7 +77,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path)."""
         if self.weight_scale_inv is not None:
-            out = linear_fp8(x, self.weight, self.weight_scale_inv, invariant)
+            out = linear_fp8(x, self.weight, self.weight_scale_inv, invariant, self.fp8_decode == "w8a8")
         else:
             out = linear(x, self.weight, invariant)
         return out if self.reduce is None else self.reduce(out, invariant)
@@ -131,6 +134,7 @@ class MergedLinear(nn.Module):
         _init_like_nn_linear(self.weight)
         self.register_parameter("weight_scale_inv", None)  # FP8 storage: block scales of `weight`
         self.register_parameter("unquantized_weight", None)  # FP8 storage: the segments kept in the model dtype
+        self.fp8_decode = "w8a8"  # FP8 storage: the CUDA decode product, "w8a8" or "w8a16" (module docstring)
         self.one_gemm: bool | None = None  # None: one GEMM on CUDA, a product per segment elsewhere
 
     def _row_slices(self) -> dict[str, slice]:
@@ -218,7 +222,9 @@ class MergedLinear(nn.Module):
         return x.is_cuda if self.one_gemm is None else self.one_gemm
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant: bool):
-        return linear(x, weight, invariant) if scale is None else linear_fp8(x, weight, scale, invariant)
+        if scale is None:
+            return linear(x, weight, invariant)
+        return linear_fp8(x, weight, scale, invariant, self.fp8_decode == "w8a8")
 
     def _segment_product(self, x: torch.Tensor, segment: str, invariant: bool) -> torch.Tensor:
         scale = self.segment_scale(segment) if self.is_fp8(segment) else None

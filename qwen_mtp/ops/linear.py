@@ -25,17 +25,17 @@ tiles, no K split, as a dense GEMM library tiles a large M). It is still a funct
 row's result does not depend on how many rows share the launch; it does differ from the same row on the decode
 path, which no property needs (decode and verify rows never take these plans).
 
-`qwen_mtp::linear_fp8(x, weight, scale, invariant)` is the same product with an FP8 e4m3 weight [N, K] and its
+`qwen_mtp::linear_fp8(x, weight, scale, invariant, w8a8)` is the same product with an FP8 e4m3 weight [N, K] and its
 128x128 block scales [ceil(N/128), ceil(K/128)] (W8A16: activations stay in their dtype). Its reference, on CPU
 and wherever the reference is forced, dequantizes as transformers does, `(fp8.float() * scale).to(x.dtype)`,
 then runs the product above. On CUDA the invariant path is the same two kernel families with the weight tile
 dequantized in registers by that formula (so with the same plan it equals the bf16 kernel on the dequantized
 weight bit for bit; in bf16 without conversion instructions, exact for bf16-valued scales as Qwen stores
 them: `triton_helpers.fp8_dequantize`), with its own plans (`TUNED_FP8`, a function of (N, K) only); the other
-path (prefill) is `FP8_PREFILL`'s choice (see `_fp8_prefill`). `FP8_DECODE = "w8a8"` instead runs the decode path
-with e4m3 activations (per row and 1x128 group) into an fp8 x fp8 "stream" GEMM whose 128-deep block products are
-scaled in fp32 (`w8a8_matmul_triton`, its reference `linear_fp8_w8a8_reference`): batch-invariant too, but no
-longer transformers' W8A16 numbers.
+path (prefill) is `FP8_PREFILL`'s choice (see `_fp8_prefill`). `w8a8=True` (the linear modules' `fp8_decode =
+"w8a8"`, the default) instead runs the CUDA decode path with e4m3 activations (per row and 1x128 group) into an
+fp8 x fp8 "stream" GEMM whose 128-deep block products are scaled in fp32 (`w8a8_matmul_triton`, its reference
+`linear_fp8_w8a8_reference`): batch-invariant too, faster on the H200, but no longer transformers' W8A16 numbers.
 """
 
 from __future__ import annotations
@@ -523,25 +523,31 @@ def linear_fp8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 
 @torch.library.custom_op("qwen_mtp::linear_fp8", mutates_args=())
-def linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool) -> torch.Tensor:
+def linear_fp8_op(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool, w8a8: bool = False
+) -> torch.Tensor:
     """Custom op: x [..., K] @ dequantized(weight e4m3 [N, K], scale [ceil(N/128), ceil(K/128)])^T -> [..., N]
-    in x's dtype; `invariant` as for `qwen_mtp::linear`."""
+    in x's dtype; `invariant` as for `qwen_mtp::linear`; `w8a8`: on CUDA the invariant product quantizes the
+    activations to e4m3 (the reference, CPU included, is W8A16 either way)."""
     return linear_fp8_reference(x, weight, scale, invariant)
 
 
-def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-    """`qwen_mtp::linear_fp8`: `linear` with an FP8 block weight; batch-invariant when `invariant`."""
-    return linear_fp8_op(x, weight, scale, invariant)
+def linear_fp8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False, w8a8: bool = False
+) -> torch.Tensor:
+    """`qwen_mtp::linear_fp8`: `linear` with an FP8 block weight; batch-invariant when `invariant`; `w8a8`: the
+    CUDA decode path runs W8A8 (`linear_fp8_w8a8_triton`) where the weight allows (`w8a8_supported`)."""
+    return linear_fp8_op(x, weight, scale, invariant, w8a8)
 
 
 @linear_fp8_op.register_kernel("cuda")
-def _(x, weight, scale, invariant):
+def _(x, weight, scale, invariant, w8a8=False):
     if reference_forced("linear_fp8"):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
     if invariant:
         plan = _invariant_plan(*weight.shape)
-        if plan is None and _decode_w8a8(weight):
+        if plan is None and w8a8 and w8a8_supported(weight):
             out = linear_fp8_w8a8_triton(rows, weight, scale)
         else:
             out = invariant_matmul_triton(rows, weight, plan, scale=scale)
@@ -551,19 +557,18 @@ def _(x, weight, scale, invariant):
 
 
 @linear_fp8_op.register_fake
-def _(x, weight, scale, invariant):
+def _(x, weight, scale, invariant, w8a8=False):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _setup_linear_fp8_backward(ctx, inputs, output):
-    _, weight, scale, _ = inputs
-    ctx.save_for_backward(weight, scale)
+    ctx.save_for_backward(inputs[1], inputs[2])  # the weight and its scales
 
 
 def _linear_fp8_backward(ctx, grad):
     """grad_x = grad @ W (dequantized); the FP8 weight and its scales are frozen (no gradient)."""
     weight, scale = ctx.saved_tensors
-    return grad.matmul(dequantize_weight(weight, scale, grad.dtype)), None, None, None
+    return grad.matmul(dequantize_weight(weight, scale, grad.dtype)), None, None, None, None
 
 
 linear_fp8_op.register_autograd(_linear_fp8_backward, setup_context=_setup_linear_fp8_backward)
@@ -694,20 +699,27 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return out
 
 
-# ---- W8A8 on the decode path (FP8_DECODE = "w8a8") -------------------------------------------------------------
+# ---- W8A8 on the decode path (`linear_fp8(..., w8a8=True)`) ---------------------------------------------------
 
-# The invariant (decode, verify, draft) FP8 GEMM on CUDA: "w8a16" (the default: bf16 activations, the weight tile
-# dequantized in registers, equal to the bf16 kernel on transformers' dequantized weight) or "w8a8" (activations
-# quantized per row and 1x128 group to e4m3, then e4m3 x e4m3 MMAs with both operands from shared memory, each
-# 128-deep block's product scaled in fp32: `w8a8_matmul_triton`). Read when the op runs (a CUDA graph keeps what it
-# was captured with). Weights whose K is not a multiple of 128 take "w8a16" either way; so do packed prefill rows
-# (`prefill_rows`). Both are batch-invariant, so MTP-on == MTP-off holds with either.
-FP8_DECODE = "w8a16"
-FP8_DECODE_METHODS = ("w8a16", "w8a8")
+# The invariant (decode, verify, draft) FP8 GEMM on CUDA: "w8a16" (bf16 activations, the weight tile dequantized
+# in registers, equal to the bf16 kernel on transformers' dequantized weight) or "w8a8" (activations quantized per
+# row and 1x128 group to e4m3, then e4m3 x e4m3 MMAs with both operands from shared memory, each 128-deep block's
+# product scaled in fp32: `w8a8_matmul_triton`). Each linear module holds its choice (`fp8_decode`, set from the
+# recipe's `model.fp8_decode` by `quant.fp8.set_fp8_decode`). Weights whose K is not a multiple of 128 take
+# "w8a16" either way; so do packed prefill rows (`prefill_rows`). Both are batch-invariant, so MTP-on == MTP-off
+# holds with either (`quant.fp8.FP8_DECODE_METHODS`).
 
 # W8A8 plans: `benchmarks/gemm_w8a8.py --family` times the plan family on the GPU; a shape not here takes
-# `gemm_plan_w8a8`'s default.
-TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {}
+# `gemm_plan_w8a8`'s default. 27B: the H200 family run of 2026-12-01 (docs/img/gemm-w8a8-family-27b.json), 64
+# weight rows on one warpgroup, 4 tiles of 32 rows: 1.05-1.65x the W8A16 plans at M = 1..32, its quantization
+# launch included.
+TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
+    (16384, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 32, 4, True),  # gdn in_proj qkv+z
+    (5120, 6144): GemmPlan(64, 128, 16, 4, 4, "stream", 32, 4, True),  # gdn out_proj / attn o_proj
+    (14336, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 32, 4, True),  # attn qkv
+    (34816, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 32, 4, True),  # mlp gate_up
+    (5120, 17408): GemmPlan(64, 128, 46, 4, 4, "stream", 32, 4, True),  # mlp down
+}
 
 
 def gemm_plan_w8a8(n: int, k: int) -> GemmPlan:
@@ -732,12 +744,6 @@ def check_w8a8_plan(plan: GemmPlan) -> None:
 def w8a8_supported(weight: torch.Tensor) -> bool:
     """Whether W8A8 runs this weight: its K a whole number of 1x128 activation groups."""
     return weight.shape[-1] % FP8_BLOCK[1] == 0
-
-
-def _decode_w8a8(weight: torch.Tensor) -> bool:
-    if FP8_DECODE not in FP8_DECODE_METHODS:
-        raise ValueError(f"ops.linear.FP8_DECODE must be one of {FP8_DECODE_METHODS}, got {FP8_DECODE!r}")
-    return FP8_DECODE == "w8a8" and w8a8_supported(weight)
 
 
 def quantize_activation_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,6 +85,10 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK)
     return quantize(padded, scale, torch.float8_e4m3fn)[:n, :k].contiguous(), scale
 
 
+# How an FP8 projection multiplies on the CUDA decode path (`set_fp8_decode`; the recipe's `model.fp8_decode`).
+FP8_DECODE_METHODS = ("w8a8", "w8a16")
+
+
 @dataclass(frozen=True)
 class Fp8BlockConfig:
     """Which projections `quantize_` stores in FP8: every one but those whose Hugging Face name contains an entry
@@ -117,4 +121,18 @@ def quantize_(model: nn.Module, config: Fp8BlockConfig | None = None) -> nn.Modu
             warnings.warn(f"quantize_: {path} stays in {module.weight.dtype}: {problem}", stacklevel=2)
         else:
             module.to_fp8(chosen)
+    return model
+
+
+def set_fp8_decode(model: nn.Module, method: str) -> nn.Module:
+    """How every FP8 projection of `model` multiplies on the CUDA decode path (decode, verify, draft): "w8a8"
+    (activations quantized per row and 1x128 group to e4m3 into fp8 MMAs: faster on the H200, what prefill's
+    `scaled_mm` and SGLang's and vLLM's block-FP8 paths compute) or "w8a16" (bf16 activations: transformers'
+    numbers). Either is batch-invariant, so MTP-on == MTP-off holds with both; the CPU reference is W8A16 either
+    way. Returns the model."""
+    if method not in FP8_DECODE_METHODS:
+        raise ValueError(f"fp8_decode must be one of {FP8_DECODE_METHODS}, got {method!r}")
+    for module in model.modules():
+        if hasattr(module, "fp8_decode"):
+            module.fp8_decode = method
     return model

@@ -49,7 +49,7 @@ W8A8_SHAPES = [(34816, 5120), (5120, 17408), (16384, 5120), (14336, 5120), (5120
 
 @pytest.mark.parametrize("n,k", W8A8_SHAPES)  # 27B's FP8 projections; 0.8B's
 def test_w8a8_rows_never_depend_on_m_and_match_the_reference(n, k):
-    """FP8_DECODE = "w8a8": a row's bytes are the same alone and among M = 1..256 rows (the activation
+    """W8A8 decode: a row's bytes are the same alone and among M = 1..256 rows (the activation
     quantization included, whose bytes equal the reference's), within the MMA's accumulation of the reference
     (fp32 block products in the kernel's order) and within e4m3 activations of the dequantized bf16 product."""
     weight, scale = fp8_weight(n, k)
@@ -106,10 +106,10 @@ def test_fp8_logits_against_the_dequantized_bf16_model(checkpoint, method, monke
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (1.0 if method == "dequantize" else 0.95)
 
 
-def engine_for(k=None, mode_graphs=True, max_batch=32):
+def engine_for(k=None, mode_graphs=True, max_batch=32, fp8_decode="w8a8"):
     cache = {"max_batch": max_batch, "num_state_rows": max_batch, "num_pages": 40 * max_batch}
     recipe = {
-        "model": {"synthetic": "qwen3.5-0.8b-fp8", "dtype": "bfloat16", "device": "cuda"},
+        "model": {"synthetic": "qwen3.5-0.8b-fp8", "dtype": "bfloat16", "device": "cuda", "fp8_decode": fp8_decode},
         "cache": cache,
         "compile": {"cuda_graphs": mode_graphs},
     }
@@ -120,11 +120,10 @@ def engine_for(k=None, mode_graphs=True, max_batch=32):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_fp8_w8a8_decode_mtp_equals_plain_batch_1_8_32_graphs(k, monkeypatch):
-    """With FP8_DECODE = "w8a8" (every FP8 projection of the 0.8B preset has K a multiple of 128), MTP-on ==
-    MTP-off at batch 1, 8 and 32 with CUDA graphs, and the W8A8 kernel is what the decode path ran."""
+    """With `fp8_decode: w8a8` (the default; every FP8 projection of the 0.8B preset has K a multiple of 128),
+    MTP-on == MTP-off at batch 1, 8 and 32 with CUDA graphs, and the W8A8 kernel is what the decode path ran."""
     runs = []
     w8a8 = linear_ops.linear_fp8_w8a8_triton
-    monkeypatch.setattr(linear_ops, "FP8_DECODE", "w8a8")
     monkeypatch.setattr(linear_ops, "linear_fp8_w8a8_triton", lambda *args: runs.append(1) or w8a8(*args))
     prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
     plain, spec = engine_for(), engine_for(k=k)
@@ -135,13 +134,15 @@ def test_fp8_w8a8_decode_mtp_equals_plain_batch_1_8_32_graphs(k, monkeypatch):
     assert runs  # the decode path (captured into the engines' graphs) ran the W8A8 kernel
 
 
+@pytest.mark.parametrize("fp8_decode", ["w8a8", "w8a16"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_fp8_mtp_equals_plain_batch_1_8_32_graphs(k):
+def test_fp8_mtp_equals_plain_batch_1_8_32_graphs(k, fp8_decode):
     prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
-    plain, spec = engine_for(), engine_for(k=k)
+    plain, spec = engine_for(fp8_decode=fp8_decode), engine_for(k=k, fp8_decode=fp8_decode)
     for batch in (1, 8, 32):
         expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
         got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
         assert got == expected, f"K={k} batch={batch}"
-    eager = engine_for(mode_graphs=False, max_batch=8)  # graphs change how a step is launched, never its numbers
+    # graphs change how a step is launched, never its numbers
+    eager = engine_for(mode_graphs=False, max_batch=8, fp8_decode=fp8_decode)
     assert [r.token_ids for r in eager.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]

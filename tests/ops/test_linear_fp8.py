@@ -84,10 +84,11 @@ def test_linear_fp8_reference_is_dequantize_then_linear(invariant):
             assert torch.equal(got, F.linear(x, dense))
 
 
+@pytest.mark.parametrize("w8a8", [True, False])
 @pytest.mark.parametrize("invariant", [True, False])
-def test_linear_fp8_passes_opcheck(invariant):
+def test_linear_fp8_passes_opcheck(invariant, w8a8):
     weight, scale = fp8_weight(5, 8)
-    args = (rand(2, 3, 16)[..., :8], weight, scale, invariant)
+    args = (rand(2, 3, 16)[..., :8], weight, scale, invariant, w8a8)
     # test_schema would multiply the e4m3 weight, which torch does not implement on CPU
     torch.library.opcheck(torch.ops.qwen_mtp.linear_fp8, args, test_utils=("test_faketensor",))
     assert torch.ops.qwen_mtp.linear_fp8(*args).is_contiguous()

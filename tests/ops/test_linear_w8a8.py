@@ -1,5 +1,5 @@
-"""The W8A8 decode GEMM (`ops.linear.FP8_DECODE = "w8a8"`): e4m3 activations per row and 1x128 group into fp8 MMAs
-whose 128-deep block products are scaled in fp32. Its kernel equals its plain-PyTorch reference (under the
+"""The W8A8 decode GEMM (`model.fp8_decode: w8a8`, the CUDA default): e4m3 activations per row and 1x128 group
+into fp8 MMAs whose 128-deep block products are scaled in fp32. Its kernel equals its plain-PyTorch reference (under the
 interpreter, on inputs whose block sums are exact in any order), a row's bytes never depend on M, and its error
 against the dequantized-weight product is the e4m3 activations'."""
 
@@ -144,23 +144,20 @@ def test_w8a8_error_against_the_dequantized_weight_product():
     torch.testing.assert_close(ours, w8a8, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_decode_switch(monkeypatch):
-    """`FP8_DECODE = "w8a8"` takes weights of whole 128-column groups (others stay W8A16); the CPU op stays
-    transformers' W8A16 reference; an unknown method is an error naming the choices."""
+def test_w8a8_is_an_argument_of_the_op_and_the_cpu_op_stays_w8a16():
+    """`linear_fp8(..., w8a8=True)` runs W8A8 on the CUDA decode path where K is whole 128-column groups
+    (`w8a8_supported`); the CPU op is transformers' W8A16 reference either way."""
     weight, scale = fp8_weight(40, 256)
-    assert not linear._decode_w8a8(weight)
-    monkeypatch.setattr(linear, "FP8_DECODE", "w8a8")
-    assert linear._decode_w8a8(weight) and not linear._decode_w8a8(weight[:, :200])
+    assert linear.w8a8_supported(weight) and not linear.w8a8_supported(weight[:, :200])
     x, weight, scale = rand(3, 256).cpu(), weight.cpu(), scale.cpu()
-    assert torch.equal(linear_fp8(x, weight, scale, True), linear_fp8_reference(x, weight, scale, True))
-    monkeypatch.setattr(linear, "FP8_DECODE", "w4a4")
-    with pytest.raises(ValueError, match="FP8_DECODE must be one of"):
-        linear._decode_w8a8(weight)
+    for w8a8 in (False, True):
+        assert torch.equal(linear_fp8(x, weight, scale, True, w8a8), linear_fp8_reference(x, weight, scale, True))
 
 
 def test_w8a8_plans_are_stream_plans_of_one_scale_group_deep():
-    assert gemm_plan_w8a8(34816, 5120).splits(5120) == 1 and gemm_plan_w8a8(5120, 17408).splits(17408) == 4
-    for n, k in ((34816, 5120), (5120, 17408), (48, 1024), (16384, 5120)):
+    assert gemm_plan_w8a8(34816, 4096).splits(4096) == 1 and gemm_plan_w8a8(5120, 16384).splits(16384) == 4
+    assert gemm_plan_w8a8(5120, 17408) == linear.TUNED_W8A8[5120, 17408]  # the H200's choice for 27B shapes
+    for n, k in ((34816, 5120), (5120, 17408), (48, 1024), (16384, 5120), *linear.TUNED_W8A8):
         check_w8a8_plan(gemm_plan_w8a8(n, k))
     with pytest.raises(ValueError, match="block_k 128"):
         check_w8a8_plan(GemmPlan(64, 64, 2, family="stream"))

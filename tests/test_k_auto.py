@@ -14,6 +14,7 @@ import torch
 from helpers import random_prompt
 
 from qwen_mtp import Engine, SamplingParams
+from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine.k_policy import AcceptanceAverage, KPolicy, StepTimes, best_k, expected_tokens
 from qwen_mtp.engine.speculative import spread_tokens
 
@@ -88,6 +89,10 @@ def test_best_k_trades_acceptance_against_step_time():
     assert best_k(middle, flat) == 2
     assert best_k(middle, flat, current=3, margin=0.1) == 3
     assert best_k(middle, flat, current=3, margin=0.01) == 2
+    # K = 1 at 1.8 tokens per 1.76 units is 2.3% faster than plain: within `plain_margin`, so plain
+    close = StepTimes(verify=(1.0, 1.7, 2.4), draft=(0.0, 0.06, 0.12))
+    assert best_k([0.8, 0.8], close) == 0
+    assert best_k([0.8, 0.8], close, plain_margin=0.02) == 1
 
 
 def test_acceptance_average_observes_the_positions_tried():
@@ -226,3 +231,15 @@ def test_step_times_are_measured_on_tokens_spread_over_the_vocabulary(checkpoint
     batch = engine.speculator._padding_batch(8, 4)
     vocab = engine.runner.model.shapes.vocab_size
     assert batch.token_ids.unique().numel() == min(32, vocab) and int(batch.token_ids.max()) < vocab
+
+
+def test_step_times_are_measured_with_the_state_traffic_of_the_batch():
+    """Each padding row that times a step has a state row of its own where free rows allow (on one shared row,
+    a large batch's verify read and wrote one request's state from L2 and was timed far cheaper than it runs):
+    free rows first, never a row a request owns, then the scratch row; a row handed to a request is zeroed."""
+    states = StatePool(["gdn"], 4, 3, 4, 1, 2, 2, 1, torch.float32, torch.float32, "cpu")
+    owned = states.allocate(request=7)
+    rows = states.timing_rows(6)
+    assert len(set(rows[:3])) == 3 and owned not in rows and rows[3:] == [states.scratch_row] * 3
+    states.ssm[:, rows[0]] = 1.0  # what a timed step leaves behind
+    assert states.ssm[:, states.allocate(request=8)].abs().sum() == 0

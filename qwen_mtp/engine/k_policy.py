@@ -35,12 +35,23 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return total
 
 
-def best_k(acceptance: Sequence[float], times: StepTimes, current: int | None = None, margin: float = 0.02) -> int:
-    """The K in 0..len(times.verify)-1 with the most expected tokens per second (ties: the smaller K). The
-    `current` K is kept unless another is faster by more than `margin` (a fraction): a change of K costs a step
-    with fewer real drafts (see speculative.py), so noise in the figures must not flip it back and forth."""
+def best_k(
+    acceptance: Sequence[float],
+    times: StepTimes,
+    current: int | None = None,
+    margin: float = 0.02,
+    plain_margin: float = 0.03,
+) -> int:
+    """The K in 0..len(times.verify)-1 with the most expected tokens per second (ties: the smaller K), but plain
+    decoding (K = 0) unless speculation is expected to be faster by more than `plain_margin`: the step times
+    come from padding rows at warm-up (one scratch page of context, no host work), so a K > 0 that wins by less
+    than their error can lose to plain in traffic. The `current` K is kept unless another is faster by more than `margin` (a fraction): a
+    change of K costs a step with fewer real drafts (see speculative.py), so noise in the figures must not flip
+    it back and forth."""
     rates = [expected_tokens(acceptance, k) / times.step(k) for k in range(len(times.verify))]
     best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+    if best > 0 and rates[best] <= rates[0] * (1.0 + plain_margin):
+        best = 0
     if current is not None and current < len(rates) and rates[best] <= rates[current] * (1.0 + margin):
         return current
     return best

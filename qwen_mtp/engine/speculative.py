@@ -186,7 +186,8 @@ class Speculator:
         return StepTimes(tuple(verify), tuple(draft))
 
     def _padding_batch(self, size: int, length: int) -> StepBatch:
-        """Rows of `length` tokens on the scratch state row and page. The tokens are spread over the vocabulary
+        """Rows of `length` tokens on the scratch page, each on its own state row where free rows allow
+        (`StatePool.timing_rows`: the state traffic of `size` requests). The tokens are spread over the vocabulary
         (a fixed multiplicative hash of their index), so that, as in real traffic, a step's rows and positions
         route to many experts of an MoE model: with one token everywhere they all picked the same experts, and
         the verify at a large K was timed far cheaper than it runs (k: auto then chose that K)."""
@@ -196,7 +197,7 @@ class Speculator:
             kind=StepKind.DECODE,
             token_ids=spread_tokens(size, length, self.runner.model.shapes.vocab_size, device),
             positions=torch.arange(length, device=device).expand(size, length).contiguous(),
-            state_rows=torch.full((size,), states.scratch_row, dtype=torch.long, device=device),
+            state_rows=torch.tensor(states.timing_rows(size), dtype=torch.long, device=device),
             block_tables=torch.full((size, width), pages.scratch_page, dtype=torch.int32, device=device),
             context_lens=torch.full((size,), length, dtype=torch.int32, device=device),
             fresh=False,

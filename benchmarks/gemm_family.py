@@ -49,8 +49,9 @@ def split_choices(plan: GemmPlan, n: int, k: int, sms: int) -> list[int]:
     """K split counts worth timing for a tile shape: the fewest that give every SM a program, and the fewest (up
     to 4) whose last wave of programs is nearly full (a memory-bound kernel loses the idle SMs of a short last
     wave; every split adds partial sums of M x N floats to write and read back). Occupancy from shared memory."""
-    stage = (plan.block_n + plan.row_tiles * plan.block_m) * plan.block_k * 2  # bf16 weight + row blocks
-    slots = sms * max(1, min(2, SMEM_BYTES // (plan.num_stages * stage)))
+    one, wide = ((plan.block_n + tiles * plan.block_m) * plan.block_k * 2 for tiles in (1, plan.row_tiles))
+    shared = max(plan.num_stages * one, (plan.wide_stages or plan.num_stages) * wide)  # its widest K loop's stages
+    slots = sms * max(1, min(2, SMEM_BYTES // shared))
     tiles, most = _cdiv(n, plan.block_n), min(MOST_SPLITS, _cdiv(k, plan.block_k))
     fill = min(most, _cdiv(slots, tiles))
 
@@ -72,6 +73,10 @@ def split_choices(plan: GemmPlan, n: int, k: int, sms: int) -> list[int]:
 #  e: d with 64-wide weight tiles and one warpgroup (4 warps): twice the programs, so wide shapes (gate_up,
 #     lm_head) end in a fuller last wave, at twice the activation reads from L2.
 #  f: d with 128-deep K blocks (half the loop trips, fewer, larger loads in flight).
+#  "deep": the same tiles with the one-row-tile loop (M <= block_m) pipelined deeper in the shared memory the
+#     widest loop reserves anyway (`wide_stages`): same sums as without, more weight bytes in flight at M = 1.
+#     The 27B gate_up and lm_head lose ~10 us and ~40 us at M = 1 to the grid plans: one program per SM with 3
+#     K steps in flight, and (gate_up) a last wave of 16 programs of 544 on 132 SMs (docs/architecture.md).
 VARIANTS: dict[str, GemmPlan] = {
     "grid64": GemmPlan(128, 64, 1, 4, 4, family="grid", block_m=64),
     "b 16x8": GemmPlan(64, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8),
@@ -92,7 +97,14 @@ VARIANTS: dict[str, GemmPlan] = {
     "e swap64x2": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=64, row_tiles=2, swap_ab=True),
     "f swap16x8": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8, swap_ab=True),
     "f swap32x4": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
-}
+    "c 64x2 deep8": GemmPlan(128, 64, 1, 8, 8, family="stream", block_m=64, row_tiles=2, wide_stages=4),
+    "e swap32x4 deep6": GemmPlan(64, 128, 1, 4, 6, family="stream", block_m=32, row_tiles=4, swap_ab=True,
+                                 wide_stages=4),
+    "e swap32x4 deep8": GemmPlan(64, 128, 1, 4, 8, family="stream", block_m=32, row_tiles=4, swap_ab=True,
+                                 wide_stages=4),
+    "f swap32x4 deep4": GemmPlan(128, 128, 1, 8, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True,
+                                 wide_stages=3),
+}  # fmt: skip
 
 
 def candidate_plans(n: int, k: int, sms: int) -> dict[str, GemmPlan]:

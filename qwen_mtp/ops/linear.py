@@ -76,6 +76,7 @@ class GemmPlan:
     block_m: int = 16  # rows per tl.dot (16 is tl.dot's minimum)
     row_tiles: int = 1  # "stream": row tiles sharing each weight block (rows per weight pass: row_tiles x block_m)
     swap_ab: bool = False  # "stream": the weight block is the MMA's row side (A) and the rows its column side
+    wide_stages: int = 0  # "stream": pipeline depth of the K loops of 2+ live row tiles (0: num_stages)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -86,6 +87,8 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.row_tiles must be 1 for 'grid', 1..{MAX_ROW_TILES} for 'stream'")
         if self.swap_ab and self.family != "stream":
             raise ValueError("GemmPlan.swap_ab is a 'stream' option")
+        if self.wide_stages and (self.family != "stream" or self.wide_stages < 1):
+            raise ValueError("GemmPlan.wide_stages is a 'stream' option: a pipeline depth >= 1, or 0 for num_stages")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -303,7 +306,8 @@ def _stream_kernel():
     same MMA instruction and warp layout), a row only ever meets its own accumulator, its K blocks are added in
     one order (k_start upwards), the K splits are a function of (N, K) and their partials are added in split
     order 0, 1, ... (by whichever split program finishes a row group last), and one binary serves every M (M is
-    not specialised). Absent rows are zero-padded tiles that only their own accumulator sees.
+    not specialised). Absent rows are zero-padded tiles that only their own accumulator sees. The K loop of each
+    tile count has its own pipeline depth (STAGES, WIDE_STAGES: `stream_stages`), which moves loads only.
     """
     import triton
     import triton.language as tl
@@ -315,6 +319,7 @@ def _stream_kernel():
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
         PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
+        STAGES: tl.constexpr = 3, WIDE_STAGES: tl.constexpr = 3,  # K loop pipeline depths (`stream_stages`)
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -330,7 +335,7 @@ def _stream_kernel():
                 if live == tiles:
                     acc0 = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
                     accs = (acc0,) * tiles
-                    for k0 in range(k_start, k_end, BLOCK_K):
+                    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES if tiles == 1 else WIDE_STAGES):
                         kmask = (k0 + ks) < k_end
                         w = tl.load(
                             w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :],
@@ -407,6 +412,16 @@ def feeds_mma_sync(plan: GemmPlan, arch: int) -> bool:
     return not (arch == 9 and rows % 64 == 0 and plan.num_warps % 4 == 0)
 
 
+def stream_stages(plan: GemmPlan) -> dict[str, int]:
+    """The stream kernel's pipeline depths: STAGES for its one-row-tile K loop, WIDE_STAGES for the loops of 2+
+    row tiles. A program reserves the shared memory of its largest loop (stages x (weight block + row_tiles row
+    blocks)), which caps the programs per SM at every M, however few rows a launch has; a shallower wide loop
+    leaves room for a deeper one-tile loop (more weight bytes in flight at M <= block_m, one request's decode) in
+    the same memory. Depths never change a row's sums: the same MMAs in the same K order, only loads move earlier.
+    """
+    return {"STAGES": plan.num_stages, "WIDE_STAGES": plan.wide_stages or plan.num_stages}
+
+
 def invariant_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -434,7 +449,7 @@ def invariant_matmul_triton(
         sums = grid[0] * n_tiles  # one split counter per output tile
     else:
         kernel, grid = _stream_kernel(), (n_tiles, splits)
-        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab}
+        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab, **stream_stages(plan)}
         sums = n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m)  # one per (N tile, row group)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     counters = _tile_counters(x.device, sums) if splits > 1 else out

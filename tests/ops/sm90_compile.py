@@ -1,7 +1,9 @@
 """Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU and print, as JSON, the W8A16 stream
 kernel's SASS instruction counts (Triton ships ptxas and cuobjdump, so the instructions the H200 would run can be
 read here), or with "kwidth" first, the dot operand layouts' kWidth of the plan's kernel on e4m3 and on bf16
-weights. Run without TRITON_INTERPRET (the interpreter replaces `triton.jit`); `test_linear_fp8_sass.py` runs it."""
+weights, or with "loops" first, the shared memory and K loops of a plan's kernel on bf16 weights. Run without
+TRITON_INTERPRET (the interpreter replaces `triton.jit`); `test_linear_fp8_sass.py` and `test_linear_sass.py`
+run it."""
 
 import collections
 import json
@@ -28,7 +30,7 @@ def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True):
     pointers |= dict(out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
     if plan.family == "stream":
-        const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab)
+        const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, **linear.stream_stages(plan))
     const |= dict(FP8=fp8, INTERPRETED=False, PRECISION="tf32", MMA_SYNC=fp8 and linear.feeds_mma_sync(plan, 9))
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -52,19 +54,54 @@ def dot_kwidths(plan: GemmPlan, n: int, k: int, fp8: bool) -> list[int]:
     return [int(width) for line in dots for width in re.findall(r"kWidth = (\d+)", line)]
 
 
-def sass_counts(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
-    """SASS opcode -> count for the plan's kernel on e4m3 weights and bf16 activations."""
-    compiled = compile_sm90(plan, n, k)
+def _sass(compiled) -> str:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], capture_output=True, text=True)
-    return dict(collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass.stdout)))
+    return sass.stdout
+
+
+OPCODE = r"^(?:@!?U?P\w+\s+)?([A-Z][\w.]*)"
+
+
+def sass_counts(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
+    """SASS opcode -> count for the plan's kernel on e4m3 weights and bf16 activations."""
+    sass = _sass(compile_sm90(plan, n, k))
+    return dict(collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass)))
+
+
+def k_loops(plan: GemmPlan, n: int, k: int, fp8: bool = False) -> dict:
+    """The plan's shared memory (bytes, what caps its programs per SM) and its innermost loops (the K loops, one
+    per live row-tile count in the stream family): per loop its MMA instructions, 16-byte copies and the deepest
+    cp.async wait (`DEPBAR.LE SB0, n`: groups still in flight while a K step computes, two per K step)."""
+    compiled = compile_sm90(plan, n, k, fp8)
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _sass(compiled))
+    program = [(int(address, 16), text.strip()) for address, text in lines]
+    index = {address: i for i, (address, _) in enumerate(program)}
+    spans = []
+    for i, (address, text) in enumerate(program):
+        target = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
+            spans.append((index[int(target.group(1), 16)], i))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    loops = []
+    for a, b in innermost:
+        body = [text for _, text in program[a : b + 1]]
+        ops = collections.Counter(re.match(OPCODE, text).group(1) for text in body if re.match(OPCODE, text))
+        mma = {op: count for op, count in ops.items() if op.startswith(("HGMMA", "HMMA"))}
+        waits = [int(w, 16) for text in body for w in re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", text)]
+        if mma:
+            loops.append(dict(mma=mma, copies=ops.get("LDGSTS.E.BYPASS.128", 0), in_flight=max(waits, default=0)))
+    return dict(shared=compiled.metadata.shared, loops=loops)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "kwidth":
+    if sys.argv[1] == "loops":
+        n, k, *fields = json.loads(sys.argv[2])
+        print(json.dumps(k_loops(GemmPlan(*fields[:-1], **fields[-1]), n, k)))
+    elif sys.argv[1] == "kwidth":
         n, k, *fields = json.loads(sys.argv[2])
         plan = GemmPlan(*fields)
         print(json.dumps({"fp8": dot_kwidths(plan, n, k, True), "bf16": dot_kwidths(plan, n, k, False)}))

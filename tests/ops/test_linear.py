@@ -55,6 +55,9 @@ VARIANTS = {
     "stream 2 x 64-row tiles": GemmPlan(32, 32, 3, family="stream", block_m=64, row_tiles=2),
     "stream swapped 2 x 16 rows": GemmPlan(16, 32, 3, family="stream", block_m=16, row_tiles=2, swap_ab=True),
     "stream swapped 3 x 32 rows": GemmPlan(32, 16, 5, family="stream", block_m=32, row_tiles=3, swap_ab=True),
+    "stream swapped, deep one-tile loop": GemmPlan(
+        32, 16, 5, num_stages=6, family="stream", block_m=32, row_tiles=3, swap_ab=True, wide_stages=2
+    ),
 }
 ROW_COUNTS = (1, 2, 15, 16, 17, 63, 64, 65, 130, 256)  # tile edges of 16 and 64 rows, groups of 2 and 3 tiles
 N_TEST, K_TEST = (3584, 1024) if REAL else (24, 144)
@@ -83,9 +86,28 @@ def test_gemm_variant_matches_and_rows_never_depend_on_m(plan):
         assert not linear._COUNTERS[x.device].any()
 
 
+def test_pipeline_depths_never_change_a_row():
+    """`num_stages` and `wide_stages` only move loads earlier: with the same tiles, every row's result is the same
+    bit for bit, so a deeper plan can replace a tuned one without changing a token (on the GPU: the same wgmma
+    sequence per accumulator, `test_linear_sass.py`)."""
+    plan = GemmPlan(32, 16, 3, family="stream", block_m=32, row_tiles=3, swap_ab=True)
+    deep = dataclasses.replace(plan, num_stages=8, wide_stages=2)
+    weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=1), rand(130, K_TEST, dtype=VERIFY_DTYPE, seed=2)
+    for m in (1, 33, 130):  # one, two and three live row tiles, then a second row group
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, deep), invariant_matmul_triton(x[:m], weight, plan))
+
+
 @pytest.mark.parametrize(
     "fields",
-    [dict(family="tiles"), dict(block_m=48), dict(row_tiles=2), dict(family="stream", row_tiles=9), dict(swap_ab=True)],
+    [
+        dict(family="tiles"),
+        dict(block_m=48),
+        dict(row_tiles=2),
+        dict(family="stream", row_tiles=9),
+        dict(swap_ab=True),
+        dict(wide_stages=2),
+        dict(family="stream", wide_stages=-1),
+    ],
 )
 def test_gemm_plan_rejects_what_no_kernel_runs(fields):
     with pytest.raises(ValueError, match="GemmPlan"):

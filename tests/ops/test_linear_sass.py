@@ -1,0 +1,41 @@
+"""What the H200 runs for the bf16 stream GEMM at one row, read from its SASS compiled here (no GPU needed): a
+program reserves the shared memory of its widest K loop (the 27B gate_up plan: 4 x 48 KB, so one program per SM
+at every M), and `GemmPlan.wide_stages` lets the one-row-tile loop pipeline deeper in that same memory, with the
+same MMA instructions (so the same sums) and more weight bytes in flight."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _k_loops(n: int, k: int, fields: list, options: dict) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "tests" / "ops" / "sm90_compile.py")
+    done = subprocess.run([sys.executable, script, "loops", json.dumps([n, k, *fields, options])], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_deep_one_tile_loop_keeps_the_mmas_and_shared_memory_and_doubles_bytes_in_flight():
+    if sys.platform != "linux":
+        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
+    # the 27B gate_up plan (TUNED[34816, 5120]): 64x128 weight blocks, swapped, 4 tiles of 32 rows, 4 stages
+    tuned = [64, 128, 40, 4, 4, "stream", 32, 4, True]
+    deep = [64, 128, 40, 4, 8, "stream", 32, 4, True]
+    now, candidate = _k_loops(34816, 5120, tuned, {}), _k_loops(34816, 5120, deep, {"wide_stages": 4})
+    assert now["shared"] == 4 * (64 + 4 * 32) * 128 * 2  # the 4-tile loop's 4 stages: one program per SM
+    assert candidate["shared"] <= now["shared"]
+    assert [loop["mma"] for loop in candidate["loops"]] == [loop["mma"] for loop in now["loops"]]
+    one_tile = [i for i, loop in enumerate(now["loops"]) if loop["mma"] == {"HGMMA.64x32x16.F32.BF16": 8}]
+    assert len(one_tile) == 1  # the M <= 32 loop: 8 wgmma 64x32x16 per 128-deep K step
+    i = one_tile[0]
+    assert now["loops"][i]["copies"] == candidate["loops"][i]["copies"] == 12  # 8 weight + 4 row 16-byte copies
+    # two copy groups per K step: 4 -> 2 K steps in flight behind the one computing; 12 -> 6
+    assert candidate["loops"][i]["in_flight"] >= 2 * now["loops"][i]["in_flight"]

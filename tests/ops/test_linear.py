@@ -90,10 +90,14 @@ def test_pipeline_depths_never_change_a_row():
     """`num_stages` and `wide_stages` only move loads earlier: with the same tiles, every row's result is the same
     bit for bit, so a deeper plan can replace a tuned one without changing a token (on the GPU: the same wgmma
     sequence per accumulator, `test_linear_sass.py`)."""
-    plan = GemmPlan(32, 16, 3, family="stream", block_m=32, row_tiles=3, swap_ab=True)
-    deep = dataclasses.replace(plan, num_stages=8, wide_stages=2)
+    if REAL:  # the 27B gate_up tiles (wgmma 64x32x16, 4 row tiles) at the family sweep's "deep8" depths
+        plan = GemmPlan(64, 128, 4, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)
+        deep = dataclasses.replace(plan, num_stages=8, wide_stages=4)
+    else:
+        plan = GemmPlan(32, 16, 3, family="stream", block_m=32, row_tiles=3, swap_ab=True)
+        deep = dataclasses.replace(plan, num_stages=8, wide_stages=2)
     weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=1), rand(130, K_TEST, dtype=VERIFY_DTYPE, seed=2)
-    for m in (1, 33, 130):  # one, two and three live row tiles, then a second row group
+    for m in (1, 33, 65, 130):  # one, two and three live row tiles; a second row group
         assert torch.equal(invariant_matmul_triton(x[:m], weight, deep), invariant_matmul_triton(x[:m], weight, plan))
 
 

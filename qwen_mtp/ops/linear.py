@@ -77,6 +77,8 @@ class GemmPlan:
     row_tiles: int = 1  # "stream": row tiles sharing each weight block (rows per weight pass: row_tiles x block_m)
     swap_ab: bool = False  # "stream": the weight block is the MMA's row side (A) and the rows its column side
     wide_stages: int = 0  # "stream": pipeline depth of the K loops of 2+ live row tiles (0: num_stages)
+    tail_tiles: int = 0  # "stream", one K split: the last tail_tiles N tiles split K tail_splits ways (a short
+    tail_splits: int = 1  # last wave: its tiles spread over more SMs; `stream_tail`)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -89,6 +91,10 @@ class GemmPlan:
             raise ValueError("GemmPlan.swap_ab is a 'stream' option")
         if self.wide_stages and (self.family != "stream" or self.wide_stages < 1):
             raise ValueError("GemmPlan.wide_stages is a 'stream' option: a pipeline depth >= 1, or 0 for num_stages")
+        if (self.tail_tiles or self.tail_splits != 1) and (
+            self.family != "stream" or self.tail_tiles < 1 or self.tail_splits < 2
+        ):
+            raise ValueError("GemmPlan.tail_tiles / tail_splits are a 'stream' option: >= 1 tiles in >= 2 splits")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -320,14 +326,23 @@ def _stream_kernel():
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
         PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
         STAGES: tl.constexpr = 3, WIDE_STAGES: tl.constexpr = 3,  # K loop pipeline depths (`stream_stages`)
+        TAIL_TILES: tl.constexpr = 0, TAIL_SPLITS: tl.constexpr = 1, TAIL_K_PER_SPLIT: tl.constexpr = 0,
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
+        k_blocks, n_splits = k_per_split, SPLITS  # this program's K blocks per split, its tile's split count
+        part_n, part_n0 = N, 0  # the partial sums' row length and first column
+        if TAIL_SPLITS > 1:  # the last TAIL_TILES tiles: TAIL_SPLITS programs each (the plan has one split)
+            main = tl.cdiv(N, BLOCK_N) - TAIL_TILES
+            tail, nth = pid_n >= main, pid_n - main  # nth: this program's place among the tail's programs
+            pid_n, split = tl.where(tail, main + nth // TAIL_SPLITS, pid_n), tl.where(tail, nth % TAIL_SPLITS, 0)
+            k_blocks, n_splits = tl.where(tail, TAIL_K_PER_SPLIT, k_per_split), tl.where(tail, TAIL_SPLITS, 1)
+            part_n, part_n0 = TAIL_TILES * BLOCK_N, main * BLOCK_N
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
-        k_start = split * k_per_split * BLOCK_K
-        k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
-        plane = M.to(tl.int64) * N  # elements of one split's partial sums [M, N] (SPLITS > 1)
+        k_start = split * k_blocks * BLOCK_K
+        k_end = tl.minimum(K, k_start + k_blocks * BLOCK_K)
+        plane = M.to(tl.int64) * part_n  # elements of one split's partial sums [M, part_n] (split tiles)
         part = part_ptr + split * plane
         for row0 in range(0, M, ROW_TILES * BLOCK_M):
             live = tl.minimum(tl.cdiv(M - row0, BLOCK_M), ROW_TILES)  # row tiles of this group holding rows
@@ -363,27 +378,30 @@ def _stream_kernel():
                         acc = tl.trans(accs[t]) if SWAP_AB else accs[t]  # [BLOCK_M, BLOCK_N]
                         ms = (row0 + t * BLOCK_M + rows).to(tl.int64)
                         mask = (ms[:, None] < M) & (ns[None, :] < N)
-                        if SPLITS == 1:
+                        if n_splits == 1:
                             out = acc.to(out_ptr.dtype.element_ty)
                             tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
                         else:
-                            tl.store(part + ms[:, None] * N + ns[None, :], acc, mask=mask)
-            if SPLITS > 1:
-                # As in the grid family, the last of the SPLITS programs to finish this group's partial sums
-                # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
-                tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
-                counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
-                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                    for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
-                        ms = (r0 + rows).to(tl.int64)
-                        mask = (ms[:, None] < M) & (ns[None, :] < N)
-                        tile = ms[:, None] * N + ns[None, :]
-                        total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                        for s in range(1, SPLITS):
-                            total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                        out = total.to(out_ptr.dtype.element_ty)
-                        tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
-                    tl.atomic_xchg(counter, 0, sem="relaxed")
+                            tl.store(part + ms[:, None] * part_n + (ns - part_n0)[None, :], acc, mask=mask)
+            if SPLITS > 1 or TAIL_SPLITS > 1:
+                if n_splits > 1:
+                    # As in the grid family, the last of the tile's programs to finish this group's partial sums
+                    # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
+                    tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
+                    counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
+                    if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+                        for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
+                            ms = (r0 + rows).to(tl.int64)
+                            mask = (ms[:, None] < M) & (ns[None, :] < N)
+                            tile = ms[:, None] * part_n + (ns - part_n0)[None, :]
+                            total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                            for s in range(1, n_splits):
+                                total += tl.load(
+                                    part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
+                                )
+                            out = total.to(out_ptr.dtype.element_ty)
+                            tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                        tl.atomic_xchg(counter, 0, sem="relaxed")
 
     return kernel
 
@@ -422,6 +440,20 @@ def stream_stages(plan: GemmPlan) -> dict[str, int]:
     return {"STAGES": plan.num_stages, "WIDE_STAGES": plan.wide_stages or plan.num_stages}
 
 
+def stream_tail(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
+    """The stream kernel's split tail: the last `tail_tiles` N tiles run `tail_splits` programs each, over K
+    ranges of TAIL_K_PER_SPLIT blocks, their partials added in split order by the last to finish (as K splits
+    are). A weight of 544 tiles on 132 SMs leaves a last wave of 16 programs streaming alone; split 8 ways those
+    16 tiles fill 128 SMs. The split points are a function of (N, K) and the plan, never of M."""
+    if not plan.tail_tiles:
+        return {}
+    n_tiles, k_blocks = -(-n // plan.block_n), -(-k // plan.block_k)
+    if plan.splits(k) != 1 or plan.tail_tiles >= n_tiles:
+        raise ValueError(f"GemmPlan.tail_tiles needs a plan of one K split and < {n_tiles} tail tiles: {plan}")
+    per_split = -(-k_blocks // plan.tail_splits)
+    return {"TAIL_TILES": plan.tail_tiles, "TAIL_SPLITS": -(-k_blocks // per_split), "TAIL_K_PER_SPLIT": per_split}
+
+
 def invariant_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -448,11 +480,16 @@ def invariant_matmul_triton(
         kernel, grid, extra = _matmul_kernel(), (triton.cdiv(m, plan.block_m), n_tiles, splits), {}
         sums = grid[0] * n_tiles  # one split counter per output tile
     else:
-        kernel, grid = _stream_kernel(), (n_tiles, splits)
-        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab, **stream_stages(plan)}
+        tail = stream_tail(plan, n, k)
+        programs = n_tiles + tail.get("TAIL_TILES", 0) * (tail.get("TAIL_SPLITS", 1) - 1)
+        kernel, grid = _stream_kernel(), (programs, splits)
+        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab, **stream_stages(plan), **tail}
         sums = n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m)  # one per (N tile, row group)
-    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    counters = _tile_counters(x.device, sums) if splits > 1 else out
+    if plan.family == "stream" and plan.tail_tiles:  # the tail tiles' partials only
+        part = torch.empty(tail["TAIL_SPLITS"], m, plan.tail_tiles * plan.block_n, dtype=torch.float32, device=x.device)
+    else:
+        part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    counters = _tile_counters(x.device, sums) if splits > 1 or plan.tail_tiles else out
     kernel[grid](
         x, weight, scale if fp8 else weight, out, part, counters, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,

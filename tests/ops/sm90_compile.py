@@ -31,6 +31,7 @@ def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True):
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
     if plan.family == "stream":
         const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, **linear.stream_stages(plan))
+        const |= dict(TAIL_TILES=0, TAIL_SPLITS=1, TAIL_K_PER_SPLIT=0) | linear.stream_tail(plan, n, k)
     const |= dict(FP8=fp8, INTERPRETED=False, PRECISION="tf32", MMA_SYNC=fp8 and linear.feeds_mma_sync(plan, 9))
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -101,6 +101,26 @@ def test_pipeline_depths_never_change_a_row():
         assert torch.equal(invariant_matmul_triton(x[:m], weight, deep), invariant_matmul_triton(x[:m], weight, plan))
 
 
+@pytest.mark.parametrize("tail_tiles", [1, 2])
+def test_split_tail_matches_and_rows_never_depend_on_m(tail_tiles):
+    """`tail_tiles`: the last N tiles split their K loop (the partial last tile among them): the product is right
+    and a row's result still never depends on M; the tail's counters are re-armed for the next launch."""
+    if REAL:  # the 27B gate_up tiles and depths, 56 N tiles: the last 8 in 4 splits of 2 K blocks
+        plan = GemmPlan(64, 128, 8, 4, 8, family="stream", block_m=32, row_tiles=4, swap_ab=True, wide_stages=4)
+        plan = dataclasses.replace(plan, tail_tiles=8 * tail_tiles, tail_splits=4)
+    else:  # 2 N tiles (the second partial), 5 K blocks in 3 splits of 2, 2, 1
+        plan = GemmPlan(16, 32, 5, family="stream", block_m=16, row_tiles=2, swap_ab=True, tail_tiles=1, tail_splits=3)
+        plan = dataclasses.replace(plan, block_n=16 if tail_tiles == 1 else 8, tail_tiles=tail_tiles)
+    weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=1), rand(256, K_TEST, dtype=VERIFY_DTYPE, seed=2)
+    full = invariant_matmul_triton(x, weight, plan)
+    tol = 1e-4 if VERIFY_DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), x.float() @ weight.float().T, rtol=tol, atol=tol)
+    for m in ROW_COUNTS:
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, plan), full[:m]), f"rows differ at M={m}"
+    assert torch.equal(invariant_matmul_triton(x[70:71], weight, plan), full[70:71])
+    assert not linear._COUNTERS[x.device].any()
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -111,6 +131,9 @@ def test_pipeline_depths_never_change_a_row():
         dict(swap_ab=True),
         dict(wide_stages=2),
         dict(family="stream", wide_stages=-1),
+        dict(tail_tiles=2, tail_splits=2),
+        dict(family="stream", tail_tiles=2),
+        dict(family="stream", tail_splits=4),
     ],
 )
 def test_gemm_plan_rejects_what_no_kernel_runs(fields):

@@ -39,3 +39,13 @@ def test_deep_one_tile_loop_keeps_the_mmas_and_shared_memory_and_doubles_bytes_i
     assert now["loops"][i]["copies"] == candidate["loops"][i]["copies"] == 12  # 8 weight + 4 row 16-byte copies
     # two copy groups per K step: 4 -> 2 K steps in flight behind the one computing; 12 -> 6
     assert candidate["loops"][i]["in_flight"] >= 2 * now["loops"][i]["in_flight"]
+
+
+def test_split_tail_leaves_the_k_loops_and_shared_memory_as_they_were():
+    """`tail_tiles` only remaps the last programs to (tile, K split) and adds the split reduction after the loops:
+    the K loops every program runs (MMAs, copies, depth) and the shared memory (programs per SM) are unchanged."""
+    if sys.platform != "linux":
+        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
+    tuned = [64, 128, 40, 4, 4, "stream", 32, 4, True]
+    now, tail = _k_loops(34816, 5120, tuned, {}), _k_loops(34816, 5120, tuned, {"tail_tiles": 16, "tail_splits": 8})
+    assert tail == now

@@ -383,25 +383,22 @@ def _stream_kernel():
                             tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
                         else:
                             tl.store(part + ms[:, None] * part_n + (ns - part_n0)[None, :], acc, mask=mask)
-            if SPLITS > 1 or TAIL_SPLITS > 1:
-                if n_splits > 1:
-                    # As in the grid family, the last of the tile's programs to finish this group's partial sums
-                    # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
-                    tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
-                    counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
-                    if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
-                        for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
-                            ms = (r0 + rows).to(tl.int64)
-                            mask = (ms[:, None] < M) & (ns[None, :] < N)
-                            tile = ms[:, None] * part_n + (ns - part_n0)[None, :]
-                            total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                            for s in range(1, n_splits):
-                                total += tl.load(
-                                    part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg"
-                                )
-                            out = total.to(out_ptr.dtype.element_ty)
-                            tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
-                        tl.atomic_xchg(counter, 0, sem="relaxed")
+            if n_splits > 1:  # known when compiling, except in a split tail (runtime, per program)
+                # As in the grid family, the last of the tile's programs to finish this group's partial sums
+                # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
+                tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
+                counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
+                if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+                    for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
+                        ms = (r0 + rows).to(tl.int64)
+                        mask = (ms[:, None] < M) & (ns[None, :] < N)
+                        tile = ms[:, None] * part_n + (ns - part_n0)[None, :]
+                        total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        for s in range(1, n_splits):
+                            total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        out = total.to(out_ptr.dtype.element_ty)
+                        tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
 
     return kernel
 

@@ -330,14 +330,20 @@ def _stream_kernel():
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
-        k_blocks, n_splits = k_per_split, SPLITS  # this program's K blocks per split, its tile's split count
-        part_n, part_n0 = N, 0  # the partial sums' row length and first column
+        # k_blocks: this program's K blocks per split; n_splits: its tile's split count; part_n, part_n0: the
+        # partial sums' row length and first column
         if TAIL_SPLITS > 1:  # the last TAIL_TILES tiles: TAIL_SPLITS programs each (the plan has one split)
             main = tl.cdiv(N, BLOCK_N) - TAIL_TILES
             tail, nth = pid_n >= main, pid_n - main  # nth: this program's place among the tail's programs
             pid_n, split = tl.where(tail, main + nth // TAIL_SPLITS, pid_n), tl.where(tail, nth % TAIL_SPLITS, 0)
             k_blocks, n_splits = tl.where(tail, TAIL_K_PER_SPLIT, k_per_split), tl.where(tail, TAIL_SPLITS, 1)
             part_n, part_n0 = TAIL_TILES * BLOCK_N, main * BLOCK_N
+        else:
+            k_blocks, part_n, part_n0 = k_per_split, N, 0
+            # Annotated: a plain assignment makes a tensor, and an `if` on a tensor compiles both its paths. As a
+            # constexpr, a launch without a tail compiles only its own; at one split part_ptr and count_ptr are the
+            # bf16 output, on which the split reduction's atomics do not compile.
+            n_splits: tl.constexpr = SPLITS
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
         k_start = split * k_blocks * BLOCK_K

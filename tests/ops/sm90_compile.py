@@ -1,18 +1,22 @@
-"""Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU and print, as JSON, the W8A16 stream
-kernel's SASS instruction counts (Triton ships ptxas and cuobjdump, so the instructions the H200 would run can be
-read here), or with "kwidth" first, the dot operand layouts' kWidth of the plan's kernel on e4m3 and on bf16
-weights, or with "loops" first, the shared memory and K loops of a plan's kernel on bf16 weights. Run without
+"""Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU, with the arguments the launcher
+passes, and print, as JSON, the W8A16 stream kernel's SASS instruction counts (Triton ships ptxas and cuobjdump,
+so the instructions the H200 would run can be read here), or with "kwidth" first, the dot operand layouts' kWidth
+of the plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's
+kernel on bf16 weights, or with "compile" first, the launches (by name) that fail to compile. Run without
 TRITON_INTERPRET (the interpreter replaces `triton.jit`); `test_linear_fp8_sass.py` and `test_linear_sass.py`
 run it."""
 
 import collections
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -20,31 +24,47 @@ from triton.compiler import ASTSource
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import GemmPlan
 
+POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def launch(plan: GemmPlan, n: int, k: int, fp8: bool = True):
+    """The kernel `invariant_matmul_triton` launches for the plan on one bf16 row and an e4m3 (else bf16) [n, k]
+    weight, and its arguments by name (the tensors on the meta device: their dtypes are what a launch passes; at
+    one K split and no split tail, part_ptr and count_ptr are the bf16 output)."""
+    kernel = linear._stream_kernel() if plan.family == "stream" else linear._matmul_kernel()
+    args = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *values, **named: args.update(zip(kernel.arg_names, values, strict=False), **named)
+
+    x = torch.empty(1, k, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device="meta")
+    scale = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device="meta") if fp8 else None
+    factory = "_stream_kernel" if plan.family == "stream" else "_matmul_kernel"
+    with mock.patch.object(linear, factory, Recorder), mock.patch("torch.cuda.get_device_capability", lambda _: (9, 0)):
+        linear.invariant_matmul_triton(x, weight, plan, scale)
+    return kernel, args
+
 
 def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True):
-    """The plan's kernel on e4m3 (else bf16) weights and bf16 activations compiled for sm_90, specialised as a
-    launch would be (16-divisible sizes and strides, 16-aligned pointers; M not specialised)."""
-    fn = linear._stream_kernel() if plan.family == "stream" else linear._matmul_kernel()
-    values = dict(M=1, N=n, K=k, sx_m=k, sw_n=k, ss_n=-(-k // 128), so_m=n, k_per_split=plan.k_per_split)
-    pointers = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", s_ptr="*fp32" if fp8 else "*bf16")
-    pointers |= dict(out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
-    const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
-    if plan.family == "stream":
-        const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, **linear.stream_stages(plan))
-        const |= dict(TAIL_TILES=0, TAIL_SPLITS=1, TAIL_K_PER_SPLIT=0) | linear.stream_tail(plan, n, k)
-    const |= dict(FP8=fp8, INTERPRETED=False, PRECISION="tf32", MMA_SYNC=fp8 and linear.feeds_mma_sync(plan, 9))
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
+    """The plan's kernel on e4m3 (else bf16) weights and bf16 activations compiled for sm_90 with the arguments a
+    launch passes (`launch`), specialised as Triton specialises a launch (ints equal to 1 constant, 16-divisible
+    ints and 16-aligned pointers marked so; M not specialised)."""
+    kernel, args = launch(plan, n, k, fp8)
+    options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
+        value = args.get(name, param.default)  # a constexpr the launch leaves at its default
+        if isinstance(value, torch.Tensor):
+            signature[name], attrs[(i,)] = POINTER[value.dtype], [["tt.divisibility", 16]]
+        elif kernel.params[i].is_constexpr or (value == 1 and not kernel.params[i].do_not_specialize):
+            signature[name], constexprs[name] = "constexpr", value
         else:
             signature[name] = "i32"
-            if name != "M" and values[name] % 16 == 0:
+            if not kernel.params[i].do_not_specialize and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, signature, constexprs=const, attrs=attrs)
-    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -98,8 +118,22 @@ def k_loops(plan: GemmPlan, n: int, k: int, fp8: bool = False) -> dict:
     return dict(shared=compiled.metadata.shared, loops=loops)
 
 
+def compile_errors(launches: dict[str, list]) -> dict[str, str]:
+    """name -> the compiler's error, for each launch ([n, k, fp8, plan fields, plan options]) that does not
+    compile for sm_90 with the arguments the launcher passes (the CPU interpreter never compiles a kernel)."""
+    errors = {}
+    for name, (n, k, fp8, fields, options) in launches.items():
+        try:
+            compile_sm90(GemmPlan(*fields, **options), n, k, fp8)
+        except Exception as error:  # every launch is tried: the report names all that fail
+            errors[name] = f"{type(error).__name__}: {error}"[-2000:]
+    return errors
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "loops":
+    if sys.argv[1] == "compile":
+        print(json.dumps(compile_errors(json.loads(sys.argv[2]))))
+    elif sys.argv[1] == "loops":
         n, k, *fields = json.loads(sys.argv[2])
         print(json.dumps(k_loops(GemmPlan(*fields[:-1], **fields[-1]), n, k)))
     elif sys.argv[1] == "kwidth":

@@ -49,3 +49,28 @@ def test_split_tail_leaves_the_k_loops_and_shared_memory_as_they_were():
     tuned = [64, 128, 40, 4, 4, "stream", 32, 4, True]
     now, tail = _k_loops(34816, 5120, tuned, {}), _k_loops(34816, 5120, tuned, {"tail_tiles": 16, "tail_splits": 8})
     assert tail == now
+
+
+# [n, k, fp8 weights, plan fields, plan options]: one of each kind of launch the launcher makes
+LAUNCHES = {
+    "one split, no tail (TUNED gate_up)": [34816, 5120, False, [64, 128, 40, 4, 4, "stream", 32, 4, True], {}],
+    "three K splits (TUNED o_proj)": [5120, 6144, False, [128, 128, 16, 8, 3, "stream", 32, 4, True], {}],
+    "split tail": [34816, 5120, False, [64, 128, 40, 4, 4, "stream", 32, 4, True], dict(tail_tiles=16, tail_splits=8)],
+    "wide_stages": [34816, 5120, False, [64, 128, 40, 4, 8, "stream", 32, 4, True], {"wide_stages": 4}],
+    "W8A16, one split (TUNED_FP8 gate_up)": [34816, 5120, True, [128, 128, 40, 8, 3, "stream", 64, 2, True], {}],
+    "grid, one split (TUNED 0.8B lm_head)": [248320, 1024, False, [128, 64, 16, 4, 4], {"block_m": 64}],
+}
+
+
+def test_every_kind_of_launch_compiles_for_sm90():
+    """The CPU tests run the kernels in Triton's interpreter, which never compiles them: a path that only a real
+    target rejects (an atomic on the bf16 output that one-split launches pass as their counters) passes every
+    test here and fails every such plan on the GPU. Each kind of launch compiles here for the H200."""
+    if sys.platform != "linux":
+        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "tests" / "ops" / "sm90_compile.py")
+    done = subprocess.run([sys.executable, script, "compile", json.dumps(LAUNCHES)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}

@@ -45,12 +45,29 @@ def _with_splits(plan: GemmPlan, k: int, splits: int) -> GemmPlan:
     return dataclasses.replace(plan, k_per_split=_cdiv(_cdiv(k, plan.block_k), splits))
 
 
+def program_slots(plan: GemmPlan, sms: int) -> int:
+    """Programs of the plan resident at once (at most 2 per SM), from the shared memory of its widest K loop."""
+    one, wide = ((plan.block_n + tiles * plan.block_m) * plan.block_k * 2 for tiles in (1, plan.row_tiles))
+    shared = max(plan.num_stages * one, (plan.wide_stages or plan.num_stages) * wide)
+    return sms * max(1, min(2, SMEM_BYTES // shared))
+
+
+def with_tail(plan: GemmPlan, n: int, k: int, sms: int) -> GemmPlan | None:
+    """The plan with its last wave's N tiles split over the idle SMs (`GemmPlan.tail_tiles`), where that wave is
+    short (under half the slots) and the plan has one K split; else None."""
+    slots, tiles = program_slots(plan, sms), _cdiv(n, plan.block_n)
+    last = tiles % slots
+    if plan.splits(k) != 1 or not 0 < last < min(tiles, slots // 2):
+        return None
+    ways = min(8, _cdiv(k, plan.block_k), slots // last)
+    return dataclasses.replace(plan, tail_tiles=last, tail_splits=ways) if ways > 1 else None
+
+
 def split_choices(plan: GemmPlan, n: int, k: int, sms: int) -> list[int]:
     """K split counts worth timing for a tile shape: the fewest that give every SM a program, and the fewest (up
     to 4) whose last wave of programs is nearly full (a memory-bound kernel loses the idle SMs of a short last
     wave; every split adds partial sums of M x N floats to write and read back). Occupancy from shared memory."""
-    stage = (plan.block_n + plan.row_tiles * plan.block_m) * plan.block_k * 2  # bf16 weight + row blocks
-    slots = sms * max(1, min(2, SMEM_BYTES // (plan.num_stages * stage)))
+    slots = program_slots(plan, sms)
     tiles, most = _cdiv(n, plan.block_n), min(MOST_SPLITS, _cdiv(k, plan.block_k))
     fill = min(most, _cdiv(slots, tiles))
 
@@ -72,6 +89,12 @@ def split_choices(plan: GemmPlan, n: int, k: int, sms: int) -> list[int]:
 #  e: d with 64-wide weight tiles and one warpgroup (4 warps): twice the programs, so wide shapes (gate_up,
 #     lm_head) end in a fuller last wave, at twice the activation reads from L2.
 #  f: d with 128-deep K blocks (half the loop trips, fewer, larger loads in flight).
+#  "deep": the same tiles with the one-row-tile loop (M <= block_m) pipelined deeper in the shared memory the
+#     widest loop reserves anyway (`wide_stages`): same sums as without, more weight bytes in flight at M = 1.
+#     The 27B gate_up and lm_head lose ~10 us and ~40 us at M = 1 to the grid plans: one program per SM with 3
+#     K steps in flight, and (gate_up) a last wave of 16 programs of 544 on 132 SMs (docs/architecture.md).
+#  "tail" (TAIL_VARIANTS): a variant whose last wave is short, with that wave's tiles split K-wise over the idle
+#     SMs (`tail_tiles`, `with_tail`); other sums than the variant's for those tiles, still invariant in M.
 VARIANTS: dict[str, GemmPlan] = {
     "grid64": GemmPlan(128, 64, 1, 4, 4, family="grid", block_m=64),
     "b 16x8": GemmPlan(64, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8),
@@ -92,16 +115,29 @@ VARIANTS: dict[str, GemmPlan] = {
     "e swap64x2": GemmPlan(64, 128, 1, 4, 4, family="stream", block_m=64, row_tiles=2, swap_ab=True),
     "f swap16x8": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=16, row_tiles=8, swap_ab=True),
     "f swap32x4": GemmPlan(128, 128, 1, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
-}
+    "c 64x2 deep8": GemmPlan(128, 64, 1, 8, 8, family="stream", block_m=64, row_tiles=2, wide_stages=4),
+    "e swap32x4 deep6": GemmPlan(64, 128, 1, 4, 6, family="stream", block_m=32, row_tiles=4, swap_ab=True,
+                                 wide_stages=4),
+    "e swap32x4 deep8": GemmPlan(64, 128, 1, 4, 8, family="stream", block_m=32, row_tiles=4, swap_ab=True,
+                                 wide_stages=4),
+    "f swap32x4 deep4": GemmPlan(128, 128, 1, 8, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True,
+                                 wide_stages=3),
+}  # fmt: skip
+TAIL_VARIANTS = ("e swap32x4", "e swap32x4 deep8")
 
 
 def candidate_plans(n: int, k: int, sms: int) -> dict[str, GemmPlan]:
-    """The plans timed for one weight shape: the current one, then each variant at its split choices."""
+    """The plans timed for one weight shape: the current one, then each variant at its split choices, and the
+    tail variants where their last wave is short."""
     plans = {"current": gemm_plan(n, k)}
     for name, tile in VARIANTS.items():
         for splits in split_choices(tile, n, k, sms)[: 1 if tile.family == "grid" else 2]:
             plan = _with_splits(tile, k, splits)
             plans.setdefault(f"{name} s{plan.splits(k)}", plan)
+    for name in TAIL_VARIANTS:
+        tail = with_tail(_with_splits(VARIANTS[name], k, 1), n, k, sms)
+        if tail is not None:
+            plans[f"{name} tail{tail.tail_splits}"] = tail
     return plans
 
 

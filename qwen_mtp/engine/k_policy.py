@@ -45,9 +45,9 @@ def best_k(
     """The K in 0..len(times.verify)-1 with the most expected tokens per second (ties: the smaller K), but plain
     decoding (K = 0) unless speculation is expected to be faster by more than `plain_margin`: the step times
     come from padding rows at warm-up (one scratch page of context, no host work), so a K > 0 that wins by less
-    than their error can lose to plain in traffic. The `current` K is kept unless another is faster by more than `margin` (a fraction): a
-    change of K costs a step with fewer real drafts (see speculative.py), so noise in the figures must not flip
-    it back and forth."""
+    than their error can lose to plain in traffic. The `current` K is kept unless another is faster by more than
+    `margin` (a fraction): a change of K costs a step with fewer real drafts (see speculative.py), so noise in
+    the figures must not flip it back and forth."""
     rates = [expected_tokens(acceptance, k) / times.step(k) for k in range(len(times.verify))]
     best = max(range(len(rates)), key=lambda k: (rates[k], -k))
     if best > 0 and rates[best] <= rates[0] * (1.0 + plain_margin):

@@ -79,6 +79,9 @@ class GemmPlan:
     block_m: int = 16  # rows per tl.dot (16 is tl.dot's minimum)
     row_tiles: int = 1  # "stream": row tiles sharing each weight block (rows per weight pass: row_tiles x block_m)
     swap_ab: bool = False  # "stream": the weight block is the MMA's row side (A) and the rows its column side
+    wide_stages: int = 0  # "stream": pipeline depth of the K loops of 2+ live row tiles (0: num_stages)
+    tail_tiles: int = 0  # "stream", one K split: the last tail_tiles N tiles split K tail_splits ways (a short
+    tail_splits: int = 1  # last wave: its tiles spread over more SMs; `stream_tail`)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -89,6 +92,12 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.row_tiles must be 1 for 'grid', 1..{MAX_ROW_TILES} for 'stream'")
         if self.swap_ab and self.family != "stream":
             raise ValueError("GemmPlan.swap_ab is a 'stream' option")
+        if self.wide_stages and (self.family != "stream" or self.wide_stages < 1):
+            raise ValueError("GemmPlan.wide_stages is a 'stream' option: a pipeline depth >= 1, or 0 for num_stages")
+        if (self.tail_tiles or self.tail_splits != 1) and (
+            self.family != "stream" or self.tail_tiles < 1 or self.tail_splits < 2
+        ):
+            raise ValueError("GemmPlan.tail_tiles / tail_splits are a 'stream' option: >= 1 tiles in >= 2 splits")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -125,8 +134,9 @@ TUNED: dict[tuple[int, int], GemmPlan] = {
     (5120, 6144): GemmPlan(128, 128, 16, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
     # qwen3.5-27b attn qkv (fused): f swap32x4 s1
     (14336, 5120): GemmPlan(128, 128, 40, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
-    # qwen3.5-27b mlp gate_up (fused): e swap32x4 s1
-    (34816, 5120): GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True),
+    # qwen3.5-27b mlp gate_up (fused): e swap32x4 deep8 tail8 (H200, 2026-12-01, sixth session: 85.5 us at M=1
+    # against cuBLAS 84.2, 141.6 at M=128; docs/img/gemm-family-27b-gate_up-wp6gemm.json)
+    (34816, 5120): GemmPlan(64, 128, 40, 4, 8, "stream", 32, 4, True, wide_stages=4, tail_tiles=16, tail_splits=8),
     # qwen3.5-27b mlp down: f swap32x4 s3
     (5120, 17408): GemmPlan(128, 128, 46, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
     # qwen3.5-27b mtp fc: f swap32x4 s3
@@ -306,7 +316,8 @@ def _stream_kernel():
     same MMA instruction and warp layout), a row only ever meets its own accumulator, its K blocks are added in
     one order (k_start upwards), the K splits are a function of (N, K) and their partials are added in split
     order 0, 1, ... (by whichever split program finishes a row group last), and one binary serves every M (M is
-    not specialised). Absent rows are zero-padded tiles that only their own accumulator sees.
+    not specialised). Absent rows are zero-padded tiles that only their own accumulator sees. The K loop of each
+    tile count has its own pipeline depth (STAGES, WIDE_STAGES: `stream_stages`), which moves loads only.
     """
     import triton
     import triton.language as tl
@@ -318,14 +329,30 @@ def _stream_kernel():
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
         PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
+        STAGES: tl.constexpr = 3, WIDE_STAGES: tl.constexpr = 3,  # K loop pipeline depths (`stream_stages`)
+        TAIL_TILES: tl.constexpr = 0, TAIL_SPLITS: tl.constexpr = 1, TAIL_K_PER_SPLIT: tl.constexpr = 0,
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         pid_n, split = tl.program_id(0), tl.program_id(1)
+        # k_blocks: this program's K blocks per split; n_splits: its tile's split count; part_n, part_n0: the
+        # partial sums' row length and first column
+        if TAIL_SPLITS > 1:  # the last TAIL_TILES tiles: TAIL_SPLITS programs each (the plan has one split)
+            main = tl.cdiv(N, BLOCK_N) - TAIL_TILES
+            tail, nth = pid_n >= main, pid_n - main  # nth: this program's place among the tail's programs
+            pid_n, split = tl.where(tail, main + nth // TAIL_SPLITS, pid_n), tl.where(tail, nth % TAIL_SPLITS, 0)
+            k_blocks, n_splits = tl.where(tail, TAIL_K_PER_SPLIT, k_per_split), tl.where(tail, TAIL_SPLITS, 1)
+            part_n, part_n0 = TAIL_TILES * BLOCK_N, main * BLOCK_N
+        else:
+            k_blocks, part_n, part_n0 = k_per_split, N, 0
+            # Annotated: a plain assignment makes a tensor, and an `if` on a tensor compiles both its paths. As a
+            # constexpr, a launch without a tail compiles only its own; at one split part_ptr and count_ptr are the
+            # bf16 output, on which the split reduction's atomics do not compile.
+            n_splits: tl.constexpr = SPLITS
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
-        k_start = split * k_per_split * BLOCK_K
-        k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
-        plane = M.to(tl.int64) * N  # elements of one split's partial sums [M, N] (SPLITS > 1)
+        k_start = split * k_blocks * BLOCK_K
+        k_end = tl.minimum(K, k_start + k_blocks * BLOCK_K)
+        plane = M.to(tl.int64) * part_n  # elements of one split's partial sums [M, part_n] (split tiles)
         part = part_ptr + split * plane
         for row0 in range(0, M, ROW_TILES * BLOCK_M):
             live = tl.minimum(tl.cdiv(M - row0, BLOCK_M), ROW_TILES)  # row tiles of this group holding rows
@@ -333,7 +360,7 @@ def _stream_kernel():
                 if live == tiles:
                     acc0 = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
                     accs = (acc0,) * tiles
-                    for k0 in range(k_start, k_end, BLOCK_K):
+                    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES if tiles == 1 else WIDE_STAGES):
                         kmask = (k0 + ks) < k_end
                         w = tl.load(
                             w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :],
@@ -361,23 +388,23 @@ def _stream_kernel():
                         acc = tl.trans(accs[t]) if SWAP_AB else accs[t]  # [BLOCK_M, BLOCK_N]
                         ms = (row0 + t * BLOCK_M + rows).to(tl.int64)
                         mask = (ms[:, None] < M) & (ns[None, :] < N)
-                        if SPLITS == 1:
+                        if n_splits == 1:
                             out = acc.to(out_ptr.dtype.element_ty)
                             tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
                         else:
-                            tl.store(part + ms[:, None] * N + ns[None, :], acc, mask=mask)
-            if SPLITS > 1:
-                # As in the grid family, the last of the SPLITS programs to finish this group's partial sums
+                            tl.store(part + ms[:, None] * part_n + (ns - part_n0)[None, :], acc, mask=mask)
+            if n_splits > 1:  # known when compiling, except in a split tail (runtime, per program)
+                # As in the grid family, the last of the tile's programs to finish this group's partial sums
                 # adds them in split order 0, 1, ...: per group, so these sums overlap the other groups' MMAs.
                 tl.debug_barrier()  # every thread's partials are stored before the (release) counter update
                 counter = count_ptr + pid_n * tl.cdiv(M, ROW_TILES * BLOCK_M) + row0 // (ROW_TILES * BLOCK_M)
-                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
                     for r0 in range(row0, tl.minimum(M, row0 + ROW_TILES * BLOCK_M), BLOCK_M):
                         ms = (r0 + rows).to(tl.int64)
                         mask = (ms[:, None] < M) & (ns[None, :] < N)
-                        tile = ms[:, None] * N + ns[None, :]
+                        tile = ms[:, None] * part_n + (ns - part_n0)[None, :]
                         total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                        for s in range(1, SPLITS):
+                        for s in range(1, n_splits):
                             total += tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
                         out = total.to(out_ptr.dtype.element_ty)
                         tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
@@ -410,6 +437,30 @@ def feeds_mma_sync(plan: GemmPlan, arch: int) -> bool:
     return not (arch == 9 and rows % 64 == 0 and plan.num_warps % 4 == 0)
 
 
+def stream_stages(plan: GemmPlan) -> dict[str, int]:
+    """The stream kernel's pipeline depths: STAGES for its one-row-tile K loop, WIDE_STAGES for the loops of 2+
+    row tiles. A program reserves the shared memory of its largest loop (stages x (weight block + row_tiles row
+    blocks)), which caps the programs per SM at every M, however few rows a launch has; a shallower wide loop
+    leaves room for a deeper one-tile loop (more weight bytes in flight at M <= block_m, one request's decode) in
+    the same memory. Depths never change a row's sums: the same MMAs in the same K order, only loads move earlier.
+    """
+    return {"STAGES": plan.num_stages, "WIDE_STAGES": plan.wide_stages or plan.num_stages}
+
+
+def stream_tail(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
+    """The stream kernel's split tail: the last `tail_tiles` N tiles run `tail_splits` programs each, over K
+    ranges of TAIL_K_PER_SPLIT blocks, their partials added in split order by the last to finish (as K splits
+    are). A weight of 544 tiles on 132 SMs leaves a last wave of 16 programs streaming alone; split 8 ways those
+    16 tiles fill 128 SMs. The split points are a function of (N, K) and the plan, never of M."""
+    if not plan.tail_tiles:
+        return {}
+    n_tiles, k_blocks = -(-n // plan.block_n), -(-k // plan.block_k)
+    if plan.splits(k) != 1 or plan.tail_tiles >= n_tiles:
+        raise ValueError(f"GemmPlan.tail_tiles needs a plan of one K split and < {n_tiles} tail tiles: {plan}")
+    per_split = -(-k_blocks // plan.tail_splits)
+    return {"TAIL_TILES": plan.tail_tiles, "TAIL_SPLITS": -(-k_blocks // per_split), "TAIL_K_PER_SPLIT": per_split}
+
+
 def invariant_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -436,11 +487,16 @@ def invariant_matmul_triton(
         kernel, grid, extra = _matmul_kernel(), (triton.cdiv(m, plan.block_m), n_tiles, splits), {}
         sums = grid[0] * n_tiles  # one split counter per output tile
     else:
-        kernel, grid = _stream_kernel(), (n_tiles, splits)
-        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab}
+        tail = stream_tail(plan, n, k)
+        programs = n_tiles + tail.get("TAIL_TILES", 0) * (tail.get("TAIL_SPLITS", 1) - 1)
+        kernel, grid = _stream_kernel(), (programs, splits)
+        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab, **stream_stages(plan), **tail}
         sums = n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m)  # one per (N tile, row group)
-    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    counters = _tile_counters(x.device, sums) if splits > 1 else out
+    if plan.family == "stream" and plan.tail_tiles:  # the tail tiles' partials only
+        part = torch.empty(tail["TAIL_SPLITS"], m, plan.tail_tiles * plan.block_n, dtype=torch.float32, device=x.device)
+    else:
+        part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    counters = _tile_counters(x.device, sums) if splits > 1 or plan.tail_tiles else out
     kernel[grid](
         x, weight, scale if fp8 else weight, out, part, counters, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,

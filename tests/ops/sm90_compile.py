@@ -1,17 +1,22 @@
-"""Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU and print, as JSON, the W8A16 stream
-kernel's SASS instruction counts (Triton ships ptxas and cuobjdump, so the instructions the H200 would run can be
-read here), or with "kwidth" first, the dot operand layouts' kWidth of the plan's kernel on e4m3 and on bf16
-weights, or with "w8a8" first, the W8A8 kernel's opcode counts and wgmma operands. Run without TRITON_INTERPRET
-(the interpreter replaces `triton.jit`); `test_linear_fp8_sass.py` and `test_linear_w8a8.py` run it."""
+"""Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU, with the arguments the launcher
+passes, and print, as JSON, the W8A16 stream kernel's SASS instruction counts (Triton ships ptxas and cuobjdump,
+so the instructions the H200 would run can be read here), or with "kwidth" first, the dot operand layouts' kWidth
+of the plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's
+kernel on bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8"
+first, the W8A8 kernel's opcode counts and wgmma operands. Run without TRITON_INTERPRET (the interpreter replaces
+`triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py` and `test_linear_w8a8.py` run it."""
 
 import collections
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -19,34 +24,87 @@ from triton.compiler import ASTSource
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import GemmPlan
 
+POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def launch(plan: GemmPlan, n: int, k: int, fp8: bool = True):
+    """The kernel `invariant_matmul_triton` launches for the plan on one bf16 row and an e4m3 (else bf16) [n, k]
+    weight, and its arguments by name (the tensors on the meta device: their dtypes are what a launch passes; at
+    one K split and no split tail, part_ptr and count_ptr are the bf16 output)."""
+    kernel = linear._stream_kernel() if plan.family == "stream" else linear._matmul_kernel()
+    args = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *values, **named: args.update(zip(kernel.arg_names, values, strict=False), **named)
+
+    x = torch.empty(1, k, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device="meta")
+    scale = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device="meta") if fp8 else None
+    factory = "_stream_kernel" if plan.family == "stream" else "_matmul_kernel"
+    with mock.patch.object(linear, factory, Recorder), mock.patch("torch.cuda.get_device_capability", lambda _: (9, 0)):
+        linear.invariant_matmul_triton(x, weight, plan, scale)
+    return kernel, args
+
 
 def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True):
-    """The plan's kernel on e4m3 (else bf16) weights and bf16 activations compiled for sm_90, specialised as a
-    launch would be (16-divisible sizes and strides, 16-aligned pointers; M not specialised)."""
-    fn = linear._stream_kernel() if plan.family == "stream" else linear._matmul_kernel()
-    values = dict(M=1, N=n, K=k, sx_m=k, sw_n=k, ss_n=-(-k // 128), so_m=n, k_per_split=plan.k_per_split)
-    pointers = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", s_ptr="*fp32" if fp8 else "*bf16")
-    pointers |= dict(out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
-    const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
-    if plan.family == "stream":
-        const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab)
-    const |= dict(FP8=fp8, INTERPRETED=False, PRECISION="tf32", MMA_SYNC=fp8 and linear.feeds_mma_sync(plan, 9))
-    return _compile(fn, values, pointers, const, plan)
+    """The plan's kernel on e4m3 (else bf16) weights and bf16 activations compiled for sm_90 with the arguments a
+    launch passes (`launch`), specialised as Triton specialises a launch (ints equal to 1 constant, 16-divisible
+    ints and 16-aligned pointers marked so; M not specialised)."""
+    kernel, args = launch(plan, n, k, fp8)
+    options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
+        value = args.get(name, param.default)  # a constexpr the launch leaves at its default
+        if isinstance(value, torch.Tensor):
+            signature[name], attrs[(i,)] = POINTER[value.dtype], [["tt.divisibility", 16]]
+        elif kernel.params[i].is_constexpr or (value == 1 and not kernel.params[i].do_not_specialize):
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = "i32"
+            if not kernel.params[i].do_not_specialize and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def dot_kwidths(plan: GemmPlan, n: int, k: int, fp8: bool) -> list[int]:
+    """kWidth of every dot operand layout (in the TTGIR) the plan's kernel feeds its MMAs with."""
+    ttgir = compile_sm90(plan, n, k, fp8).asm["ttgir"]
+    dots = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|ttng\.warp_group_dot) ", line)]
+    return [int(width) for line in dots for width in re.findall(r"kWidth = (\d+)", line)]
+
+
+def _sass(compiled) -> str:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], capture_output=True, text=True)
+    return sass.stdout
+
+
+OPCODE = r"^(?:@!?U?P\w+\s+)?([A-Z][\w.]*)"
+
+
+def opcode_counts(text: str) -> dict[str, int]:
+    return dict(collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", text)))
+
+
+def sass_counts(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
+    """SASS opcode -> count for the plan's kernel on e4m3 weights and bf16 activations."""
+    return opcode_counts(_sass(compile_sm90(plan, n, k)))
 
 
 def compile_w8a8_sm90(plan: GemmPlan, n: int, k: int):
     """The W8A8 kernel (`linear._w8a8_kernel`: e4m3 rows and weights, bf16 output) compiled for sm_90, specialised
-    as a launch would be."""
+    as a launch would be (16-divisible sizes and strides, 16-aligned pointers; M not specialised)."""
     fn = linear._w8a8_kernel()
     values = dict(M=1, N=n, K=k, sq_m=k, sqs_m=k // 128, sw_n=k, ss_n=k // 128, so_m=n, k_per_split=plan.k_per_split)
     pointers = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16")
     pointers |= dict(part_ptr="*fp32", count_ptr="*i32")
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
     const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False)
-    return _compile(fn, values, pointers, const, plan)
-
-
-def _compile(fn, values: dict, pointers: dict, const: dict, plan: GemmPlan):
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -62,44 +120,60 @@ def _compile(fn, values: dict, pointers: dict, const: dict, plan: GemmPlan):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def dot_kwidths(plan: GemmPlan, n: int, k: int, fp8: bool) -> list[int]:
-    """kWidth of every dot operand layout (in the TTGIR) the plan's kernel feeds its MMAs with."""
-    ttgir = compile_sm90(plan, n, k, fp8).asm["ttgir"]
-    dots = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|ttng\.warp_group_dot) ", line)]
-    return [int(width) for line in dots for width in re.findall(r"kWidth = (\d+)", line)]
-
-
-def sass(compiled) -> str:
-    """The SASS of a compiled kernel (Triton's cuobjdump)."""
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        done = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], capture_output=True, text=True)
-    return done.stdout
-
-
-def opcode_counts(text: str) -> dict[str, int]:
-    return dict(collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", text)))
-
-
-def sass_counts(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
-    """SASS opcode -> count for the plan's kernel on e4m3 weights and bf16 activations."""
-    return opcode_counts(sass(compile_sm90(plan, n, k)))
-
-
 def w8a8_report(plan: GemmPlan, n: int, k: int) -> dict:
     """The W8A8 kernel's SASS opcode counts and its wgmma instructions' operand lists (`gdesc[...]`: an operand
     read from shared memory through a descriptor; a register there would be a register-fed A)."""
-    text = sass(compile_w8a8_sm90(plan, n, k))
+    text = _sass(compile_w8a8_sm90(plan, n, k))
     operands = re.findall(r"([HQ]GMMA\.[\w.]+)\s+([^;]*);", text)
     return dict(ops=opcode_counts(text), wgmma=[f"{op} {args}" for op, args in operands])
+
+
+def k_loops(plan: GemmPlan, n: int, k: int, fp8: bool = False) -> dict:
+    """The plan's shared memory (bytes, what caps its programs per SM) and its innermost loops (the K loops, one
+    per live row-tile count in the stream family): per loop its MMA instructions, 16-byte copies and the deepest
+    cp.async wait (`DEPBAR.LE SB0, n`: groups still in flight while a K step computes, two per K step)."""
+    compiled = compile_sm90(plan, n, k, fp8)
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _sass(compiled))
+    program = [(int(address, 16), text.strip()) for address, text in lines]
+    index = {address: i for i, (address, _) in enumerate(program)}
+    spans = []
+    for i, (address, text) in enumerate(program):
+        target = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
+            spans.append((index[int(target.group(1), 16)], i))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    loops = []
+    for a, b in innermost:
+        body = [text for _, text in program[a : b + 1]]
+        ops = collections.Counter(re.match(OPCODE, text).group(1) for text in body if re.match(OPCODE, text))
+        mma = {op: count for op, count in ops.items() if op.startswith(("HGMMA", "HMMA"))}
+        waits = [int(w, 16) for text in body for w in re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", text)]
+        if mma:
+            loops.append(dict(mma=mma, copies=ops.get("LDGSTS.E.BYPASS.128", 0), in_flight=max(waits, default=0)))
+    return dict(shared=compiled.metadata.shared, loops=loops)
+
+
+def compile_errors(launches: dict[str, list]) -> dict[str, str]:
+    """name -> the compiler's error, for each launch ([n, k, fp8, plan fields, plan options]) that does not
+    compile for sm_90 with the arguments the launcher passes (the CPU interpreter never compiles a kernel)."""
+    errors = {}
+    for name, (n, k, fp8, fields, options) in launches.items():
+        try:
+            compile_sm90(GemmPlan(*fields, **options), n, k, fp8)
+        except Exception as error:  # every launch is tried: the report names all that fail
+            errors[name] = f"{type(error).__name__}: {error}"[-2000:]
+    return errors
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "w8a8":
         n, k, *fields = json.loads(sys.argv[2])
         print(json.dumps(w8a8_report(GemmPlan(*fields), n, k)))
+    elif sys.argv[1] == "compile":
+        print(json.dumps(compile_errors(json.loads(sys.argv[2]))))
+    elif sys.argv[1] == "loops":
+        n, k, *fields = json.loads(sys.argv[2])
+        print(json.dumps(k_loops(GemmPlan(*fields[:-1], **fields[-1]), n, k)))
     elif sys.argv[1] == "kwidth":
         n, k, *fields = json.loads(sys.argv[2])
         plan = GemmPlan(*fields)

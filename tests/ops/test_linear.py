@@ -55,6 +55,9 @@ VARIANTS = {
     "stream 2 x 64-row tiles": GemmPlan(32, 32, 3, family="stream", block_m=64, row_tiles=2),
     "stream swapped 2 x 16 rows": GemmPlan(16, 32, 3, family="stream", block_m=16, row_tiles=2, swap_ab=True),
     "stream swapped 3 x 32 rows": GemmPlan(32, 16, 5, family="stream", block_m=32, row_tiles=3, swap_ab=True),
+    "stream swapped, deep one-tile loop": GemmPlan(
+        32, 16, 5, num_stages=6, family="stream", block_m=32, row_tiles=3, swap_ab=True, wide_stages=2
+    ),
 }
 ROW_COUNTS = (1, 2, 15, 16, 17, 63, 64, 65, 130, 256)  # tile edges of 16 and 64 rows, groups of 2 and 3 tiles
 N_TEST, K_TEST = (3584, 1024) if REAL else (24, 144)
@@ -83,9 +86,55 @@ def test_gemm_variant_matches_and_rows_never_depend_on_m(plan):
         assert not linear._COUNTERS[x.device].any()
 
 
+def test_pipeline_depths_never_change_a_row():
+    """`num_stages` and `wide_stages` only move loads earlier: with the same tiles, every row's result is the same
+    bit for bit, so a deeper plan can replace a tuned one without changing a token (on the GPU: the same wgmma
+    sequence per accumulator, `test_linear_sass.py`)."""
+    if REAL:  # the 27B gate_up tiles (wgmma 64x32x16, 4 row tiles) at the family sweep's "deep8" depths
+        plan = GemmPlan(64, 128, 4, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)
+        deep = dataclasses.replace(plan, num_stages=8, wide_stages=4)
+    else:
+        plan = GemmPlan(32, 16, 3, family="stream", block_m=32, row_tiles=3, swap_ab=True)
+        deep = dataclasses.replace(plan, num_stages=8, wide_stages=2)
+    weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=1), rand(130, K_TEST, dtype=VERIFY_DTYPE, seed=2)
+    for m in (1, 33, 65, 130):  # one, two and three live row tiles; a second row group
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, deep), invariant_matmul_triton(x[:m], weight, plan))
+
+
+@pytest.mark.parametrize("tail_tiles", [1, 2])
+def test_split_tail_matches_and_rows_never_depend_on_m(tail_tiles):
+    """`tail_tiles`: the last N tiles split their K loop (the partial last tile among them): the product is right
+    and a row's result still never depends on M; the tail's counters are re-armed for the next launch."""
+    if REAL:  # the 27B gate_up tiles and depths, 56 N tiles: the last 8 in 4 splits of 2 K blocks
+        plan = GemmPlan(64, 128, 8, 4, 8, family="stream", block_m=32, row_tiles=4, swap_ab=True, wide_stages=4)
+        plan = dataclasses.replace(plan, tail_tiles=8 * tail_tiles, tail_splits=4)
+    else:  # 2 N tiles (the second partial), 5 K blocks in 3 splits of 2, 2, 1
+        plan = GemmPlan(16, 32, 5, family="stream", block_m=16, row_tiles=2, swap_ab=True, tail_tiles=1, tail_splits=3)
+        plan = dataclasses.replace(plan, block_n=16 if tail_tiles == 1 else 8, tail_tiles=tail_tiles)
+    weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=1), rand(256, K_TEST, dtype=VERIFY_DTYPE, seed=2)
+    full = invariant_matmul_triton(x, weight, plan)
+    tol = 1e-4 if VERIFY_DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), x.float() @ weight.float().T, rtol=tol, atol=tol)
+    for m in ROW_COUNTS:
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, plan), full[:m]), f"rows differ at M={m}"
+    assert torch.equal(invariant_matmul_triton(x[70:71], weight, plan), full[70:71])
+    assert not linear._COUNTERS[x.device].any()
+
+
 @pytest.mark.parametrize(
     "fields",
-    [dict(family="tiles"), dict(block_m=48), dict(row_tiles=2), dict(family="stream", row_tiles=9), dict(swap_ab=True)],
+    [
+        dict(family="tiles"),
+        dict(block_m=48),
+        dict(row_tiles=2),
+        dict(family="stream", row_tiles=9),
+        dict(swap_ab=True),
+        dict(wide_stages=2),
+        dict(family="stream", wide_stages=-1),
+        dict(tail_tiles=2, tail_splits=2),
+        dict(family="stream", tail_tiles=2),
+        dict(family="stream", tail_splits=4),
+    ],
 )
 def test_gemm_plan_rejects_what_no_kernel_runs(fields):
     with pytest.raises(ValueError, match="GemmPlan"):

@@ -90,3 +90,24 @@ def mix32(x):
     x *= 0x846CA68B
     x ^= x >> 16
     return x
+
+
+@triton.jit
+def packed_chunk(cu_ptr, n_seqs, chunk, C: tl.constexpr):  # noqa: N803
+    """Where chunk number `chunk` lies among sequences packed back to back (`cu_ptr`: their cumulative lengths,
+    [n_seqs + 1] int32), each cut into C-token chunks from its own start, numbered sequence after sequence:
+    (its first token, its sequence's end); (0, 0) for a number past the last chunk. A loop over the sequences
+    with a runtime count, so one binary serves every packing (a sequence's numbers never depend on its
+    neighbours)."""
+    first = chunk * 0
+    end = chunk * 0
+    before = chunk * 0
+    for s in range(n_seqs):
+        lo = tl.load(cu_ptr + s)
+        hi = tl.load(cu_ptr + s + 1)
+        count = (hi - lo + C - 1) // C
+        inside = (chunk >= before) & (chunk < before + count)
+        first = tl.where(inside, lo + (chunk - before) * C, first)
+        end = tl.where(inside, hi, end)
+        before += count
+    return first, end

@@ -20,6 +20,7 @@ OPS = frozenset(
         "conv_update",
         "gated_rms_norm",
         "gdn_chunked",
+        "gdn_chunked_varlen",
         "gdn_recurrent",
         "linear",
         "linear_fp8",

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_forced
-from qwen_mtp.ops.gdn.naive import _prepare, chunked_gated_delta_rule
+from qwen_mtp.ops.gdn.naive import _prepare, chunked_gated_delta_rule, chunked_gated_delta_rule_varlen
 
 # Tokens per chunk, and the diagonal blocks of the triangular inverse (`invert` is written for four of them). Fixed,
 # so a prompt's rounding never depends on the launch.
@@ -201,7 +201,8 @@ def _kernels():
             delta = u - triton_utils.dot(w, state, INTERPRETED, PRECISION)
             tl.store(delta_ptr + (base + rows)[:, None] * DV + vs[None, :], delta)
             ts = (bos + c * C + rows).to(tl.int64)
-            k_t = tl.load(k_ptr + ts[None, :] * s_kt + (h // GROUP) * s_kh + ks[:, None], mask=(ts < eos)[None, :])
+            k_offsets = ts[None, :] * s_kt + (h // GROUP) * s_kh + ks[:, None]
+            k_t = tl.load(k_ptr + k_offsets, mask=(ts < eos)[None, :], other=0.0)  # [DK, C]
             kf = tl.load(kf_ptr + base + rows)
             last = tl.load(cum_ptr + base + C - 1)
             update = triton_utils.dot(k_t.to(tl.float32), delta * kf[:, None], INTERPRETED, PRECISION)
@@ -361,7 +362,7 @@ def chunk_stages(q, k, v, g, beta, initial_state=None) -> dict[str, torch.Tensor
     below = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     pair = cum[..., :, None] - cum[..., None, :]
-    a = (beta[..., None] * (k @ k.transpose(-1, -2)) * pair.masked_fill(~below, float("-inf")).exp())
+    a = beta[..., None] * (k @ k.transpose(-1, -2)) * pair.masked_fill(~below, float("-inf")).exp()
     eye = torch.eye(CHUNK, dtype=a.dtype, device=a.device)
     inverse = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
     w = inverse @ (k * (beta * cum.exp())[..., None])
@@ -417,3 +418,39 @@ def _gdn_chunked_reference(q, k, v, g, beta, initial_state):
 
 
 register_reference_autograd(gdn_chunked, _gdn_chunked_reference)
+
+
+@torch.library.custom_op("qwen_mtp::gdn_chunked_varlen", mutates_args=())
+def gdn_chunked_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom op: `chunked_gated_delta_rule_varlen` on CPU, the Triton kernels on CUDA (each sequence's results
+    bitwise those of `gdn_chunked` on it alone)."""
+    return chunked_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=initial_state)
+
+
+@gdn_chunked_varlen.register_kernel("cuda")
+def _(q, k, v, g, beta, cu_seqlens, initial_state):
+    if reference_forced("gdn_chunked_varlen") or not supported(q, v):
+        return chunked_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=initial_state)
+    return gdn_chunked_varlen_triton(q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+@gdn_chunked_varlen.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state):
+    state_dtype = torch.promote_types(q.dtype, torch.float32)
+    finals = v.new_empty(cu_seqlens.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3], dtype=state_dtype)
+    return v.new_empty(v.shape, dtype=q.dtype), finals
+
+
+def _gdn_chunked_varlen_reference(q, k, v, g, beta, cu_seqlens, initial_state):
+    return chunked_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=initial_state)
+
+
+register_reference_autograd(gdn_chunked_varlen, _gdn_chunked_varlen_reference)

@@ -25,6 +25,31 @@ def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
 
 
 @triton.jit
+def dot_split(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
+    """a [M, K] @ b [K, N] in fp32 where one operand is bf16 and the other fp32 (raw bf16 inputs times computed
+    values). Compiled, the fp32 one is split into three bf16 pieces (x = x1 + x2 + x3 up to 2^-27 |x|: its own 24
+    bits), each product with the bf16 operand exact in fp32: three bf16 tensor-core products, as accurate as an
+    fp32 dot at half of `tf32x3`'s tensor-core work, the bf16 operand never converted. Other dtypes (fp16, fp32):
+    `dot` of both in fp32."""
+    if INTERPRETED:
+        return dot(a.to(tl.float32), b.to(tl.float32), INTERPRETED, PRECISION)
+    elif a.dtype == tl.bfloat16 and b.dtype == tl.float32:
+        b1 = b.to(tl.bfloat16)
+        rest = b - b1.to(tl.float32)
+        b2 = rest.to(tl.bfloat16)
+        b3 = (rest - b2.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a, b1, tl.dot(a, b2, tl.dot(a, b3)))  # smallest pieces first
+    elif a.dtype == tl.float32 and b.dtype == tl.bfloat16:
+        a1 = a.to(tl.bfloat16)
+        rest = a - a1.to(tl.float32)
+        a2 = rest.to(tl.bfloat16)
+        a3 = (rest - a2.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a1, b, tl.dot(a2, b, tl.dot(a3, b)))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+
+
+@triton.jit
 def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # noqa: N803
     """An e4m3 weight tile w [BLOCK_N, BLOCK_K] (rows `ns`, columns k0..k0+BLOCK_K) -> `dtype`, each element times
     its 128x128 block's scale (scale_ptr: [ceil(N/128), ceil(K/128)], row stride s_n) in fp32 and rounded once:

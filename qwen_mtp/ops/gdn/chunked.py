@@ -154,17 +154,16 @@ def _kernels():
         ks = tl.arange(0, DK)
         vs = tl.arange(0, DV)
         k = tl.load(k_ptr + ts[:, None] * s_kt + (h // GROUP) * s_kh + ks[None, :], mask=mask[:, None], other=0.0)
-        k = k.to(tl.float32)
         v = tl.load(v_ptr + ts[:, None] * s_vt + h * s_vh + vs[None, :], mask=mask[:, None], other=0.0)
-        v = v.to(tl.float32)
         beta = tl.load(beta_ptr + ts * s_gt + h, mask=mask, other=0.0).to(tl.float32)
         base = (chunk.to(tl.int64) * HV + h) * C
         cum = tl.load(cum_ptr + base + rows)
-        rk = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)
+        k32 = k.to(tl.float32)
+        rk = tl.rsqrt(tl.sum(k32 * k32, axis=1) + 1e-6)
         on_or_below = rows[None, :] // 16 <= rows[:, None] // 16
         inverse = tl.load(t_ptr + (base + rows)[:, None] * C + rows[None, :], mask=on_or_below, other=0.0)
-        w = triton_utils.dot(inverse * (beta * tl.exp(cum) * rk)[None, :], k, INTERPRETED, PRECISION)
-        u = triton_utils.dot(inverse * beta[None, :], v, INTERPRETED, PRECISION)
+        w = triton_utils.dot_split(inverse * (beta * tl.exp(cum) * rk)[None, :], k, INTERPRETED, PRECISION)
+        u = triton_utils.dot_split(inverse * beta[None, :], v, INTERPRETED, PRECISION)
         tl.store(w_ptr + (base + rows)[:, None] * DK + ks[None, :], w)
         tl.store(u_ptr + (base + rows)[:, None] * DV + vs[None, :], u)
 
@@ -205,7 +204,7 @@ def _kernels():
             k_t = tl.load(k_ptr + k_offsets, mask=(ts < eos)[None, :], other=0.0)  # [DK, C]
             kf = tl.load(kf_ptr + base + rows)
             last = tl.load(cum_ptr + base + C - 1)
-            update = triton_utils.dot(k_t.to(tl.float32), delta * kf[:, None], INTERPRETED, PRECISION)
+            update = triton_utils.dot_split(k_t, delta * kf[:, None], INTERPRETED, PRECISION)
             state = state * tl.exp(last) + update
         tl.store(final_ptr + tile, state)
 
@@ -239,7 +238,7 @@ def _kernels():
         scores = qk * rq[:, None] * rk[None, :] * decay
         state = tl.load(h_ptr + head * DK * DV + ks[:, None] * DV + vs[None, :])
         delta = tl.load(delta_ptr + (head * C + rows)[:, None] * DV + vs[None, :])
-        out = triton_utils.dot(q32, state, INTERPRETED, PRECISION) * (rq * tl.exp(cum))[:, None]
+        out = triton_utils.dot_split(q, state, INTERPRETED, PRECISION) * (rq * tl.exp(cum))[:, None]
         out += triton_utils.dot(scores, delta, INTERPRETED, PRECISION)
         tl.store(
             out_ptr + ts[:, None] * s_ot + h * s_oh + vs[None, :], out.to(out_ptr.dtype.element_ty), mask=mask[:, None]

@@ -45,7 +45,8 @@ CHUNK, INVERSE_BLOCK = 64, 16
 DOTS = "tf32x3"  # the GPU dots' precision for fp32 operands (the module docstring says why)
 STATE_BLOCK_V = 32  # value columns per `states` program: it runs sequences x heads x dv / STATE_BLOCK_V programs
 OUTPUT_BLOCK_V = 64  # value columns per `output` program
-PREPARE_WARPS, STATE_WARPS, OUTPUT_WARPS = 4, 4, 4
+PREPARE_WARPS, STATE_WARPS, OUTPUT_WARPS = 4, 4, 8
+INVERT_WARPS = 1  # `invert`'s 16x16 tiles: one warp reduces them without barriers
 STATE_STAGES = 2  # software-pipelining depth of the `states` loop (its loads of the next chunk)
 
 
@@ -96,15 +97,21 @@ def _kernels():
         r = tl.arange(0, 16)
         eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
         # The diagonal blocks by forward substitution, four independent chains: row i of a block's inverse is
-        # e_i - sum_{j < i} A[i, j] (row j of the inverse), its rows j < i being final already.
+        # e_i - sum_{j < i} A[i, j] (row j of the inverse), its rows j < i being final already. Each block of A is
+        # held transposed, so that its row i comes out of a reduction already laid out as the inverse's rows.
+        diagonal = (base + r[None, :]) * C + r[:, None]  # [j, i] -> A[i, j] of the top-left block
+        at1 = tl.load(a_ptr + diagonal)
+        at2 = tl.load(a_ptr + diagonal + 16 * C + 16)
+        at3 = tl.load(a_ptr + diagonal + 32 * C + 32)
+        at4 = tl.load(a_ptr + diagonal + 48 * C + 48)
         d1, d2, d3, d4 = eye, eye, eye, eye
         for i in range(1, 16):
-            now, before = r == i, r < i
+            now = r == i
             unit = tl.where(now, 1.0, 0.0)
-            a1 = tl.load(a_ptr + (base + i) * C + r, mask=before, other=0.0)
-            a2 = tl.load(a_ptr + (base + 16 + i) * C + 16 + r, mask=before, other=0.0)
-            a3 = tl.load(a_ptr + (base + 32 + i) * C + 32 + r, mask=before, other=0.0)
-            a4 = tl.load(a_ptr + (base + 48 + i) * C + 48 + r, mask=before, other=0.0)
+            a1 = tl.sum(tl.where(now[None, :], at1, 0.0), axis=1)  # [j]: A[i, j], zero for j >= i
+            a2 = tl.sum(tl.where(now[None, :], at2, 0.0), axis=1)
+            a3 = tl.sum(tl.where(now[None, :], at3, 0.0), axis=1)
+            a4 = tl.sum(tl.where(now[None, :], at4, 0.0), axis=1)
             d1 = tl.where(now[:, None], (unit - tl.sum(a1[:, None] * d1, axis=0))[None, :], d1)
             d2 = tl.where(now[:, None], (unit - tl.sum(a2[:, None] * d2, axis=0))[None, :], d2)
             d3 = tl.where(now[:, None], (unit - tl.sum(a3[:, None] * d3, axis=0))[None, :], d3)
@@ -283,7 +290,7 @@ def _launch(q, k, v, g, beta, cu_seqlens, chunks, initial_state):
         k, g, beta, cu_seqlens, a, cum, kf, sequences, hv, group, k.stride(0), k.stride(1), g.stride(0),
         C=CHUNK, DK=dk, num_warps=PREPARE_WARPS, **common,
     )  # fmt: skip
-    invert[(hv, chunks)](a, inverse, hv, C=CHUNK, num_warps=PREPARE_WARPS, **common)
+    invert[(hv, chunks)](a, inverse, hv, C=CHUNK, num_warps=INVERT_WARPS, **common)
     wy[(hv, chunks)](
         k, v, beta, cu_seqlens, inverse, cum, w, u, sequences, hv, group, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), g.stride(0), C=CHUNK, DK=dk, DV=dv, num_warps=PREPARE_WARPS, **common,

@@ -25,14 +25,18 @@ def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
 
 
 @triton.jit
-def dot_split(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
-    """a [M, K] @ b [K, N] in fp32 where one operand is bf16 and the other fp32 (raw bf16 inputs times computed
-    values). Compiled, the fp32 one is split into three bf16 pieces (x = x1 + x2 + x3 up to 2^-27 |x|: its own 24
-    bits), each product with the bf16 operand exact in fp32: three bf16 tensor-core products, as accurate as an
-    fp32 dot at half of `tf32x3`'s tensor-core work, the bf16 operand never converted. Other dtypes (fp16, fp32):
-    `dot` of both in fp32."""
+def precise_dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
+    """a [M, K] @ b [K, N] to fp32 accuracy whatever the operands' dtypes, in the cheapest exact tensor-core form:
+    - both 16-bit (raw bf16 / fp16 inputs): one product, exact in fp32;
+    - one bf16 and one fp32 (raw inputs times computed values): the fp32 one split into three bf16 pieces
+      (x = x1 + x2 + x3 up to 2^-27 |x|: its own 24 bits), each product exact: three bf16 products, as accurate
+      as an fp32 dot at half of `tf32x3`'s tensor-core work, the bf16 operand never converted;
+    - otherwise (fp32, or fp16 beside fp32): `dot` of both in fp32 at `PRECISION`.
+    Interpreted: `dot` of both in fp32 (all products exact there)."""
     if INTERPRETED:
         return dot(a.to(tl.float32), b.to(tl.float32), INTERPRETED, PRECISION)
+    elif a.dtype == b.dtype and a.dtype != tl.float32:
+        return tl.dot(a, b)
     elif a.dtype == tl.bfloat16 and b.dtype == tl.float32:
         b1 = b.to(tl.bfloat16)
         rest = b - b1.to(tl.float32)

@@ -21,9 +21,11 @@ Five kernels, only the fourth sequential:
 4. `states`: the state across chunks, one program per (sequence, value head, block of value columns), two
    products per chunk; it stores each chunk's starting state and delta;
 5. `output`: every chunk's output from its starting state and delta, all chunks at once.
-Keys and queries are l2-normalised as factors on the rows of the raw inputs (so 16-bit q.k products run as exact
-16-bit tensor-core products); everything else is fp32 with `tf32x3` dots (three TF32 products, ~fp32 accuracy on
-tensor cores): plain TF32 (10 mantissa bits) would move the bf16 outputs away from the reference's.
+Keys and queries are l2-normalised as factors on the rows of the raw inputs, so each product with a raw bf16 input
+runs on bf16 tensor cores exactly (`triton_helpers.precise_dot`: q.k and k.k as they are, raw x fp32 as three
+exact products with the fp32 side split in bf16 pieces); products of two computed fp32 values use `tf32x3` (three
+TF32 products, ~fp32 accuracy): plain TF32 (10 mantissa bits) would move the bf16 outputs away from the
+reference's. Everything between the products is fp32.
 `chunk_stages` below is each kernel's plain-torch reference, for one sequence, in the kernels' layout.
 Measured (H200, 27B shapes): benchmarks/gdn_prefill.py.
 """
@@ -80,7 +82,7 @@ def _kernels():
         rk = tl.rsqrt(tl.sum(k32 * k32, axis=1) + 1e-6)
         below = rows[None, :] < rows[:, None]
         decay = tl.exp(tl.where(below, cum[:, None] - cum[None, :], float("-inf")))
-        kk = triton_utils.dot(k, tl.trans(k), INTERPRETED, PRECISION)  # raw keys: 16-bit products are exact
+        kk = triton_utils.precise_dot(k, tl.trans(k), INTERPRETED, PRECISION)  # raw keys: 16-bit products are exact
         a = kk * (beta * rk)[:, None] * rk[None, :] * decay
         base = (chunk.to(tl.int64) * HV + h) * C
         tl.store(a_ptr + (base + rows)[:, None] * C + rows[None, :], a)
@@ -169,8 +171,8 @@ def _kernels():
         rk = tl.rsqrt(tl.sum(k32 * k32, axis=1) + 1e-6)
         on_or_below = rows[None, :] // 16 <= rows[:, None] // 16
         inverse = tl.load(t_ptr + (base + rows)[:, None] * C + rows[None, :], mask=on_or_below, other=0.0)
-        w = triton_utils.dot_split(inverse * (beta * tl.exp(cum) * rk)[None, :], k, INTERPRETED, PRECISION)
-        u = triton_utils.dot_split(inverse * beta[None, :], v, INTERPRETED, PRECISION)
+        w = triton_utils.precise_dot(inverse * (beta * tl.exp(cum) * rk)[None, :], k, INTERPRETED, PRECISION)
+        u = triton_utils.precise_dot(inverse * beta[None, :], v, INTERPRETED, PRECISION)
         tl.store(w_ptr + (base + rows)[:, None] * DK + ks[None, :], w)
         tl.store(u_ptr + (base + rows)[:, None] * DV + vs[None, :], u)
 
@@ -211,7 +213,7 @@ def _kernels():
             k_t = tl.load(k_ptr + k_offsets, mask=(ts < eos)[None, :], other=0.0)  # [DK, C]
             kf = tl.load(kf_ptr + base + rows)
             last = tl.load(cum_ptr + base + C - 1)
-            update = triton_utils.dot_split(k_t, delta * kf[:, None], INTERPRETED, PRECISION)
+            update = triton_utils.precise_dot(k_t, delta * kf[:, None], INTERPRETED, PRECISION)
             state = state * tl.exp(last) + update
         tl.store(final_ptr + tile, state)
 
@@ -241,11 +243,11 @@ def _kernels():
         cum = tl.load(cum_ptr + head * C + rows)
         causal = rows[None, :] <= rows[:, None]
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        qk = triton_utils.dot(q, tl.trans(k), INTERPRETED, PRECISION)  # raw: 16-bit products are exact
+        qk = triton_utils.precise_dot(q, tl.trans(k), INTERPRETED, PRECISION)  # raw: 16-bit products are exact
         scores = qk * rq[:, None] * rk[None, :] * decay
         state = tl.load(h_ptr + head * DK * DV + ks[:, None] * DV + vs[None, :])
         delta = tl.load(delta_ptr + (head * C + rows)[:, None] * DV + vs[None, :])
-        out = triton_utils.dot_split(q, state, INTERPRETED, PRECISION) * (rq * tl.exp(cum))[:, None]
+        out = triton_utils.precise_dot(q, state, INTERPRETED, PRECISION) * (rq * tl.exp(cum))[:, None]
         out += triton_utils.dot(scores, delta, INTERPRETED, PRECISION)
         tl.store(
             out_ptr + ts[:, None] * s_ot + h * s_oh + vs[None, :], out.to(out_ptr.dtype.element_ty), mask=mask[:, None]

@@ -59,7 +59,7 @@ def _kernels():
 
     # Scratch is chunk-major, [chunks, value heads, C, .]: `base` = (chunk * HV + head) * C is the chunk's first row.
 
-    @triton.jit(do_not_specialize=["N", "s_kt", "s_gt"])
+    @triton.jit(do_not_specialize=["N"])
     def decay_kkt(
         k_ptr, g_ptr, beta_ptr, cu_ptr, a_ptr, cum_ptr, kf_ptr, N, HV, GROUP, s_kt, s_kh, s_gt,
         C: tl.constexpr, DK: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
@@ -147,7 +147,7 @@ def _kernels():
         tl.store(t_ptr + block + 48 * C + 32, t43)
         tl.store(t_ptr + block + 48 * C + 48, d4)
 
-    @triton.jit(do_not_specialize=["N", "s_kt", "s_vt", "s_gt"])
+    @triton.jit(do_not_specialize=["N"])
     def wy(
         k_ptr, v_ptr, beta_ptr, cu_ptr, t_ptr, cum_ptr, w_ptr, u_ptr, N, HV, GROUP, s_kt, s_kh, s_vt, s_vh, s_gt,
         C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
@@ -176,7 +176,7 @@ def _kernels():
         tl.store(w_ptr + (base + rows)[:, None] * DK + ks[None, :], w)
         tl.store(u_ptr + (base + rows)[:, None] * DV + vs[None, :], u)
 
-    @triton.jit(do_not_specialize=["N", "s_kt"])
+    @triton.jit(do_not_specialize=["N"])
     def states(
         k_ptr, cu_ptr, w_ptr, u_ptr, cum_ptr, kf_ptr, init_ptr, h_ptr, delta_ptr, final_ptr, N, HV, GROUP, s_kt,
         s_kh, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr,
@@ -217,7 +217,7 @@ def _kernels():
             state = state * tl.exp(last) + update
         tl.store(final_ptr + tile, state)
 
-    @triton.jit(do_not_specialize=["N", "s_qt", "s_ot"])
+    @triton.jit(do_not_specialize=["N"])
     def output(
         q_ptr, k_ptr, cu_ptr, cum_ptr, h_ptr, delta_ptr, out_ptr, N, HV, GROUP, scale, s_qt, s_qh, s_ot, s_oh,
         C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRETED: tl.constexpr,

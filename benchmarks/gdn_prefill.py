@@ -5,7 +5,8 @@ is importable, per prompt length. Prints ms per layer call, the split over the f
 to the old kernels, the largest difference from the plain-torch reference, whether two runs and a packed call
 (the sequence beside a shorter one, `gdn_chunked_varlen`) are bitwise equal; then a sweep of each kernel's launch
 setting with the others at their defaults. JSON to $OUT/gdn-prefill.json (or ./gdn-prefill.json).
-Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gdn_prefill.py [lengths ...]   (default 2048 8192 32768)
+Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gdn_prefill.py [lengths ...]   (default 2048 8192 32768;
+SWEEP=0 skips the sweeps)
 """
 
 import itertools
@@ -23,19 +24,20 @@ import gdn_baseline  # noqa: E402
 from qwen_mtp.ops.gdn import chunked, chunked_gated_delta_rule, gate_values  # noqa: E402
 
 HK, HV, DK, DV = 16, 48, 128, 128
+DEVICE = "cuda"
 KERNELS = ("decay_kkt", "invert", "wy", "states", "output")
 SWEEPS = {  # kernel -> {module constant: values}
-    "states": {"STATE_BLOCK_V": (16, 32, 64), "STATE_WARPS": (4, 8), "STATE_STAGES": (1, 2, 3)},
+    "states": {"STATE_BLOCK_V": (16, 32, 64), "STATE_WARPS": (4, 8), "STATE_STAGES": (1, 2)},
     "output": {"OUTPUT_BLOCK_V": (32, 64, 128), "OUTPUT_WARPS": (4, 8)},
     "prepare": {"PREPARE_WARPS": (4, 8), "INVERT_WARPS": (1, 2, 4)},
 }
 
 
 def inputs(length: int, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
+        return torch.randn(*shape, generator=gen, device=DEVICE)
 
     mixed = randn(1, length, 2 * HK * DK + HV * DV).to(torch.bfloat16)
     q, k, v = torch.split(mixed, [HK * DK, HK * DK, HV * DV], dim=-1)
@@ -44,8 +46,8 @@ def inputs(length: int, seed: int = 0):
     return q, k, v, g, beta, randn(1, HV, DK, DV) * 0.1
 
 
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, rep=200)
+def time_ms(fn, rep: int = 200) -> float:
+    return triton.testing.do_bench(fn, rep=rep)
 
 
 def kernel_split(fn) -> dict[str, float]:
@@ -83,7 +85,7 @@ def packed_equal(length: int, args) -> bool:
     q, k, v, g, beta, state = args
     other = inputs(length // 2 + 5, seed=1)
     packed = [torch.cat([o, x], dim=1) for o, x in zip(other[:5], (q, k, v, g, beta), strict=True)]
-    cu = torch.tensor([0, length // 2 + 5, length // 2 + 5 + length], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, length // 2 + 5, length // 2 + 5 + length], dtype=torch.int32, device=DEVICE)
     out, final = chunked.gdn_chunked_varlen_triton(*packed, cu, torch.cat([other[5], state]))
     alone, alone_final = chunked.gdn_chunked_triton(q, k, v, g, beta, state)
     return torch.equal(out[:, length // 2 + 5 :], alone) and torch.equal(final[1:], alone_final)
@@ -101,7 +103,7 @@ def sweep(args, new) -> dict:
                 setattr(chunked, n, value)
             try:
                 out, final = new(*args)
-                total = time_ms(lambda: new(*args))
+                total = time_ms(lambda: new(*args), rep=100)
                 split = kernel_split(lambda: new(*args))
             except Exception as err:  # a setting the compiler cannot build (e.g. shared memory)
                 rows.append({"setting": dict(zip(names, values, strict=True)), "error": type(err).__name__})
@@ -154,7 +156,8 @@ def measure(length: int, fla) -> dict:
         except Exception as err:  # e.g. an fla version that refuses these shapes
             row["fla_error"] = f"{type(err).__name__}: {err}"[:300]
             print(f"  fla: {row['fla_error']}")
-    row["sweep"] = sweep(args, new)
+    if os.environ.get("SWEEP", "1") != "0":
+        row["sweep"] = sweep(args, new)
     return row
 
 
@@ -166,6 +169,15 @@ def main() -> None:
         with torch.inference_mode():
             report["lengths"][str(length)] = measure(length, fla)
         torch.cuda.empty_cache()
+    print("\n| tokens | new ms/layer | old ms/layer | old / new | fla ms/layer | best states | best output |")
+    print("|---|---|---|---|---|---|---|")
+    for length, row in report["lengths"].items():
+        best = {part: min((r for r in rows if "kernel_ms" in r), key=lambda r: r["kernel_ms"], default=None)
+                for part, rows in row.get("sweep", {}).items()}  # fmt: skip
+        text = {part: f"{r['setting']} {r['kernel_ms']:.3f} ms" if r else "-" for part, r in best.items()}
+        fla_ms = f"{row['fla_ms']:.3f}" if "fla_ms" in row else "-"
+        print(f"| {length} | {row['new_ms']:.3f} | {row['old_ms']:.3f} | {row['old_over_new']:.1f}x | {fla_ms} | "
+              f"{text.get('states', '-')} | {text.get('output', '-')} |")  # fmt: skip
     path = os.path.join(os.environ.get("OUT", "."), "gdn-prefill.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

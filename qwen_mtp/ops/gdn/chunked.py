@@ -200,17 +200,22 @@ def _kernels():
             state = tl.load(init_ptr + tile).to(tl.float32)
         else:
             state = tl.zeros([DK, BLOCK_V], dtype=tl.float32)
+        # Offsets inside a chunk's tiles (int32, the same every step) from per-chunk scalar bases (int64)
+        h_tile = ks[:, None] * DV + vs[None, :]
+        w_tile = rows[:, None] * DK + ks[None, :]
+        u_tile = rows[:, None] * DV + vs[None, :]
+        k_tile = rows[None, :] * s_kt + ks[:, None]  # [DK, C]: the chunk's keys, transposed
+        k_head = k_ptr + (h // GROUP) * s_kh
         for c in range((eos - bos + C - 1) // C):
             head = (before + c).to(tl.int64) * HV + h
             base = head * C
-            tl.store(h_ptr + head * DK * DV + ks[:, None] * DV + vs[None, :], state)
-            w = tl.load(w_ptr + (base + rows)[:, None] * DK + ks[None, :])
-            u = tl.load(u_ptr + (base + rows)[:, None] * DV + vs[None, :])
+            tl.store(h_ptr + head * DK * DV + h_tile, state)
+            w = tl.load(w_ptr + base * DK + w_tile)
+            u = tl.load(u_ptr + base * DV + u_tile)
             delta = u - triton_utils.dot(w, state, INTERPRETED, PRECISION)
-            tl.store(delta_ptr + (base + rows)[:, None] * DV + vs[None, :], delta)
-            ts = (bos + c * C + rows).to(tl.int64)
-            k_offsets = ts[None, :] * s_kt + (h // GROUP) * s_kh + ks[:, None]
-            k_t = tl.load(k_ptr + k_offsets, mask=(ts < eos)[None, :], other=0.0)  # [DK, C]
+            tl.store(delta_ptr + base * DV + u_tile, delta)
+            start = bos + c * C
+            k_t = tl.load(k_head + start.to(tl.int64) * s_kt + k_tile, mask=(start + rows < eos)[None, :], other=0.0)
             kf = tl.load(kf_ptr + base + rows)
             last = tl.load(cum_ptr + base + C - 1)
             update = triton_utils.precise_dot(k_t, delta * kf[:, None], INTERPRETED, PRECISION)

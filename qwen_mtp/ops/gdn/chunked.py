@@ -41,9 +41,9 @@ from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.gdn.naive import _prepare, chunked_gated_delta_rule, chunked_gated_delta_rule_varlen
 
-# Tokens per chunk, and the diagonal blocks of the triangular inverse (`invert` is written for four of them). Fixed,
-# so a prompt's rounding never depends on the launch.
-CHUNK, INVERSE_BLOCK = 64, 16
+# Tokens per chunk (`invert` is written for four 16x16 diagonal blocks): fixed, so a prompt's rounding never depends
+# on the launch.
+CHUNK = 64
 DOTS = "tf32x3"  # the GPU dots' precision for fp32 operands (the module docstring says why)
 STATE_BLOCK_V = 32  # value columns per `states` program: it runs sequences x heads x dv / STATE_BLOCK_V programs
 OUTPUT_BLOCK_V = 64  # value columns per `output` program

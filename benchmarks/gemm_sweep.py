@@ -37,6 +37,8 @@ def decode_shapes(preset: str, lm_head: bool = False) -> dict[str, tuple[int, in
         "gdn out_proj": (h, s.gdn_value_dim),
         "attn qkv (fused)": (attn_q + 2 * attn_kv, h), "attn o_proj": (h, c.num_attention_heads * c.head_dim),
         "mlp gate_up (fused)": (2 * inter, h), "mlp down": (h, inter), "mtp fc": (h, 2 * h),
+        # the draft step's lm_head over a pruned draft vocabulary (mtp.draft_vocab, docs/mtp.md)
+        "draft vocab 32k": (32768, h), "draft vocab 64k": (65536, h),
     } | ({"lm_head": (c.vocab_size, h)} if lm_head else {})  # fmt: skip
 
 

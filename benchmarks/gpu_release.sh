@@ -7,12 +7,7 @@
 # Usage (device box, repo root; carry [".whl"] with torchao from ../shared/tools/device-wheels.sh):
 #   bash benchmarks/gpu_release.sh
 set -uo pipefail
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$PWD/.site" .whl/*.whl
-fi
-export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
-export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() {  # name, limit, settings...
   local name=$1 limit=$2; shift 2

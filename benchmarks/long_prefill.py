@@ -15,7 +15,7 @@ import os
 import time
 from collections import defaultdict
 
-import torch
+from bench_common import sync  # (a sibling module: benchmarks/bench_common.py)
 from torch.profiler import ProfilerActivity, profile
 
 from qwen_mtp.engine import Engine, SamplingParams
@@ -28,11 +28,6 @@ KINDS = (  # kernel-name fragments -> category (first match wins)
     ("gdn", ("gdn", "delta", "chunk", "conv", "gated")),
     ("gemm", ("gemm", "matmul", "cutlass", "sm90", "xmma", "nvjet", "linear")),
 )
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def kind(name: str) -> str:

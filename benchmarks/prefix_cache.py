@@ -12,27 +12,16 @@ Usage (GPU box): python3 benchmarks/prefix_cache.py recipes/bench-27b.yaml [--k 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import random
 import time
 
 import torch
+from bench_common import free_memory, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.recipe import load_recipe
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, vocab) for _ in range(n)]
 
 
 def drain(engine: Engine) -> None:
@@ -49,13 +38,6 @@ def first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
         engine.step()
     sync()
     return time.perf_counter() - start, engine.result(rid).token_ids[0]
-
-
-def free_memory() -> None:
-    """After `del engine`: free its pools before the next engine sizes itself from the free memory (an engine's
-    callbacks form reference cycles: collect them)."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def make_engine(recipe_path: str, loaded, caching: bool, k: int, extra: tuple[str, ...] = ()) -> Engine:
@@ -101,7 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_from_recipe(load_recipe(args.recipe))
     vocab = loaded.model.config.vocab_size
-    report: dict = {"k": args.k, "history": args.history, "system": args.system}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report: dict = {"recipe": args.recipe, "device": device, "k": args.k}
+    report |= {"history": args.history, "system": args.system}
 
     cached = make_engine(args.recipe, loaded, True, args.k)
     sixth = conversation(cached, args, vocab)

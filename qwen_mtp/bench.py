@@ -1,5 +1,6 @@
-"""`qwen-mtp bench`: plain decode vs MTP K=1..4 (oracle drafts at several accept rates, and the real
-head), in one process on one loaded model, with every MTP row checked token-for-token against plain decode.
+"""`qwen-mtp bench`: plain decode vs MTP K=1..4 and `mtp.k: auto` (oracle drafts at several accept rates, and
+the real head; with `bench.draft_vocabs`, also over pruned draft vocabularies), in one process on one loaded
+model, with every MTP row checked token-for-token against plain decode.
 
 Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acceptance length, step time split
 (verify / draft / host), peak device memory, and % of the HBM roofline: (the bytes one decode step must move /
@@ -39,8 +40,10 @@ class Row:
     prompt_len: int
     batch: int
     mode: str  # "plain" | "mtp"
-    k: int
+    k: int | str  # "auto": chosen per step (mtp.k auto, up to mtp.max_k)
     draft: str  # "-" | "head" | "oracle"
+    draft_vocab: int  # the head's draft vocabulary (mtp.draft_vocab; 0: the whole vocabulary)
+    mean_k: float  # drafts verified per request and step (fillers excluded; k, except with k auto)
     accept_rate: float | None
     ttft_ms: float
     tpot_ms: float
@@ -90,7 +93,7 @@ def weight_bytes(loaded: LoadedModel) -> dict[str, int]:
     embed = size(model.model.embed_tokens)
     target = size(model.model) - embed + lm_head
     mtp = size(model.mtp) + lm_head if model.mtp is not None else 0
-    return {"target": target, "mtp_step": mtp} | moe_expert_bytes(model)
+    return {"target": target, "mtp_step": mtp, "lm_head": lm_head} | moe_expert_bytes(model)
 
 
 def moe_expert_bytes(model) -> dict[str, Any]:
@@ -146,10 +149,16 @@ def _quiet(message: str) -> None:
 
 
 def _variant(
-    recipe: Recipe, prompt_len: int, batch: int, k: int | None, draft: str = "head", accept: float = 1.0
+    recipe: Recipe,
+    prompt_len: int,
+    batch: int,
+    k: int | str | None,
+    draft: str = "head",
+    accept: float = 1.0,
+    draft_vocab: int = 0,
 ) -> Recipe:
     bench = recipe.bench
-    spec = k or 0
+    spec = 0 if k is None else recipe.mtp.max_k if k == "auto" else k
     compile_ = dataclasses.replace(recipe.compile, batch_sizes=[batch])  # one bucket: the batch itself
     cache = dataclasses.replace(
         recipe.cache,
@@ -159,7 +168,10 @@ def _variant(
         num_pages=batch * pages_for(prompt_len + bench.output_len + 2 * spec, recipe.cache.page_size),
         prefill_chunk=max(recipe.cache.prefill_chunk, prompt_len),
     )
-    mtp = dataclasses.replace(recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept)
+    mtp = dataclasses.replace(
+        recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept,
+        draft_vocab=draft_vocab,
+    )  # fmt: skip
     return dataclasses.replace(recipe, cache=cache, mtp=mtp, compile=compile_)
 
 
@@ -190,7 +202,9 @@ def _run(
     decode_steps = steps - 1  # the first step prefills every request (prefill_chunk >= prompt_len)
     specs = [r.spec for r in results if r.spec is not None]
     verify_steps = sum(s.verify_steps for s in specs)
+    drafted = sum(s.drafted for s in specs)
     return {
+        "mean_k": drafted / verify_steps if verify_steps else 0.0,
         "tokens": [r.token_ids for r in results],
         "acceptance_length": (sum(s.accepted for s in specs) + verify_steps) / verify_steps if specs else 1.0,
         "ttft": sum(first[i] - start for i in ids) / len(ids),
@@ -237,11 +251,12 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per step: target {sizes['target'] / 1e9:.2f} GB, "
         f"MTP draft step {sizes['mtp_step'] / 1e9:.2f} GB")  # fmt: skip
     settings = recipe.compile
-    configs: list[tuple[int | None, str, float]] = [(None, "-", 0.0)]
-    for k in bench.ks:
-        configs += [(k, "oracle", rate) for rate in bench.accept_rates]
-        if bench.head:
-            configs.append((k, "head", 0.0))
+    configs: list[tuple[int | str | None, str, float, int]] = [(None, "-", 0.0, 0)]
+    for draft_vocab in bench.draft_vocabs:
+        for k in bench.ks:
+            configs += [(k, "oracle", rate, draft_vocab) for rate in bench.accept_rates]
+            if bench.head:
+                configs.append((k, "head", 0.0, draft_vocab))
     report: dict[str, Any] = {
         "recipe": recipe.to_dict(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -257,9 +272,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     for prompt_len, batch in cases:
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
         plain_tokens, plain_tps = None, None
-        for k, draft, rate in configs:
+        for k, draft, rate, draft_vocab in configs:
             # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
-            variant = _variant(recipe, prompt_len, batch, k, draft, rate)
+            variant = _variant(recipe, prompt_len, batch, k, draft, rate, draft_vocab)
             engine = Engine.from_recipe(variant, loaded=loaded, log=log if settings.enabled else _quiet)
             if not report["rows"]:
                 prefill = "compiled, any chunk length" if settings.enabled and settings.prefill else "eager"
@@ -280,13 +295,21 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             steps = max(result["decode_steps"], 1)
             forward = phases.get("verify", phases.get("decode", 0.0))
             step = result["decode_seconds"] / steps
-            moved = step_bytes(engine, sizes, batch, k or 0, prompt_len + bench.output_len / 2)
+            mean_k = result["mean_k"] if k is not None else 0.0
+            row_sizes = sizes
+            if draft_vocab:  # a draft step reads N of the lm_head's V rows
+                pruned = sizes["lm_head"] * (1 - draft_vocab / loaded.model.lm_head_weight.shape[0])
+                row_sizes = sizes | {"mtp_step": sizes["mtp_step"] - int(pruned)}
+            drafts = k if isinstance(k, int) else round(mean_k)
+            moved = step_bytes(engine, row_sizes, batch, drafts, prompt_len + bench.output_len / 2)
             row = Row(
                 prompt_len=prompt_len,
                 batch=batch,
                 mode="plain" if k is None else "mtp",
                 k=k or 0,
                 draft=draft,
+                draft_vocab=draft_vocab,
+                mean_k=mean_k,
                 accept_rate=None if draft != "oracle" else rate,
                 ttft_ms=1e3 * result["ttft"],
                 tpot_ms=1e3 * result["tpot"],
@@ -316,7 +339,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
 
 COLUMNS = [
     ("ctx", "prompt_len", "{}"), ("B", "batch", "{}"), ("mode", "mode", "{}"), ("K", "k", "{}"),
-    ("draft", "draft", "{}"),
+    ("draft", "draft", "{}"), ("vocab", "draft_vocab", "{}"), ("mean K", "mean_k", "{:.2f}"),
     ("acc", "accept_rate", "{}"), ("TTFT ms", "ttft_ms", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x plain", "speedup", "{:.2f}"), ("AL", "acceptance_length", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"), ("verify", "verify_ms", "{:.2f}"), ("draft", "draft_ms", "{:.2f}"),
@@ -370,7 +393,7 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
             name = f"B={batch}" + (f" ctx={context}" if len(contexts) > 1 else "")
             series: dict[str, list[tuple[int, float]]] = {}
             for r in case:
-                if r["mode"] == "mtp":
+                if r["mode"] == "mtp" and r["k"] != "auto":  # k auto rows: in the batch panel
                     series.setdefault(f"{name} {_drafts(r)}", []).append((r["k"], r["tokens_per_s"]))
             for label, points in series.items():
                 ax.plot([0] + [p[0] for p in points], [plain["tokens_per_s"]] + [p[1] for p in points],
@@ -405,4 +428,5 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
 
 
 def _drafts(row: dict[str, Any]) -> str:
-    return f"oracle {row['accept_rate']}" if row["draft"] == "oracle" else "head"
+    kind = f"oracle {row['accept_rate']}" if row["draft"] == "oracle" else "head"
+    return kind + (f" vocab {row['draft_vocab']}" if row.get("draft_vocab") else "")

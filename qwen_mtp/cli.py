@@ -1,5 +1,5 @@
 """`qwen-mtp` command line: `qwen-mtp run|bench|serve|train recipe.yaml [--set key=value ...]`, `qwen-mtp acceptance
-DIR`."""
+DIR`, `qwen-mtp draft-vocab DIR --out FILE`."""
 
 from __future__ import annotations
 
@@ -238,6 +238,8 @@ def acceptance(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "float32",
     out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+    draft_vocab: Annotated[int, typer.Option(help="draft from the N most frequent ids only (mtp.draft_vocab)")] = 0,
+    draft_vocab_file: Annotated[str | None, typer.Option(help="with --draft-vocab: the count file")] = None,
 ) -> None:
     """Greedy MTP acceptance lengths for K=1..4 on held-out prompts (and a check that MTP-on == MTP-off)."""
     import json
@@ -247,8 +249,9 @@ def acceptance(
     try:
         k_values = tuple(int(k) for k in ks.split(","))
         report = measure_acceptance(
-            checkpoint, read_prompts(prompts)[:count], k_values, max_new_tokens, device, dtype, log=typer.echo
-        )
+            checkpoint, read_prompts(prompts)[:count], k_values, max_new_tokens, device, dtype, log=typer.echo,
+            draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file,
+        )  # fmt: skip
     except ValueError as err:
         _fail(ValueError(f"--ks must be comma-separated integers 1..4: {err}"))
     except QwenMTPError as err:
@@ -259,6 +262,57 @@ def acceptance(
         typer.echo(f"wrote {out}")
     else:
         typer.echo(text)
+
+
+@app.command("draft-vocab")
+def draft_vocab(
+    checkpoint: Annotated[Path, typer.Argument(help="a checkpoint directory (its tokenizer, and model for --prompts)")],
+    out: Annotated[Path, typer.Option(help="the count file to write (mtp.draft_vocab_file)")],
+    corpus: Annotated[
+        str | None, typer.Option(help="count a local corpus: a folder of text files, or 'stdlib' (train split)")
+    ] = None,
+    include: Annotated[list[str] | None, typer.Option(help="with --corpus: file globs (default **/*.py)")] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="count the model's greedy generations for these prompts (JSON {'prompts': [...]})"),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="with --prompts: tokens generated per prompt")] = 256,
+    device: Annotated[str, typer.Option(help="with --prompts: cpu, cuda or cuda:N")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="with --prompts: float32 or bfloat16")] = "bfloat16",
+) -> None:
+    """Count tokens for a draft vocabulary (`mtp.draft_vocab`, docs/mtp.md): over a local corpus with the model's
+    tokenizer, or over the model's own greedy generations for a prompt file; writes the count file."""
+    from qwen_mtp.engine import draft_vocab as counts_file
+    from qwen_mtp.errors import RecipeError
+
+    try:
+        if (corpus is None) == (prompts is None):
+            raise RecipeError("give one of --corpus (a folder or 'stdlib') or --prompts (a JSON prompt file)")
+        if corpus is not None:
+            from qwen_mtp.engine.setup import load_tokenizer
+            from qwen_mtp.train.corpus import Corpus
+
+            tokenizer = load_tokenizer(checkpoint)
+            if tokenizer is None:
+                raise RecipeError(f"{checkpoint} has no tokenizer: --corpus needs one to count tokens")
+            files = Corpus(corpus, tuple(include or ("**/*.py",))).files("train")
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            counts = counts_file.count_corpus(encode, (f.text for f in files))
+            source = f"corpus {corpus} (train split, {len(files)} files)"
+        else:
+            from qwen_mtp.engine import Engine
+            from qwen_mtp.train.evaluate import read_prompts
+
+            recipe = {"model": {"path": str(checkpoint), "dtype": dtype, "device": device}}
+            engine = Engine.from_recipe(recipe, log=lambda _: None)
+            texts = read_prompts(prompts)
+            counts = counts_file.count_generations(engine, texts, max_new_tokens)
+            source = f"greedy generations ({len(texts)} prompts of {prompts}, up to {max_new_tokens} tokens each)"
+        about = {"model": checkpoint, "source": source, "tokens": sum(counts.values()), "distinct": len(counts)}
+        counts_file.write_counts(out, counts, about)
+    except QwenMTPError as err:
+        _fail(err)
+    typer.echo(f"wrote {out}: {about['tokens']} tokens, {about['distinct']} distinct ids, from {source}")
 
 
 @app.command()

@@ -12,8 +12,9 @@ every projection the checkpoint stores in FP8 stays FP8 (weights and scales as s
 exact upcast of bf16 ones), and whatever it keeps in bf16 (`modules_to_not_convert`: lm_head, embeddings, norms,
 conv1d, A_log, dt_bias, in_proj_a/b, mtp.fc) loads as usual. An FP8 tensor the model cannot hold in FP8 (the
 lm_head, which `model.logits` reads as a plain weight; an embedding or norm; the segments of a merged projection
-whose rows are not multiples of 128, with a warning; MoE experts; Qwen3-Next's interleaved `in_proj_qkvz`, whose
-rows scatter over the fused weight) is dequantized at load exactly as transformers does
+whose rows are not multiples of 128, and per-expert MoE gate/up tensors whose intermediate size is not, with a
+warning; Qwen3-Next's interleaved `in_proj_qkvz`, whose rows scatter over the fused weight) is dequantized at
+load exactly as transformers does
 (`(fp8.float() * scale.float()).to(dtype)`), which gives the numbers the FP8 reference path computes.
 `quant="dequantize"` dequantizes every FP8 tensor (any block size); `quant="fp8-block"` also quantizes the bf16
 projections Qwen's FP8 releases quantize (`quant.fp8.quantize_`), so a BF16 checkpoint loads in FP8.
@@ -35,6 +36,7 @@ from qwen_mtp.config import ModelConfig
 from qwen_mtp.dtypes import DTYPES
 from qwen_mtp.errors import CheckpointError
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.model.moe import Experts
 from qwen_mtp.model.next_layout import PermutedSlot
 from qwen_mtp.parallel.group import TensorParallel
 from qwen_mtp.parallel.plan import ShardPlan, TensorShard
@@ -187,11 +189,14 @@ def check_device(device: torch.device | str) -> torch.device:
 def _keep_fp8(model: QwenHybridForCausalLM, fp8_names: set[str], block: tuple[int, int] | None) -> None:
     """Switch the projections the checkpoint stores in FP8 to FP8 storage (on the meta device, before loading)."""
     chosen: dict[nn.Module, tuple[str, list]] = {}
-    for name, slot in model.checkpoint_slots().items():
+    slots = model.checkpoint_slots() | {name: slot for name, (_, slot) in model.checkpoint_aliases().items()}
+    for name, slot in slots.items():
         if isinstance(slot, PermutedSlot):  # Qwen3-Next's in_proj_qkvz: its scale blocks match no fused rows
             continue
         if name in fp8_names and hasattr(slot.module, "to_fp8") and slot.module is not model.lm_head:
-            chosen.setdefault(slot.module, (name, []))[1].append(slot.segment)
+            # MoE experts: a per-expert tensor ("3.up_proj") or the 3-D weight itself (a fused-layout checkpoint)
+            part = slot.name if isinstance(slot.module, Experts) and slot.segment is None else slot.segment
+            chosen.setdefault(slot.module, (name, []))[1].append(part)
     if chosen and tuple(block or ()) != FP8_BLOCK:
         name = next(iter(chosen.values()))[0]
         raise CheckpointError(
@@ -211,7 +216,7 @@ def _check_fp8_tensor(name: str, tensor: torch.Tensor, scale: torch.Tensor | Non
         raise CheckpointError(f"fp8 tensor {name} has no {name}{SCALE_SUFFIX}")
     if block is None:
         raise CheckpointError(f"fp8 tensor {name} but config.json has no quantization_config")
-    grid = scale_grid(tensor.shape, block)
+    grid = (*tensor.shape[:-2], *scale_grid(tensor.shape[-2:], block))  # 3-D experts: a grid per expert
     if tuple(scale.shape) != grid:
         raise CheckpointError(
             f"block scale {name}{SCALE_SUFFIX} has shape {list(scale.shape)}; {list(block)} blocks of an "

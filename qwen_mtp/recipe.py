@@ -39,10 +39,18 @@ class ParallelSection:
 @dataclass
 class MTPSection:
     enabled: bool = False
-    k: int = 2
+    k: int | Literal["auto"] = 2  # drafts per step; "auto": chosen per step, 0..max_k (engine/k_policy.py)
+    max_k: int = 4  # with k: auto, the most drafts a step may verify
     draft: Literal["head", "oracle"] = "head"
     oracle_accept: float = 1.0
     coupled_drafts: bool = True  # sampled requests: drafts use the target's noise (false: greedy drafts)
+    draft_vocab: int = 0  # > 0: the head drafts from the N most frequent tokens only (docs/mtp.md); 0: all
+    draft_vocab_file: str | None = None  # token counts (`qwen-mtp draft-vocab` writes them), or "first": ids 0..N-1
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts any step verifies: what the state pool and page reservations are sized for."""
+        return self.max_k if self.k == "auto" else self.k
 
 
 @dataclass
@@ -61,6 +69,10 @@ class CacheSection:
     prefix_caching: bool = False  # share full prefill chunks' KV pages + GDN state snapshots across requests
     prefix_snapshots: int | None = None  # GDN state snapshot slots; None: sized from the pools (sizing.py)
     prefix_cache_outputs: bool = True  # with prefix_caching: also cache a finished request's output chunks
+    # Mixed steps (docs/mixed-steps.md): a step's prefill chunks of several requests run as one packed forward,
+    # next to the decode/verify rows, under `max_step_tokens`. Off until measured on the H200.
+    mixed_steps: bool = False
+    max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
 
 
 @dataclass
@@ -82,7 +94,8 @@ class RunSection:
 @dataclass
 class BenchSection:
     batch_sizes: list[int] = field(default_factory=lambda: [1])
-    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    ks: list[int | Literal["auto"]] = field(default_factory=lambda: [1, 2, 3, 4])  # "auto": mtp.k auto, max_k
+    draft_vocabs: list[int] = field(default_factory=lambda: [0])  # MTP rows per draft vocabulary (0: the whole)
     accept_rates: list[float] = field(default_factory=lambda: [1.0, 0.8, 0.6])
     head: bool = True  # also run the real MTP head's drafts
     prompt_len: int | list[int] = 128  # several: a sweep over context lengths
@@ -304,10 +317,17 @@ def _validate(r: Recipe, trains: bool = False) -> None:
     )
     _require(r.parallel.tp >= 1, f"parallel.tp must be >= 1, got {r.parallel.tp}")
     _require(r.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {r.parallel.timeout_s}")
-    _require(1 <= r.mtp.k <= 4, f"mtp.k must be 1..4, got {r.mtp.k}")
+    _require(r.mtp.k == "auto" or 1 <= r.mtp.k <= 4, f"mtp.k must be 1..4 or auto, got {r.mtp.k}")
+    _require(1 <= r.mtp.max_k <= 4, f"mtp.max_k must be 1..4, got {r.mtp.max_k}")
+    _require(r.mtp.draft_vocab >= 0, f"mtp.draft_vocab must be >= 0 (0: the whole vocabulary), got {r.mtp.draft_vocab}")
+    _require(
+        r.mtp.draft_vocab == 0 or r.mtp.draft_vocab_file is not None,
+        "mtp.draft_vocab needs mtp.draft_vocab_file: a token-count file (`qwen-mtp draft-vocab` writes one), "
+        "or 'first' for the first N ids (synthetic models)",
+    )
     _require(0.0 <= r.mtp.oracle_accept <= 1.0, f"mtp.oracle_accept must be in 0..1, got {r.mtp.oracle_accept}")
     c = r.cache
-    for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows"):
+    for key in ("page_size", "max_batch", "prefill_chunk", "num_pages", "num_state_rows", "max_step_tokens"):
         value = getattr(c, key)
         _require(value is None or value >= 1, f"cache.{key} must be >= 1, got {value}")
     _require(c.prefix_snapshots is None or c.prefix_snapshots >= 1, "cache.prefix_snapshots must be >= 1")
@@ -323,7 +343,12 @@ def _validate(r: Recipe, trains: bool = False) -> None:
     _require(not r.compile.prefill or r.compile.enabled, "compile.prefill needs compile.enabled: true")
     b = r.bench
     _require(all(n >= 1 for n in b.batch_sizes) and b.batch_sizes, "bench.batch_sizes must be positive integers")
-    _require(all(1 <= k <= 4 for k in b.ks), f"bench.ks must be in 1..4, got {b.ks}")
+    _require(all(k == "auto" or 1 <= k <= 4 for k in b.ks), f"bench.ks must be in 1..4 or auto, got {b.ks}")
+    _require(all(n >= 0 for n in b.draft_vocabs), f"bench.draft_vocabs must be >= 0, got {b.draft_vocabs}")
+    _require(
+        all(n == 0 for n in b.draft_vocabs) or r.mtp.draft_vocab_file is not None,
+        "bench.draft_vocabs > 0 needs mtp.draft_vocab_file (a count file, or 'first' for the first N ids)",
+    )
     _require(all(0.0 <= a <= 1.0 for a in b.accept_rates), f"bench.accept_rates must be in 0..1, got {b.accept_rates}")
     _require(
         all(n >= 1 for n in b.prompt_lens) and b.prompt_lens and b.output_len >= 2,

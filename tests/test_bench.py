@@ -100,3 +100,23 @@ def test_a_context_sweep_runs_every_prompt_length(tmp_path):
     assert cases == [(4, "plain"), (4, "mtp"), (9, "plain"), (9, "mtp")]
     assert all(r["exact"] for r in report["rows"])
     assert bench.write_outputs(report, tmp_path)[-1].stat().st_size > 0
+
+
+def test_a_batch_sweep_with_k_auto_and_draft_vocabularies(tmp_path):
+    """`bench.ks` with auto and `bench.draft_vocabs`: the MTP rows once per draft vocabulary (the first N ids,
+    as for synthetic models), each exact, with the mean K verified; the plot draws the k auto rows."""
+    recipe = load_recipe(
+        {
+            "model": {"fixture": "tiny", "dtype": "float32", "device": "cpu"},
+            "mtp": {"max_k": 3, "draft_vocab_file": "first"},
+            "bench": {"batch_sizes": [1, 2], "ks": ["auto"], "accept_rates": [0.8], "head": False,
+                      "draft_vocabs": [0, 32], "prompt_len": 8, "output_len": 6, "out_dir": str(tmp_path)},
+        }
+    )  # fmt: skip
+    report = bench.run_bench(recipe, progress=False, log=lambda _: None)
+    rows = [(r["batch"], r["mode"], r["k"], r["draft_vocab"]) for r in report["rows"]]
+    assert rows == [(b, *row) for b in (1, 2) for row in [("plain", 0, 0), ("mtp", "auto", 0), ("mtp", "auto", 32)]]
+    assert all(r["exact"] for r in report["rows"])
+    assert all(0 <= r["mean_k"] <= 3 for r in report["rows"] if r["mode"] == "mtp")
+    assert bench.write_outputs(report, tmp_path)[-1].stat().st_size > 0
+    assert "auto" in (tmp_path / "bench.txt").read_text()

@@ -54,7 +54,7 @@ def test_progress_on_a_terminal_is_a_bar():
 
 def test_run_reports_bad_recipe_cleanly(tmp_path):
     proc = _run("run", "recipes/tiny.yaml", "--set", "mtp.k=9")
-    assert proc.returncode == 2 and "mtp.k must be 1..4, got 9" in proc.stderr
+    assert proc.returncode == 2 and "mtp.k must be 1..4 or auto, got 9" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = _run("run", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "not found" in proc.stderr

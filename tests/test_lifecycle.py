@@ -114,14 +114,21 @@ def test_bad_requests_are_refused_and_allocate_nothing(path):
     assert_all_reclaimed(engine)
 
 
-def test_randomized_lifecycle_no_leaks_and_solo_tokens(path):
-    """Seeded arrivals, cancellations and lengths over hundreds of steps under memory pressure."""
+@pytest.mark.parametrize(
+    "mixed, arrivals, least", [(False, 300, (40, 3)), (True, 150, (30, 5))], ids=["unpacked", "mixed-steps"]
+)
+def test_randomized_lifecycle_no_leaks_and_solo_tokens(path, mixed, arrivals, least):
+    """Seeded arrivals, cancellations and lengths over hundreds of steps under memory pressure (arrivals for
+    the first `arrivals` steps); with mixed steps the chunks are packed under a budget of 3 decode rows + 24
+    prefill tokens (a chunk and a short one)."""
     rng = random.Random(1234)
     cache = {"page_size": 8, "num_pages": 24, "num_state_rows": 3, "max_batch": 3, "prefill_chunk": 16}
+    if mixed:
+        cache.update(mixed_steps=True, max_step_tokens=3 + 16 + 8)
     engine = make_engine(path, **cache)
     submitted, cancelled, steps = {}, set(), 0
-    while steps < 300 or engine.has_unfinished():
-        if steps < 300 and rng.random() < 0.3:
+    while steps < arrivals or engine.has_unfinished():
+        if steps < arrivals and rng.random() < 0.3:
             prompt = random_prompt(rng.randint(1, 60), seed=rng.randint(0, 10**6))
             max_new = rng.randint(1, 20)
             submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
@@ -136,7 +143,7 @@ def test_randomized_lifecycle_no_leaks_and_solo_tokens(path):
         assert 0 <= stats["free_pages"] <= stats["total_pages"] and engine.pages.available_pages >= 0
     assert_all_reclaimed(engine)
     finished = [rid for rid in submitted if rid not in cancelled]
-    assert len(finished) > 40 and len(cancelled) > 3
+    assert len(finished) > least[0] and len(cancelled) > least[1]
     reference = make_engine(path, **cache)
     for rid in finished:
         prompt, max_new = submitted[rid]

@@ -52,9 +52,10 @@ def test_fp32_weights_loaded_into_bf16_match_hf(checkpoint):
     assert torch.equal(ours, ref)
 
 
-def test_gradients_match_hf_for_fine_tuning(checkpoint):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-next"])  # dense, and MoE (router and experts included)
+def test_gradients_match_hf_for_fine_tuning(checkpoint, preset):
     """The loaded module trains: a language-model loss backpropagates to the same gradients as HF's."""
-    path = checkpoint("tiny")
+    path = checkpoint(preset)
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
     ours, ref = load_model(path, dtype=torch.float32), load_hf(path, torch.float32)
     loss = torch.nn.functional.cross_entropy(ours(ids)[:, :-1].reshape(-1, 512), ids[:, 1:].reshape(-1))

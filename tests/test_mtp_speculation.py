@@ -200,7 +200,7 @@ def test_mtp_needs_an_mtp_head(checkpoint, tmp_path):
     save_file(tensors, plain / "model.safetensors")
     with pytest.raises(RecipeError, match=r"mtp\.enabled: checkpoint .* has no mtp\.\* weights"):
         make_engine(plain, k=2)
-    with pytest.raises(RecipeError, match=r"mtp\.k must be 1\.\.4, got 5"):
+    with pytest.raises(RecipeError, match=r"mtp\.k must be 1\.\.4 or auto, got 5"):
         make_engine(plain, k=5)
 
 

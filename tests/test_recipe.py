@@ -31,7 +31,7 @@ def test_float_field_accepts_int():
 @pytest.mark.parametrize(
     "raw,message",
     [
-        ({"model": {"fixture": "tiny"}, "mtp": {"k": 7}}, r"mtp\.k must be 1\.\.4, got 7"),
+        ({"model": {"fixture": "tiny"}, "mtp": {"k": 7}}, r"mtp\.k must be 1\.\.4 or auto, got 7"),
         ({"model": {"fixture": "tiny"}, "mtp": {"kk": 2}}, r"unknown key mtp\.kk"),
         ({"model": {"fixture": "tiny"}, "speculation": {}}, r"unknown key speculation"),
         ({"model": {"fixture": "tiny"}, "mtp": {"enabled": "yes"}}, r"mtp\.enabled must be true/false"),

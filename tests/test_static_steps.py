@@ -5,8 +5,10 @@ one graph; the GPU suite runs inductor + CUDA graphs). MTP-on must still equal M
 import pytest
 import torch
 from helpers import hf_greedy, load_hf, random_prompt
+from torch.utils import _pytree as pytree
 
 from qwen_mtp import Engine
+from qwen_mtp.engine.graphs import copy_outputs, static_copies
 
 MAX_NEW = 10
 
@@ -132,3 +134,17 @@ def test_inductor_compiled_prefill_writes_what_eager_writes(checkpoint):
                 scale = expected_layer.abs().max().item()
                 torch.testing.assert_close(layer, expected_layer, rtol=0, atol=1e-4 * scale)
     assert tokens == run(True, None)[0]
+
+
+def test_static_outputs_copy_every_tensor_and_keep_none():
+    """A captured step writes its outputs into copies outside the graph pool (graphs.StaticStep); the copy
+    covers nested tuples (logprobs) and leaves None (a mode without logprobs) alone."""
+    for logprobs in (None, (torch.ones(2), torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3))):
+        first = (torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), logprobs)
+        static = static_copies(first)
+        assert static[0].data_ptr() != first[0].data_ptr()
+        later = pytree.tree_map(lambda t: t + 5 if isinstance(t, torch.Tensor) else t, first)
+        copy_outputs(static, later)
+        pairs = zip(pytree.tree_leaves(static), pytree.tree_leaves(later), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs if a is not None)
+        assert (static[2] is None) == (logprobs is None)

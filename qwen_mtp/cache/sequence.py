@@ -39,6 +39,9 @@ class SequenceCache:
         self.kv[layer] = (k, v)
         return causal_attention(q, k, v, scale)
 
+    def sequences(self) -> list[tuple[slice, SequenceCache]]:
+        return [(slice(None), self)]  # one row per sequence
+
     def gdn_recurrent(self, num_tokens: int) -> bool:
         # Hugging Face's rule: one token on top of a state runs the recurrence, anything else the chunked form.
         return num_tokens == 1 and self.length > 0

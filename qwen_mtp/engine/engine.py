@@ -30,6 +30,7 @@ from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.prefix import PrefixCache
 from qwen_mtp.cache.state import StatePool, StateSnapshots
 from qwen_mtp.dtypes import STATE_DTYPES
+from qwen_mtp.engine.draft_vocab import draft_ids
 from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
 from qwen_mtp.engine.params import SamplingParams, as_token_ids, is_token_id
@@ -43,6 +44,7 @@ from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
+from qwen_mtp.model.mtp import DraftVocab
 from qwen_mtp.recipe import CacheSection, CompileSection, MTPSection, Recipe, StateSection, load_recipe
 
 
@@ -96,7 +98,7 @@ class Engine:
         self.device = loaded.device
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
-        self.spec_tokens = mtp.k if mtp.enabled else 0
+        self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
         # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
@@ -106,9 +108,11 @@ class Engine:
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
         self.cache_outputs = cache.prefix_cache_outputs
+        self.mixed_steps = cache.mixed_steps
         self.scheduler = Scheduler(
-            self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix
-        )
+            self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix,
+            max_step_tokens=self._step_budget(cache),
+        )  # fmt: skip
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
         self.runner.coupled_drafts = mtp.coupled_drafts
         graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
@@ -121,7 +125,14 @@ class Engine:
             self.runner.compile_prefill(compile.backend, log)  # compiles on the first chunk
         self.speculator = None
         if mtp.enabled:
-            self.speculator = Speculator(self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed)
+            if mtp.k == "auto" and self.parallel is not None:
+                # each rank would time its own steps and could choose another K: the ranks' steps must agree
+                raise RecipeError("mtp.k: auto is not available with tensor parallelism yet (parallel.tp > 1)")
+            buckets = self.runner.graphs.buckets if self.runner.graphs else bucket_sizes([], cache.max_batch)
+            self.speculator = Speculator(
+                self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed, max_k=mtp.max_k, buckets=buckets
+            )
+            self.runner.steps.draft_vocab = self._draft_vocab(mtp)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance, decode)
         self._seeds = random.Random(seed)  # draws the seed of a request submitted without one
@@ -132,6 +143,19 @@ class Engine:
         self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # held for a whole step: steps never overlap
         log(sizes.describe(self.pages.bytes, self.states.bytes, self.snapshots.bytes if self.snapshots else 0))
+
+    def _step_budget(self, cache: CacheSection) -> int | None:
+        """Mixed steps' token budget, checked to hold every decode/verify row and one full prefill chunk (so
+        prefill always progresses); None without mixed steps (every request in prefill runs its next chunk)."""
+        if not cache.mixed_steps:
+            return None
+        least = cache.max_batch * (self.spec_tokens + 1) + cache.prefill_chunk
+        if cache.max_step_tokens < least:
+            raise RecipeError(
+                f"cache.max_step_tokens ({cache.max_step_tokens}) must hold cache.max_batch decode rows of "
+                f"{self.spec_tokens + 1} tokens plus one cache.prefill_chunk ({cache.prefill_chunk}): at least {least}"
+            )
+        return cache.max_step_tokens
 
     def _build_pools(self, sizes: PoolSizes, dtype: torch.dtype, state_dtype: str) -> tuple[PagePool, StatePool]:
         shapes = self.model.shapes
@@ -200,13 +224,27 @@ class Engine:
             log=log,
         )
 
+    def _draft_vocab(self, mtp: MTPSection) -> DraftVocab | None:
+        """`mtp.draft_vocab`: the head's pruned vocabulary, gathered from the lm_head now (None when off)."""
+        if not mtp.draft_vocab:
+            return None
+        if self.parallel is not None:
+            raise RecipeError("mtp.draft_vocab is not available with tensor parallelism yet (parallel.tp > 1)")
+        weight = self.model.lm_head_weight
+        return DraftVocab(weight, draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, weight.shape[0]))
+
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile and capture every decode-path step now (otherwise each is built the first time it runs)."""
-        if self.runner.graphs is not None:
-            spec = self.spec_tokens + 1 if self.speculator is not None else None
-            with self._lock:
-                self.runner.graphs.warmup([1] + ([spec] if spec else []), spec)
+        """Compile and capture every decode-path step now (otherwise each is built the first time it runs);
+        with `mtp.k: auto` also time each bucket's steps for the K policy."""
+        with self._lock:
+            if self.runner.graphs is not None:
+                spec = self.speculator
+                auto = spec is not None and spec.policy is not None
+                drafts = list(range(1, spec.max_k + 2)) if auto else [spec.max_k + 1] if spec is not None else []
+                self.runner.graphs.warmup(sorted({1, *drafts}), drafts)
+            if self.speculator is not None:
+                self.speculator.calibrate()
 
     @classmethod
     def from_recipe(
@@ -244,12 +282,6 @@ class Engine:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if self.parallel is not None:
             self._check_tensor_parallel(params)
-        if self.device.type == "cuda" and not CUDA_SAMPLING and _softmax_features(params):
-            raise RequestError(
-                "temperature > 0, logprobs and prompt_logprobs are disabled on CUDA for now: the GPU exactness "
-                "test found wrong tokens from sampled verify steps at batch 32 (docs/sampling.md, 'Status'); "
-                "greedy requests (temperature 0) run"
-            )
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -409,7 +441,10 @@ class Engine:
         if self.prefix is not None:
             self._restore_prefixes(plan.restores)
         with self.timer("prefill"):
-            launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
+            if self.mixed_steps and plan.prefills:
+                launched += self._launch_packed_prefill(plan.prefills)
+            else:
+                launched += [self._guard([chunk.request], self._launch_prefill, chunk) for chunk in plan.prefills]
         if self.prefix is not None:
             self._save_snapshots(plan.prefills, launched)
         if plan.decodes:
@@ -448,10 +483,27 @@ class Engine:
                 raise
             return _Launched(requests, error=err)
 
-    def _launch_prefill(self, chunk: PrefillChunk) -> _Launched:
+    def _launch_packed_prefill(self, chunks: list[PrefillChunk]) -> list[_Launched]:
+        """Mixed steps: the target over all of the step's chunks in one packed forward, then each chunk's own
+        part (MTP head, first token, drafts, logprobs) from its hidden states, as an unpacked chunk runs it. One
+        launched part per chunk, in order; if the packed forward raises, all its chunks' requests end."""
+        try:
+            hiddens = self.runner.prefill_packed(chunks)
+        except Exception as err:
+            if self.parallel is not None:
+                raise
+            return [_Launched([chunk.request], error=err) for chunk in chunks]
+        return [
+            self._guard([chunk.request], self._launch_prefill, chunk, hidden)
+            for chunk, hidden in zip(chunks, hiddens, strict=True)
+        ]
+
+    def _launch_prefill(self, chunk: PrefillChunk, hidden: torch.Tensor | None = None) -> _Launched:
+        """One prompt chunk; `hidden` [1, T, H]: its target hidden states when a packed forward computed them."""
         request, start, length = chunk.request, chunk.start, chunk.length
-        batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
-        hidden = self.runner.prefill(batch)
+        if hidden is None:
+            batch = self.runner.batch(StepKind.PREFILL, [request], [request.prompt[start : start + length]], [start])
+            hidden = self.runner.prefill(batch)
         speculative = request.spec is not None and (chunk.drafts or not chunk.last)
         scored = request.prompt[start + 1 : start + length + 1]  # the prompt tokens this chunk's logits predict
         n_prompt = request.params.prompt_logprobs
@@ -576,11 +628,11 @@ class Engine:
     def _launch_verify(self, requests: list[Request]) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
         next drafts with the rest of the step."""
+        k = self.speculator.step_k(len(requests))  # mtp.k, or the K policy's choice for this step
         with self.timer("verify"):
-            verified = self.speculator.verify(requests)
+            verified = self.speculator.verify(requests, k)
         with self.timer("draft"):
             drafts = self.speculator.propose(requests, verified)
-        k = self.spec_tokens
 
         logprob_parts = list(verified.logprobs) if verified.logprobs is not None else []
 
@@ -745,11 +797,6 @@ def _token_logprobs(
                                                    values[row * width : row * width + (n or 0)], strict=True)))
         for token, row in zip(tokens, rows, strict=True)
     ]  # fmt: skip
-
-
-# Sampled and logprob requests on CUDA: off until tests/gpu/test_sampling_cuda.py passes on the H200 (it found
-# garbage token ids from sampled verify steps at batch 32, 2026-12-01). CPU runs them (tests/test_sampling_*.py).
-CUDA_SAMPLING = False
 
 
 def _softmax_features(params: SamplingParams) -> list[str]:

@@ -1,5 +1,6 @@
 """Static-shape execution of the decode-path steps: batch buckets, static input buffers, `torch.compile`, and
-one CUDA graph per (step, bucket, tokens per request, sampler mode).
+one CUDA graph per (step, bucket, tokens per request, sampler mode); with `mtp.k: auto` that is one target and
+one draft graph per (bucket, K).
 
 A step over b requests runs in the smallest bucket B >= b (`compile.batch_sizes`). Its inputs are copied into
 buffers at fixed addresses; rows b..B-1 are padding that points at the pools' scratch state row and scratch
@@ -60,14 +61,11 @@ class StaticStep:
             # The outputs live outside the shared graph pool, in copies the graph writes at its end. In the pool
             # they could sit where a graph captured earlier keeps its temporaries, and replaying that graph
             # (the draft after the verify) would overwrite them before the host reads them back.
-            self.outputs = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+            self.outputs = static_copies(warm)
             del warm
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                captured = fn(**self.inputs)
-                for static, result in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(captured), strict=True):
-                    static.copy_(result)
-                del captured
+                copy_outputs(self.outputs, fn(**self.inputs))
         else:
             fn(**self.inputs)  # torch.compile compiles on the first call: now, on padding rows only
 
@@ -86,6 +84,18 @@ class StaticStep:
             return self.fn(**self.inputs)
         self.graph.replay()
         return self.outputs
+
+
+def static_copies(outputs):
+    """A step's outputs (tensors, tuples of them, None) with each tensor cloned into memory of its own."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
+
+
+def copy_outputs(static, outputs) -> None:
+    """Copy a step's `outputs` into `static_copies` of the same structure (None stays None: no logprobs)."""
+    for target, value in zip(pytree.tree_leaves(static), pytree.tree_leaves(outputs), strict=True):
+        if isinstance(target, torch.Tensor):
+            target.copy_(value)
 
 
 class StepGraphs:
@@ -142,7 +152,7 @@ class StepGraphs:
             if kind == "target":
                 step = StaticStep(functools.partial(self.target_fn, mode=mode), padding, self.capture, self.pool)
             else:
-                k, hidden = self.steps.k, self.steps.model.config.hidden_size
+                k, hidden = length - 1, self.steps.model.config.hidden_size  # a K-draft chain after K+1 positions
                 device, dtype = padding["tokens"].device, self.steps.model.lm_head_weight.dtype
                 padding |= {
                     "hidden": torch.zeros(size, length, hidden, dtype=dtype, device=device),
@@ -155,13 +165,15 @@ class StepGraphs:
             self._steps[key] = step
         return self._steps[key]
 
-    def warmup(self, lengths: list[int], draft_length: int | None) -> None:
-        """Build every bucket's steps now (largest first, so smaller graphs reuse its memory pool)."""
+    def warmup(self, lengths: list[int], draft_lengths: list[int]) -> None:
+        """Build every bucket's steps now (largest first, so smaller graphs reuse its memory pool): the target
+        over each of `lengths` tokens per request, the draft after each of `draft_lengths` verified positions
+        (K+1 for a K-draft chain; with `mtp.k: auto`, one per K = 0..max_k)."""
         for size in reversed(self.buckets):
             for length in lengths:
                 self._get("target", size, length)
-            if draft_length is not None:
-                self._get("draft", size, draft_length)
+            for length in draft_lengths:
+                self._get("draft", size, length)
 
     def target(self, tokens, positions, rows, tables, lens, mode: Mode = GREEDY, **sampling_rows):
         count, length = tokens.shape

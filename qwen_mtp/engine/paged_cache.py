@@ -57,6 +57,9 @@ class PagedStepCache:
         out = op(q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale)
         return out.transpose(1, 2)
 
+    def sequences(self) -> list[tuple[slice, PagedStepCache]]:
+        return [(slice(None), self)]  # one request per batch row
+
     def gdn_recurrent(self, num_tokens: int) -> bool:
         return self.batch.kind is StepKind.DECODE
 

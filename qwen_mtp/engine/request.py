@@ -29,9 +29,10 @@ class SpecStats:
     def __post_init__(self) -> None:
         self.position_accepted = self.position_accepted or [0] * self.k
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, drafted: int | None = None) -> None:
+        """One verify step that checked `drafted` drafts (default k; fewer when K changes per step)."""
         self.verify_steps += 1
-        self.drafted += self.k
+        self.drafted += self.k if drafted is None else drafted
         self.accepted += accepted
         for i in range(accepted):
             self.position_accepted[i] += 1

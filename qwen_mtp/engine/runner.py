@@ -3,7 +3,8 @@ head on the paged caches. It decides nothing and allocates nothing (pages and ro
 pages a step writes are grown before it runs).
 
 Everything runs the pure-tensor functions of `steps.py`. Prefill chunks, one request at a time, eagerly or
-compiled for any chunk length (`compile.enabled` + `compile.prefill`). Decode-path steps (plain decode, verify,
+compiled for any chunk length (`compile.enabled` + `compile.prefill`); with mixed steps all of a step's chunks
+in one packed forward (`prefill_packed`, eager). Decode-path steps (plain decode, verify,
 MTP draft) through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the engine turns that on.
 Host inputs reach the device through pinned memory with non-blocking copies (`to_device`), and a step's results
 come back in one copy (`read_back`): the step's one device->host synchronisation.
@@ -19,8 +20,10 @@ from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
 from qwen_mtp.engine.graphs import StepGraphs, compile_chunk_step
+from qwen_mtp.engine.packed import PackedChunks
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request
+from qwen_mtp.engine.scheduler import PrefillChunk
 from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
 from qwen_mtp.model import QwenHybridForCausalLM
 
@@ -98,6 +101,23 @@ class Runner:
         return self.prefill_target(
             batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens, batch.fresh
         )
+
+    def prefill_packed(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
+        """Target model over several requests' prompt chunks in one packed forward (mixed steps; eager: the
+        layout changes every step): each chunk's post-norm hidden states [1, T_i, H], views of one tensor."""
+        tokens = [t for c in chunks for t in c.request.prompt[c.start : c.start + c.length]]
+        ids = [c.request.id for c in chunks]
+        batch = PackedChunks(
+            token_ids=self.tensor([tokens]),
+            positions=self.tensor([[p for c in chunks for p in range(c.start, c.start + c.length)]]),
+            state_rows=self.tensor([self.states.rows[i] for i in ids]),
+            block_tables=self.tensor(self.pages.block_rows(ids), torch.int32),
+            context_lens=self.tensor([c.start + c.length for c in chunks], torch.int32),
+            lengths=tuple(c.length for c in chunks),
+            fresh=tuple(c.start == 0 for c in chunks),
+        )
+        hidden = self.prefill_steps.packed(batch)
+        return [hidden[:, part] for part in batch.slices()]
 
     def prefill_mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         """MTP head over a prompt chunk's positions (writing its own KV there): `token_ids` hold the *next*

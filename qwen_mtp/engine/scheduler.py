@@ -8,6 +8,10 @@ The scheduler decides and allocates; it never touches tensors.
   multiples of `prefill_chunk` from the prompt start, whatever else runs, so its numerics never depend on the
   batch.
 - Every running request past its prefill decodes one token (plain) or verifies K drafts (speculative) per step.
+- Mixed steps (`max_step_tokens` given): the decode and verify rows (1 and K+1 tokens a request) come first, so a
+  running request never waits behind a prompt; then prefill chunks in admission order while they fit in what is
+  left of the budget (the first that does not fit waits for the next step, and so do those behind it). Without a
+  budget every request in prefill runs its next chunk.
 - Before the step runs, the scheduler grows each request's pages to cover every position the step may write
   (`Schedule.reach`), from the reservation: the runner never allocates.
 - Prefix caching (`prefix` given): admission looks up the longest cached prefix of the prompt that ends on a
@@ -67,6 +71,7 @@ class Scheduler:
         prefill_chunk: int,
         k: int = 0,
         prefix: PrefixCache | None = None,
+        max_step_tokens: int | None = None,
     ):
         self.pages = pages
         self.states = states
@@ -74,6 +79,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.k = k  # MTP draft length (0 without MTP)
         self.prefix = prefix
+        self.max_step_tokens = max_step_tokens  # mixed steps: decode/verify rows + prefill tokens; None: no cap
         self.waiting: deque[Request] = deque()
         self.fills: deque[Request] = deque()  # prefix-cache fills, admitted when no user request waits
         self.running: list[Request] = []
@@ -145,22 +151,34 @@ class Scheduler:
     def schedule(self) -> Schedule:
         plan = Schedule()
         self._admit(plan)
+        prefilling = []
         for request in self.running:
             n = request.num_computed
             if request.fill_end is not None and n >= request.fill_end:
                 continue  # a cache fill that is done: the engine ends it after this step
             if request.in_prefill:
-                end = min(len(request.prompt), (n // self.prefill_chunk + 1) * self.prefill_chunk)
-                drafts = request.spec is not None and end == len(request.prompt) and request.max_new_tokens > 1
-                chunk = PrefillChunk(request, n, end - n, drafts, self._snapshot_slot(request, n, end))
-                plan.prefills.append(chunk)
-                # the chain after the last chunk writes the MTP KV of positions end..end+K-2
-                plan.reach[request.id] = end + (self.k - 1 if drafts else 0)
-            elif request.spec is None:
+                prefilling.append(request)
+                continue
+            if request.spec is None:
                 plan.decodes.append(request)
                 plan.reach[request.id] = n + 1
             else:
                 plan.verifies.append(request)
                 plan.reach[request.id] = n + 2 * self.k
+            self.pages.grow(request.id, plan.reach[request.id])
+        budget = self.max_step_tokens
+        if budget is not None:
+            budget -= len(plan.decodes) + len(plan.verifies) * (self.k + 1)
+        for request in prefilling:  # in admission order: the first that does not fit ends the step's prefills
+            n = request.num_computed
+            end = min(len(request.prompt), (n // self.prefill_chunk + 1) * self.prefill_chunk)
+            if budget is not None:
+                if end - n > budget:
+                    break
+                budget -= end - n
+            drafts = request.spec is not None and end == len(request.prompt) and request.max_new_tokens > 1
+            plan.prefills.append(PrefillChunk(request, n, end - n, drafts, self._snapshot_slot(request, n, end)))
+            # the chain after the last chunk writes the MTP KV of positions end..end+K-2
+            plan.reach[request.id] = end + (self.k - 1 if drafts else 0)
             self.pages.grow(request.id, plan.reach[request.id])
         return plan

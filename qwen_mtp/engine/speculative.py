@@ -19,6 +19,13 @@ the output equals plain decoding whenever the verify computes each position as a
 or sampled). The head's drafts use that noise too (coupled drafts), or greedy argmax (`mtp.coupled_drafts`
 false): either way only acceptance changes, never the tokens.
 
+K may change from step to step (`mtp.k: auto`, `k_policy.py`): a step verifies K drafts per request, the first
+K of those it has, padded with filler tokens when it has fewer (after a step with a smaller K); a filler is
+rarely accepted, and when it is, it equals the target's choice, so the tokens stay the target's. The catch-up
+covers every verified position whatever K is, K = 0 included (a plain decode step that still writes the MTP KV
+of its position), so the MTP KV never misses a position and later drafts stay as good. The state pool and the
+page reservations are sized for `max_k`.
+
 Oracle drafts (`mtp.draft: oracle`, for benchmarks and tests) replace the head's proposal for output index i
 with the plain-decoding token there when a seeded draw for (seed, request, i) falls under `oracle_accept`, so
 they never depend on the batch. Since j is not known on the host, each step passes the oracle tokens for every
@@ -28,14 +35,20 @@ possible j (a window of 2K output indices) and the device picks by j.
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from qwen_mtp.cache.kv import pages_for
 from qwen_mtp.engine import sampling
+from qwen_mtp.engine.k_policy import KPolicy, StepTimes
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request, SpecStats
 from qwen_mtp.engine.runner import Runner
+
+FILLER = 0  # the draft token of a position a request has no draft for (after a step with a smaller K)
 
 
 @dataclass
@@ -48,13 +61,35 @@ class Verified:
     accepted: torch.Tensor  # drafts accepted per request [B] (j)
     logprobs: sampling.Logprobs | None  # of the chosen tokens, when a request asks
 
+    @property
+    def k(self) -> int:
+        """Drafts verified per request (0..max_k)."""
+        return self.chosen.shape[1] - 1
+
 
 class Speculator:
-    def __init__(self, runner: Runner, k: int, draft: str = "head", oracle_accept: float = 1.0, seed: int = 0):
-        self.runner, self.k = runner, k
+    """`k`: drafts per step, or "auto" (a `KPolicy` chooses 0..max_k per step over `buckets`, the batch sizes
+    the decode path runs at; their step times are measured on first use or by `calibrate`)."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        k: int | str,
+        draft: str = "head",
+        oracle_accept: float = 1.0,
+        seed: int = 0,
+        max_k: int = 4,
+        buckets: Sequence[int] = (1,),
+    ):
+        self.runner = runner
+        self.max_k = max_k if k == "auto" else k  # the most drafts a step verifies (pools are sized for it)
+        self.policy: KPolicy | None = None
+        if k == "auto":
+            self.policy = KPolicy(self.max_k, buckets, self.measure_times)
         self.draft_mode, self.oracle_accept, self.seed = draft, oracle_accept, seed
-        self.totals = SpecStats(k)  # every verify step of every request, for Engine.stats()
+        self.totals = SpecStats(self.max_k)  # every verify step of every request, for Engine.stats()
         self._oracles: dict[int, tuple[list[int], list[bool]]] = {}  # request -> (tokens, use) per output index
+        self._drafted: dict[int, int] = {}  # request -> real drafts its last verify checked (fillers excluded)
 
     @property
     def oracle(self) -> bool:
@@ -62,7 +97,7 @@ class Speculator:
 
     def start(self, request: Request, oracle: list[int] | None = None) -> None:
         """Decode `request` speculatively; in oracle mode `oracle` is its plain-decoding continuation."""
-        request.spec = SpecStats(self.k)
+        request.spec = SpecStats(self.max_k)
         if self.oracle:
             draw = random.Random(f"{self.seed}:{request.id}")
             tokens = list(oracle or [])
@@ -70,13 +105,15 @@ class Speculator:
 
     def forget(self, request: Request) -> None:
         self._oracles.pop(request.id, None)
+        self._drafted.pop(request.id, None)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill_chunk(
         self, request: Request, start: int, hidden: torch.Tensor, first: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Fill the MTP KV for a prompt chunk's positions from the target's hidden states [1, T, H]. With the
-        prompt's first output token (`first` [1], on the device) also draft for the first verify: drafts [1, K]."""
+        prompt's first output token (`first` [1], on the device) also draft for the first verify: drafts
+        [1, max_k] (a later step verifies the first K of them)."""
         length = hidden.shape[1]
         end = start + length
         following = self.runner.tensor([request.prompt[start + 1 : end + 1]])  # token i+1 at position i
@@ -88,14 +125,23 @@ class Speculator:
             return None
         batch = replace(batch, sampling=self.runner.sampling([request]))  # the chain drafts as the verify chooses
         accepted = torch.zeros(1, dtype=torch.long, device=hidden.device)
-        override, use = self._overrides([request], [1], accepted)  # d1 is output index 1
+        override, use = self._overrides([request], [1], accepted, self.max_k)  # d1 is output index 1
         return self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def verify(self, requests: list[Request]) -> Verified:
-        """One packed target forward over [t_n, d1..dK] per request, acceptance, and the commit of each
-        request's state at its accepted boundary."""
-        tokens = [[r.tokens[r.num_computed]] + r.drafts for r in requests]
+    def step_k(self, count: int) -> int:
+        """The drafts a step of `count` requests verifies: `mtp.k`, or the policy's choice."""
+        return self.max_k if self.policy is None else self.policy.choose(count)
+
+    def verify(self, requests: list[Request], k: int | None = None) -> Verified:
+        """One packed target forward over [t_n, d1..dK] per request (K = `k`, default max_k), acceptance, and
+        the commit of each request's state at its accepted boundary."""
+        k = self.max_k if k is None else k
+        tokens = []
+        for r in requests:
+            drafts = r.drafts[:k]
+            self._drafted[r.id] = len(drafts)
+            tokens.append([r.tokens[r.num_computed]] + drafts + [FILLER] * (k - len(drafts)))
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
         hidden, chosen, logprobs = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
         accepted = sampling.accept(batch.token_ids[:, 1:], chosen)
@@ -107,29 +153,80 @@ class Speculator:
         batch = replace(verified.batch, token_ids=verified.chosen)
         # the next step's d1 is output index n + j + 2 - prompt length
         firsts = [r.num_computed + 2 - len(r.prompt) for r in requests]
-        override, use = self._overrides(requests, firsts, verified.accepted)
+        override, use = self._overrides(requests, firsts, verified.accepted, verified.k)
         return self.runner.draft(batch, verified.hidden, verified.accepted, override, use)
 
     def record(self, request: Request, accepted: int) -> None:
-        request.spec.record(accepted)
-        self.totals.record(accepted)
+        drafted = self._drafted.get(request.id, self.max_k)
+        request.spec.record(accepted, drafted)
+        self.totals.record(accepted, drafted)
+        if self.policy is not None:
+            self.policy.observe(drafted, accepted)
+
+    # ---- step times (k: auto) ------------------------------------------------------------------------------
+    def calibrate(self) -> None:
+        """Measure every bucket's step times now (`Engine.warmup`), not at each bucket's first step."""
+        if self.policy is not None:
+            for bucket in self.policy.buckets:
+                self.policy.measure(bucket)
+
+    def measure_times(self, bucket: int, repeats: int = 3) -> StepTimes:
+        """The verify and draft step times at `bucket` rows for K = 0..max_k, on padding rows only (the scratch
+        state row and page: no request's state is touched), greedy."""
+        verify, draft = [], []
+        for k in range(self.max_k + 1):
+            batch = self._padding_batch(bucket, k + 1)
+            hidden, chosen, _ = self.runner.decode(batch)
+            verify.append(self._seconds(lambda b=batch: self.runner.decode(b), repeats))
+            drafted = replace(batch, token_ids=chosen.clone())
+            hidden, accepted = hidden.clone(), torch.zeros(bucket, dtype=torch.long, device=self.runner.device)
+            override = torch.zeros(bucket, k, dtype=torch.long, device=self.runner.device)
+            args = (drafted, hidden, accepted, override, override.bool())
+            draft.append(self._seconds(lambda a=args: self.runner.draft(*a), repeats))
+        return StepTimes(tuple(verify), tuple(draft))
+
+    def _padding_batch(self, size: int, length: int) -> StepBatch:
+        pages, states, device = self.runner.pages, self.runner.states, self.runner.device
+        width = pages_for(length + 2 * self.max_k, pages.page_size)
+        return StepBatch(
+            kind=StepKind.DECODE,
+            token_ids=torch.zeros(size, length, dtype=torch.long, device=device),
+            positions=torch.arange(length, device=device).expand(size, length).contiguous(),
+            state_rows=torch.full((size,), states.scratch_row, dtype=torch.long, device=device),
+            block_tables=torch.full((size, width), pages.scratch_page, dtype=torch.int32, device=device),
+            context_lens=torch.full((size,), length, dtype=torch.int32, device=device),
+            fresh=False,
+        )
+
+    def _seconds(self, run: Callable[[], object], repeats: int) -> float:
+        """The fastest of `repeats` timed runs after a warm one (device work included)."""
+        sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else (lambda: None)
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            started = time.perf_counter()
+            run()
+            sync()
+            best = min(best, time.perf_counter() - started)
+        return best
 
     def _overrides(
-        self, requests: list[Request], firsts: list[int], accepted: torch.Tensor
+        self, requests: list[Request], firsts: list[int], accepted: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The oracle tokens that replace the head's proposals ([B, K]) and where ([B, K] bool). Request b's
-        draft i sits at output index `firsts[b] + accepted[b] + i`; the host stages indices firsts[b] .. +2K-1
-        and the device gathers by `accepted`. The head still runs, so a step costs the same."""
+        """The oracle tokens that replace the head's K = `k` proposals ([B, K]) and where ([B, K] bool). Request
+        b's draft i sits at output index `firsts[b] + accepted[b] + i`; the host stages indices firsts[b] ..
+        +2K-1 and the device gathers by `accepted`. The head still runs, so a step costs the same."""
         count, device = len(requests), self.runner.device
-        if not self.oracle:
-            zeros = torch.zeros(count, self.k, dtype=torch.long, device=device)
+        if not self.oracle or k == 0:
+            zeros = torch.zeros(count, k, dtype=torch.long, device=device)
             return zeros, zeros.bool()
         tokens, use = [], []
         for request, first in zip(requests, firsts, strict=True):
             oracle, draws = self._oracles[request.id]
-            window = range(first, first + 2 * self.k)
+            window = range(first, first + 2 * k)
             tokens.append([oracle[i] if i < len(oracle) else 0 for i in window])
             use.append([i < len(oracle) and draws[i] for i in window])
-        index = accepted[:, None] + torch.arange(self.k, device=device)
+        index = accepted[:, None] + torch.arange(k, device=device)
         override = torch.gather(self.runner.tensor(tokens), 1, index)
         return override, torch.gather(self.runner.tensor(use, torch.bool), 1, index)

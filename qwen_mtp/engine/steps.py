@@ -6,7 +6,7 @@ decode path, run them on static buffers in CUDA graphs); eagerly they are the sa
 - `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and the tokens it
             chooses (`sampling.choose`: the token after input position i sits at position i + 1).
 - `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
-            accepted position (see speculative.py for the algorithm).
+            accepted position (see speculative.py for the algorithm; K = 0: the catch-up alone).
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
 Their caches are DECODE-kind (`batch_invariant`), so every linear computes each row on its own and a row's
 numbers never depend on the other rows (padding rows included). Each takes the sampler's `mode` (a Python
@@ -15,6 +15,9 @@ constant: one graph per mode) and its per-request inputs (`sampling.ROW_FIELDS`,
 `PrefillSteps`, one request's prompt chunk of any length (compiled with the length dynamic, no graphs):
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
 - `mtp`:    the MTP head over the chunk's positions.
+- `packed`: mixed steps: the target model over several requests' chunks laid end to end (`engine/packed.py`:
+            batch-invariant linears over all tokens with the prefill plans, the GDN and attention per chunk).
+            Eager only.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ import torch
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
+from qwen_mtp.engine.packed import PackedChunks, PackedStepCache
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
+from qwen_mtp.model.mtp import DraftVocab
+from qwen_mtp.ops.linear import prefill_rows
 
 
 class DecodeSteps:
     def __init__(self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, k: int):
-        self.model, self.pages, self.states, self.k = model, pages, states, k
+        self.model, self.pages, self.states, self.k = model, pages, states, k  # k: the most drafts a step makes
+        self.draft_vocab: DraftVocab | None = None  # `mtp.draft_vocab`: the head drafts from these ids only
 
     def _cache(self, tokens, positions, rows, tables, lens) -> PagedStepCache:
         batch = StepBatch(StepKind.DECODE, tokens, positions, rows, tables, lens, fresh=False)
@@ -40,6 +47,19 @@ class DecodeSteps:
     def _choose(self, hidden: torch.Tensor, mode: Mode, chosen_positions: torch.Tensor, sampling_rows: dict):
         logits = self.model.logits(hidden, invariant=True)
         return sampling.choose(logits, mode, chosen_positions, **sampling_rows, shard=self.model.vocab_shard)
+
+    def _propose(self, hidden: torch.Tensor, mode: Mode, positions: torch.Tensor, sampling_rows: dict):
+        """The head's draft [B] from its post-norm output [B, H] for the token at `positions` [B]. With a draft
+        vocabulary: greedy, the argmax over its ids; sampled (coupled), its logits spread over the whole
+        vocabulary (-inf elsewhere) so each id meets the same noise as in the target's choice."""
+        vocab = self.draft_vocab
+        if vocab is None:
+            return self._choose(hidden, mode, positions, sampling_rows)[0]
+        logits = vocab.logits(hidden)  # [B, N]
+        if mode.greedy:
+            return vocab.ids[logits.float().argmax(dim=-1)]
+        full = vocab.full_logits(logits, self.model.lm_head_weight.shape[0])
+        return sampling.choose(full, mode, positions, **sampling_rows)[0]
 
     def target(
         self,
@@ -72,7 +92,8 @@ class DecodeSteps:
         mode: Mode = GREEDY,  # the drafts' sampler (`Mode.for_drafts`)
         **sampling_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """MTP catch-up over the verified positions, then the chain from index j. Returns drafts [B, K]."""
+        """MTP catch-up over the verified positions, then the chain from index j. Returns drafts [B, K'], K' the
+        width of `override` (the drafts the next step verifies; the catch-up always covers the K+1 positions)."""
         cache = self._cache(tokens, positions, rows, tables, lens)
         mtp_hidden = self.model.mtp_hidden_states(tokens, hidden, positions, cache)
         index = accepted[:, None, None].expand(-1, 1, mtp_hidden.shape[-1])
@@ -86,12 +107,16 @@ class DecodeSteps:
         return self._chain(hidden, first, rows, tables, override, use_override, mode, sampling_rows)
 
     def _chain(self, hidden, first, rows, tables, override, use_override, mode, sampling_rows) -> torch.Tensor:
+        """K drafts, K = the width of `override` (0..k: a K = 0 step drafts nothing, only catches up)."""
+        k = override.shape[1]
+        if k == 0:
+            return override
         drafts = []
-        for step in range(self.k):
+        for step in range(k):
             # draft `step` proposes the token at position first + step + 1 (the noise of that position)
-            proposed, _ = self._choose(hidden, mode, first + step + 1, sampling_rows)
+            proposed = self._propose(hidden, mode, first + step + 1, sampling_rows)
             drafts.append(torch.where(use_override[:, step], override[:, step], proposed))
-            if step == self.k - 1:
+            if step == k - 1:
                 break
             # The next draft sits one position further: MTP input (this draft, own output) at first + step.
             positions = (first + step)[:, None]
@@ -119,6 +144,13 @@ class PrefillSteps:
     ) -> torch.Tensor:
         """Post-norm hidden states [1, T, H]."""
         return self.model.hidden_states(tokens, positions, self._cache(tokens, positions, rows, tables, lens, fresh))
+
+    def packed(self, batch: PackedChunks) -> torch.Tensor:
+        """Post-norm hidden states [1, N, H] of the packed chunks: the invariant linears with the prefill plans
+        (`ops.linear.prefill_rows`), made for N in the hundreds to thousands."""
+        cache = PackedStepCache(batch, self.pages, self.states)
+        with prefill_rows():
+            return self.model.hidden_states(batch.token_ids, batch.positions, cache)
 
     def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
         """The MTP head over the chunk: `tokens` hold the *next* tokens (token i+1 at position i), `hidden`

@@ -10,6 +10,7 @@ from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
 from qwen_mtp.model.layers import RMSNorm
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
+from qwen_mtp.ops import elementwise
 from qwen_mtp.ops.attention import causal_attention
 from qwen_mtp.ops.rope import qk_norm_rope
 
@@ -48,5 +49,5 @@ class GatedAttention(nn.Module):
             out = causal_attention(q, k, v, self.scale)
         else:
             out = cache.attend(self.name, q, k, v, self.scale)
-        out = out.transpose(1, 2) * torch.sigmoid(gate)  # [B, T, H, D]
+        out = out.transpose(1, 2) * elementwise.sigmoid(gate, invariant)  # [B, T, H, D]
         return self.o_proj(out.reshape(batch, length, -1), invariant)

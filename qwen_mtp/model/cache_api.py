@@ -22,6 +22,12 @@ class ForwardCache(Protocol):
         """Store k, v [B, KV, T, D] for attention layer `layer` after its cached context, then return causal
         attention of q [B, H, T, D] over the whole context: [B, H, T, D]."""
 
+    def sequences(self) -> list[tuple[slice, ForwardCache]]:
+        """The sequences of the forward's token dim, each as (its slice of the token dim, its own cache).
+        A [B, T] batch (each row one sequence) is one entry, `(slice(None), self)`; a packed step (several
+        requests' chunks laid end to end in a [1, N] batch) one per chunk. The GDN's chunked path runs the conv
+        and the delta rule per entry, so a sequence's state never mixes with another's."""
+
     def gdn_recurrent(self, num_tokens: int) -> bool:
         """Whether GDN layers take the token-by-token path (decode, verify) rather than the chunked one."""
 
@@ -49,6 +55,11 @@ class ForwardCache(Protocol):
     ) -> torch.Tensor:
         """Gates + l2norm + recurrence from the committed state; keeps the state after every token (so a
         speculative verify can commit any accepted prefix). Returns [B, T, Hv, dv]."""
+
+
+def sequences(cache: ForwardCache | None) -> list[tuple[slice, ForwardCache | None]]:
+    """`cache.sequences()`; without a cache the batch is one set of whole sequences."""
+    return [(slice(None), None)] if cache is None else cache.sequences()
 
 
 def batch_invariant(cache: ForwardCache | None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, sequences
 from qwen_mtp.model.layers import GatedRMSNorm
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
@@ -49,15 +49,22 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split(cache.gdn_conv_update(self.name, raw, weight))
             out = cache.gdn_delta_rule(self.name, q, k, v, a, b, self.A_log, self.dt_bias)
         else:
-            window, ssm = cache.gdn_state(self.name) if cache is not None else (None, None)
-            mixed, conv_inputs = causal_conv1d(raw.transpose(1, 2), weight, window)
-            q, k, v = self._split(mixed.transpose(1, 2))
-            g, beta = gate_values(a, b, self.A_log, self.dt_bias)
-            out, final = gdn_chunked(q, k, v, g, beta, ssm)
-            if cache is not None:
-                cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
-        out = self.norm(out, z)  # [B, T, Hv, dv]: per head, z read in place
+            # Prefill: conv and delta rule per sequence (one, or each chunk of a packed step), from its own state.
+            parts = [self._chunked(raw[:, s], a[:, s], b[:, s], weight, seq) for s, seq in sequences(cache)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        out = self.norm(out, z, invariant)  # [B, T, Hv, dv]: per head, z read in place
         return self.out_proj(out.reshape(batch, length, self.value_dim), invariant)
+
+    def _chunked(self, raw, a, b, weight, cache: ForwardCache | None) -> torch.Tensor:
+        """The chunked path over whole sequences continuing their cached state: [B, T, Hv, dv]."""
+        window, ssm = cache.gdn_state(self.name) if cache is not None else (None, None)
+        mixed, conv_inputs = causal_conv1d(raw.transpose(1, 2), weight, window)
+        q, k, v = self._split(mixed.transpose(1, 2))
+        g, beta = gate_values(a, b, self.A_log, self.dt_bias)
+        out, final = gdn_chunked(q, k, v, g, beta, ssm)
+        if cache is not None:
+            cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
+        return out
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, C] conv output -> q, k [B, T, Hk, dk], v [B, T, Hv, dv]."""

@@ -44,8 +44,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return norm_ops.gated_rms_norm(x, gate, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return norm_ops.gated_rms_norm(x, gate, self.weight, self.eps, invariant)
 
 
 class MLP(nn.Module):
@@ -57,7 +57,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj.fused(x, invariant)), invariant)
+        return self.down_proj(swiglu(self.gate_up_proj.fused(x, invariant), invariant), invariant)
 
 
 class RotaryEmbedding(nn.Module):

@@ -5,6 +5,7 @@
     h_mtp = mtp.norm(x);  logits = shared lm_head(h_mtp)
 
 `h_i` is the target's hidden state *after* its final norm; a chained draft step feeds back `h_mtp`.
+`DraftVocab` (`mtp.draft_vocab`) replaces the shared lm_head by its rows for the N most frequent tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from qwen_mtp.model.layers import RMSNorm
 from qwen_mtp.model.linear import Linear
 from qwen_mtp.model.plan import LayerSpec
 from qwen_mtp.model.shapes import RankShapes
+from qwen_mtp.ops.linear import linear
 
 
 class MTPHead(nn.Module):
@@ -41,3 +43,27 @@ class MTPHead(nn.Module):
         x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x, batch_invariant(cache))
         return run_layers(self.layers, x, rope, cache, self.norm)
+
+
+class DraftVocab:
+    """A pruned draft vocabulary: the MTP head scores only `ids` [N] (long, ascending) through `weight` [N, H],
+    the lm_head rows of those ids gathered once. Its choices map back to full ids through `ids`; the target
+    still scores the whole vocabulary, so only the drafts (their cost and acceptance) change."""
+
+    def __init__(self, lm_head_weight: torch.Tensor, ids: torch.Tensor):
+        self.ids = ids.to(device=lm_head_weight.device, dtype=torch.long).sort().values
+        self.weight = lm_head_weight.detach().index_select(0, self.ids).contiguous()  # [N, H]
+
+    @property
+    def size(self) -> int:
+        return self.ids.numel()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> logits over the draft vocabulary [..., N], batch-invariant (the draft path's linear)."""
+        return linear(hidden, self.weight, True)
+
+    def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Draft-vocabulary logits [B, N] spread over the whole vocabulary [B, V], -inf elsewhere: what the
+        coupled sampler scores, so each draft token meets the noise of its full id."""
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, logits)

@@ -11,16 +11,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qwen_mtp.ops import elementwise
 from qwen_mtp.ops.backend import reference_forced
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None, invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, C, T], weight [C, K], window [B, C, K-1] or None (= zeros).
 
     Returns (silu(conv) [B, C, T] in x's dtype, the conv's whole input [B, C, K-1+T]: window then x, from
-    which a cache keeps what it needs). Computed in the weight's dtype, as Hugging Face does.
+    which a cache keeps what it needs). Computed in the weight's dtype, as Hugging Face does. `invariant`
+    (decode, verify): the silu of a (request, token) rounds the same whatever B and T (`ops/elementwise.py`).
     """
     channels, kernel = weight.shape
     length = x.shape[-1]
@@ -32,7 +34,7 @@ def causal_conv1d(
     else:
         full = torch.cat([window.to(weight.dtype), x], dim=-1)
         out = F.conv1d(full, weight.unsqueeze(1), groups=channels)[..., -length:]
-    return F.silu(out).to(out_dtype), full
+    return elementwise.silu(out, invariant).to(out_dtype), full
 
 
 # ---- decode / verify: the conv over T = 1..K+1 new tokens, reading and writing a request's pooled window ----
@@ -52,7 +54,7 @@ def conv_update_reference(
     start = committed[rows]
     index = (start[:, None] + torch.arange(kernel - 1, device=x.device))[:, None, :]
     windows = torch.gather(pool[rows], 2, index.expand(-1, pool.shape[1], -1))
-    out, full = causal_conv1d(x.transpose(1, 2), weight, windows)
+    out, full = causal_conv1d(x.transpose(1, 2), weight, windows, invariant=True)
     pool[rows, :, : full.shape[-1] - 1] = full[..., 1:].to(pool.dtype)
     return out.transpose(1, 2)
 

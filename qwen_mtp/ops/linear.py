@@ -6,8 +6,7 @@ depend on the other rows. A GEMM library picks its kernel by the number of rows:
 1 row and over 8 rows round differently (measured: ~1000 of 1000-odd row comparisons differ in the last bit);
 cuBLAS likewise picks kernels (and split-K) by M. Greedy decoding must give a request the same tokens whatever
 else shares its batch, so on that path every row's reduction order must not depend on the row count:
-- CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product, `bmm` over
-  [rows, 1, K] x [rows, K, N] (weight broadcast, not copied);
+- CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product (`rowwise_products`);
 - CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only (a `GemmPlan`),
   the split partial sums are added in one fixed order (never accumulated with atomics), and one binary serves
   every M, so a row's result is the same for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few
@@ -17,6 +16,14 @@ else shares its batch, so on that path every row's reduction order must not depe
   `row_tiles x block_m` rows through each weight block it loads; see `_stream_kernel`).
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
+
+Prefill rows. A packed prefill (mixed steps) also asks for `invariant=True`: a request's numbers must not depend
+on the chunks packed beside it, and its forward has hundreds to thousands of rows. The decode plans are built for
+M = 1..64 (16-32-row MMAs, few programs walking every row: 2.8x cuBLAS at M = 4096 on the 27B's shapes), so
+inside `prefill_rows()` the invariant GEMM takes the prefill plan table instead (`prefill_gemm_plan`: 128-row
+tiles, no K split, as a dense GEMM library tiles a large M). It is still a function of (N, K) only, so a prefill
+row's result does not depend on how many rows share the launch; it does differ from the same row on the decode
+path, which no property needs (decode and verify rows never take these plans).
 
 `qwen_mtp::linear_fp8(x, weight, scale, invariant)` is the same product with an FP8 e4m3 weight [N, K] and its
 128x128 block scales [ceil(N/128), ceil(K/128)] (W8A16: activations stay in their dtype). Its reference, on CPU
@@ -30,6 +37,9 @@ weight bit for bit), with its own plans (`TUNED_FP8`, a function of (N, K) only)
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -81,11 +91,24 @@ class GemmPlan:
         return -(-k_blocks // self.k_per_split)
 
 
+def rowwise_products(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rows [P, 1, K] @ weights [P, K, N] -> [P, 1, N], every product computed exactly as it would be alone.
+
+    fp32 / fp64: one `bmm` (MKL's per-matrix GEMM, measured invariant in P). Other dtypes: one product per row.
+    A bf16 `bmm` goes to oneDNN only once P * K * N passes 16^3, so at small shapes (64 x 64, the fixtures'
+    projections) one row alone took another kernel than the same row among P >= 2 and rounded it differently
+    (2 rows in 2048); oneDNN's batched call also copies a broadcast weight per row (~40x slower than a product
+    per row at 1024 x 1024, P = 8). A product per row has the same shape whatever P: the same kernel."""
+    if rows.dtype in (torch.float32, torch.float64):
+        return torch.bmm(rows, weights)
+    return torch.stack([row @ weight for row, weight in zip(rows, weights, strict=True)])
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear` with each row of x reduced on its own: the result of a row never depends on the others."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, 1, in_features)
-    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.shape[0], in_features, out_features))
+    out = rowwise_products(rows, weight.t().unsqueeze(0).expand(rows.shape[0], in_features, out_features))
     return out.reshape(*x.shape[:-1], out_features)
 
 
@@ -156,6 +179,36 @@ def gemm_plan(n: int, k: int) -> GemmPlan:
         return GemmPlan(block_n, block_k, min(2, k_blocks))
     splits = max(1, min(4, k_blocks, TARGET_PROGRAMS // tiles))
     return GemmPlan(block_n, block_k, -(-k_blocks // splits))
+
+
+# Prefill plans measured on the H200 (benchmarks/mixed_steps.py, gemm part); a shape not here takes the default.
+PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {}
+_PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=False)
+
+
+def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
+    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else "grid" with 128 x 128 tiles and the
+    whole K loop in one program (no split: at prefill M there are tiles enough to fill the GPU, and no partial
+    sums to park)."""
+    return PREFILL_TUNED.get((n, k)) or GemmPlan(128, 64, -(-k // 64), num_warps=8, num_stages=3, block_m=128)
+
+
+@contextmanager
+def prefill_rows() -> Iterator[None]:
+    """Inside this block the invariant GEMMs (bf16 and W8A16) run the prefill plans (`prefill_gemm_plan`): for
+    eager packed prefills (read when each op runs, so a CUDA graph or compiled step keeps what it was built
+    with; the decode path is never built inside it)."""
+    token = _PREFILL_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL_ROWS.reset(token)
+
+
+def _invariant_plan(n: int, k: int) -> GemmPlan | None:
+    """The plan an invariant GEMM of this shape runs now: the prefill plan inside `prefill_rows`, else None (the
+    decode plan, `gemm_plan` / `gemm_plan_fp8`)."""
+    return prefill_gemm_plan(n, k) if _PREFILL_ROWS.get() else None
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
@@ -315,12 +368,17 @@ def _stream_kernel():
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed split counters, re-armed by the kernel
+_OUTGROWN: list[torch.Tensor] = []  # counters a larger call replaced: captured graphs still use them, keep them
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
-        # Allocated once (before any graph capture, in the warm-up run) at a fixed address.
+        # Allocated before any graph capture (in the warm-up run) at a fixed address. An eager call with more
+        # tiles (a packed prefill's thousands of rows, mixed steps) gets a larger set; the old one stays alive,
+        # since the graphs captured with it replay into it.
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
     return counters
 
@@ -384,7 +442,8 @@ def _(x, weight, invariant):
         return F.linear(x, weight).contiguous()
     if reference_forced("linear"):
         return rowwise_linear(x, weight)
-    return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    plan = _invariant_plan(*weight.shape)
+    return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight, plan).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @linear_op.register_fake
@@ -424,7 +483,8 @@ FP8_PREFILL_METHODS = ("scaled_mm", "dequantize", "w8a16")
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 [N, K] + block scales -> `dtype` [N, K] as transformers dequantizes: `(fp8.float() * scale).to(dtype)`."""
+    """e4m3 [..., N, K] + block scales [..., ceil(N/128), ceil(K/128)] -> `dtype`, as transformers dequantizes a
+    weight (or each expert of a 3-D one): `(fp8.float() * scale).to(dtype)`."""
     return dequantize_fp8_block(weight, scale).to(dtype)
 
 
@@ -451,7 +511,10 @@ def _(x, weight, scale, invariant):
     if reference_forced("linear_fp8"):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
-    out = invariant_matmul_triton(rows, weight, scale=scale) if invariant else _fp8_prefill(rows, weight, scale)
+    if invariant:
+        out = invariant_matmul_triton(rows, weight, _invariant_plan(*weight.shape), scale=scale)
+    else:
+        out = _fp8_prefill(rows, weight, scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -24,8 +24,12 @@ has the one shape BLOCK_M x BLOCK_K x BLOCK_N, a row only meets its own accumula
 order, tile sizes come from the weights' shape, and no loop bound that varies (rows of an expert) changes a
 row's arithmetic. Only the weights of experts that some token picked are read.
 
-FP8 block experts (e4m3 [E, N, K] + scales [E, ceil(N/128), ceil(K/128)]) slot into kernels 3 and 4 as one more
-load per weight block; not built yet (see docs/moe.md).
+FP8 block experts (W8A16): an e4m3 weight [E, N, K] with fp32 block scales [E, ceil(N/128), ceil(K/128)]
+(`gate_up_scale`, `down_scale`; either may be None for a weight kept in the activations' dtype). Kernels 3 and 4
+load one scale per 128 x 128 block and dequantize each weight tile in registers with transformers' formula
+(`triton_utils.fp8_dequantize`), so the FP8 pipeline gives bit for bit what the bf16 one gives on the
+dequantized experts. The reference dequantizes the experts some token picked (`torch.unique` of the ids: a host
+sync, fine for prefill and CPU; all of them inside a graph capture) and runs the plain reference on them.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from qwen_mtp.ops import triton_utils
+from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.linear import dequantize_weight, rowwise_products
 from qwen_mtp.ops.triton_utils import INTERPRET
+from qwen_mtp.quant.fp8 import FP8_BLOCK
 
 BLOCK_M = 16  # pairs per tl.dot (tl.dot's minimum), fixed: the row count of every MMA never depends on routing
 BLOCK_K = 64
@@ -58,11 +64,12 @@ def route_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[
     return top.to(logits.dtype), ids
 
 
-def _expert_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def _expert_swiglu(gate_up: torch.Tensor, invariant: bool) -> torch.Tensor:
     """silu(gate) * up on the strided halves of the experts' gate_up output, as HF's experts compute it (not
-    `swiglu_reference`, which copies the gate first as HF's dense MLP sees it: CPU silu rounds the two apart)."""
+    `swiglu_reference`, which copies the gate first as HF's dense MLP sees it: CPU silu rounds the two apart).
+    `invariant`: every element rounded the same way (`ops/elementwise.py`)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return elementwise.silu(gate, invariant) * up
 
 
 def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -93,8 +100,8 @@ def experts_reference(
     if invariant:  # every (token, slot) pair its own 1-row product
         flat = ids.reshape(-1)
         rows = x.repeat_interleave(top_k, dim=0)[:, None]  # [P, 1, H], pair p = token p // k
-        h = _expert_swiglu(torch.bmm(rows, gate_up[flat].transpose(1, 2)))
-        out = torch.bmm(h, down[flat].transpose(1, 2))[:, 0]
+        h = _expert_swiglu(rowwise_products(rows, gate_up[flat].transpose(1, 2)), invariant)
+        out = rowwise_products(h, down[flat].transpose(1, 2))[:, 0]
         weighted = out * weights.reshape(-1, 1)
     else:  # HF's grouped GEMM path, step for step
         experts = ids.reshape(-1)
@@ -103,13 +110,36 @@ def experts_reference(
         counted = sorted_experts.float() if x.device.type == "cpu" else sorted_experts.int()
         counts = torch.histc(counted, bins=gate_up.shape[0], min=0, max=gate_up.shape[0] - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = _expert_swiglu(_grouped_mm(rows, gate_up.transpose(-2, -1), offsets))
+        h = _expert_swiglu(_grouped_mm(rows, gate_up.transpose(-2, -1), offsets), invariant)
         out = _grouped_mm(h, down.transpose(-2, -1), offsets)
         weighted = out * weights.reshape(-1)[perm].unsqueeze(-1)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         weighted = weighted[inverse]
     return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _picked_experts_dequantized(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up_scale: torch.Tensor | None,
+    down_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate_up, down, ids) over only the experts some token picked, the FP8 ones dequantized to `dtype`: the
+    same products as over all experts dequantized, without expanding the experts nobody reads. Inside a CUDA
+    graph capture (the reference forced on the decode path) every expert: finding the picked ones syncs."""
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        picked, local = torch.arange(gate_up.shape[0], device=ids.device), ids
+    else:
+        picked = torch.unique(ids)  # sorted: local expert j is global expert picked[j]
+        local = torch.searchsorted(picked, ids)
+
+    def experts(weight, scale):
+        return weight[picked] if scale is None else dequantize_weight(weight[picked], scale[picked], dtype)
+
+    return experts(gate_up, gate_up_scale), experts(down, down_scale), local
 
 
 def moe_reference(
@@ -121,9 +151,15 @@ def moe_reference(
     shared: torch.Tensor,
     shared_gate: torch.Tensor,
     invariant: bool,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The MoE block's output: routed experts + sigmoid(shared_gate [N, 1]) * shared [N, H], rounded as HF."""
-    return experts_reference(x, gate_up, down, weights, ids, invariant) + torch.sigmoid(shared_gate) * shared
+    """The MoE block's output: routed experts + sigmoid(shared_gate [N, 1]) * shared [N, H], rounded as HF.
+    With block scales the experts are FP8 (see the module docstring)."""
+    if gate_up_scale is not None or down_scale is not None:
+        gate_up, down, ids = _picked_experts_dequantized(gate_up, down, ids, gate_up_scale, down_scale, x.dtype)
+    routed = experts_reference(x, gate_up, down, weights, ids, invariant)
+    return routed + elementwise.sigmoid(shared_gate, invariant) * shared
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -219,9 +255,10 @@ def _gate_up_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, w_ptr, h_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_x, s_we, s_wn,
-               TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    def kernel(x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_x, s_we, s_wn,
+               ss_e, ss_n, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        # FP8: w_ptr is e4m3 and s_ptr its block scales [E, ceil(2I/128), ceil(H/128)]; else s_ptr is unused.
         expert = tl.load(slots_ptr + tl.program_id(0))
         if expert >= 0:
             count = tl.load(counts_ptr + expert)
@@ -230,6 +267,7 @@ def _gate_up_kernel():
             ks = tl.arange(0, BLOCK_K)
             w_gate = w_ptr + expert.to(tl.int64) * s_we + ns[:, None] * s_wn
             w_up = w_gate + INTER * s_wn
+            scales = s_ptr + expert.to(tl.int64) * ss_e
             for r0 in range(0, count, BLOCK_M):
                 rows = r0 + tl.arange(0, BLOCK_M)
                 live = rows < count
@@ -244,6 +282,12 @@ def _gate_up_kernel():
                     wmask = (ns[:, None] < INTER) & kmask[None, :]
                     wg = tl.load(w_gate + (k0 + ks)[None, :], mask=wmask, other=0.0)
                     wu = tl.load(w_up + (k0 + ks)[None, :], mask=wmask, other=0.0)
+                    if FP8:  # the up rows are rows I.. of the expert's [2I, H] weight and scale grid
+                        dtype_x = x_ptr.dtype.element_ty
+                        wg = triton_utils.fp8_dequantize(wg, scales, ns, k0, ss_n, INTER, H, BLOCK_N, BLOCK_K, dtype_x)
+                        wu = triton_utils.fp8_dequantize(
+                            wu, scales, INTER + ns, k0, ss_n, 2 * INTER, H, BLOCK_N, BLOCK_K, dtype_x
+                        )
                     acc_gate += triton_utils.dot(x, tl.trans(wg), INTERPRETED, PRECISION)
                     acc_up += triton_utils.dot(x, tl.trans(wu), INTERPRETED, PRECISION)
                 dtype = h_ptr.dtype.element_ty
@@ -262,9 +306,10 @@ def _down_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(h_ptr, w_ptr, rw_ptr, y_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_we, s_wn,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    def kernel(h_ptr, w_ptr, s_ptr, rw_ptr, y_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_we,
+               s_wn, ss_e, ss_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+        # FP8: w_ptr is e4m3 and s_ptr its block scales [E, ceil(H/128), ceil(I/128)]; else s_ptr is unused.
         expert = tl.load(slots_ptr + tl.program_id(0))
         if expert >= 0:
             count = tl.load(counts_ptr + expert)
@@ -272,6 +317,7 @@ def _down_kernel():
             ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = tl.arange(0, BLOCK_K)
             w_rows = w_ptr + expert.to(tl.int64) * s_we + ns[:, None] * s_wn
+            scales = s_ptr + expert.to(tl.int64) * ss_e
             for r0 in range(0, count, BLOCK_M):
                 rows = r0 + tl.arange(0, BLOCK_M)
                 live = rows < count
@@ -282,6 +328,10 @@ def _down_kernel():
                     h = tl.load(h_ptr + pair[:, None] * INTER + (k0 + ks)[None, :],
                                 mask=live[:, None] & kmask[None, :], other=0.0)  # fmt: skip
                     w = tl.load(w_rows + (k0 + ks)[None, :], mask=(ns[:, None] < H) & kmask[None, :], other=0.0)
+                    if FP8:
+                        w = triton_utils.fp8_dequantize(
+                            w, scales, ns, k0, ss_n, H, INTER, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty
+                        )
                     acc += triton_utils.dot(h, tl.trans(w), INTERPRETED, PRECISION)
                 dtype = y_ptr.dtype.element_ty
                 routing = tl.load(rw_ptr + pair, mask=live, other=0.0).to(tl.float32)
@@ -315,6 +365,15 @@ def _combine_kernel():
     return kernel
 
 
+def _scales_or(scale: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """The scale pointer a kernel gets: the block scales, or any tensor (unread) for a weight in the model dtype."""
+    return weight if scale is None else scale
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
+
+
 def _block_n(n: int) -> int:
     """Column tile of the expert GEMMs: a function of the weight's shape only."""
     return 64 if n >= 1024 else 32
@@ -328,8 +387,11 @@ def moe_triton(
     ids: torch.Tensor,
     shared: torch.Tensor,
     shared_gate: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`moe_reference(..., invariant=True)` in five launches, batch-invariant (see the module docstring)."""
+    """`moe_reference(..., invariant=True)` in five launches, batch-invariant (see the module docstring); with
+    block scales the experts are FP8, dequantized tile by tile in registers."""
     import triton
 
     tokens, hidden = x.shape
@@ -341,6 +403,10 @@ def moe_triton(
         return out
     x = x.contiguous()
     assert gate_up.stride(2) == 1 and down.stride(2) == 1 and shared.stride(1) == 1
+    for weight, scale in ((gate_up, gate_up_scale), (down, down_scale)):
+        if scale is not None:
+            assert weight.dtype == torch.float8_e4m3fn and scale.stride(2) == 1, "e4m3 experts, contiguous scales"
+            assert tuple(scale.shape[1:]) == (-(-weight.shape[1] // FP8_BLOCK[0]), -(-weight.shape[2] // FP8_BLOCK[1]))
     device, slots = x.device, min(pairs, experts)
     counts = torch.empty(experts, dtype=torch.int32, device=device)
     offsets, cursor = torch.empty_like(counts), torch.empty_like(counts)
@@ -355,16 +421,18 @@ def moe_triton(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=device)
     block_n = _block_n(inter)
     _gate_up_kernel()[(slots, triton.cdiv(inter, block_n))](
-        x, gate_up, h, order, counts, offsets, slot_experts, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, INTERPRETED=INTERPRET, PRECISION=precision,
+        x, gate_up, _scales_or(gate_up_scale, gate_up), h, order, counts, offsets, slot_experts, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), *_scale_strides(gate_up_scale),
+        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, FP8=gate_up_scale is not None,
+        INTERPRETED=INTERPRET, PRECISION=precision,
     )  # fmt: skip
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=device)
     block_n = _block_n(hidden)
     _down_kernel()[(slots, triton.cdiv(hidden, block_n))](
-        h, down, weights.reshape(-1).contiguous(), y, order, counts, offsets, slot_experts, hidden, inter,
-        down.stride(0), down.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, INTERPRETED=INTERPRET, PRECISION=precision,
+        h, down, _scales_or(down_scale, down), weights.reshape(-1).contiguous(), y, order, counts, offsets,
+        slot_experts, hidden, inter, down.stride(0), down.stride(1), *_scale_strides(down_scale),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, FP8=down_scale is not None,
+        INTERPRETED=INTERPRET, PRECISION=precision,
     )  # fmt: skip
     block = 1024
     _combine_kernel()[(tokens, triton.cdiv(hidden, block))](
@@ -410,20 +478,27 @@ def moe(
     shared: torch.Tensor,
     shared_gate: torch.Tensor,
     invariant: bool,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Custom op: the MoE block's output [N, H] (`moe_reference`); on CUDA with `invariant` the Triton pipeline."""
-    return moe_reference(x, gate_up, down, weights, ids, shared, shared_gate, invariant).contiguous()
+    """Custom op: the MoE block's output [N, H] (`moe_reference`); on CUDA with `invariant` the Triton pipeline.
+    `gate_up_scale` / `down_scale`: the block scales of FP8 experts (None: the weight is in the model dtype)."""
+    return moe_reference(
+        x, gate_up, down, weights, ids, shared, shared_gate, invariant, gate_up_scale, down_scale
+    ).contiguous()
 
 
 @moe.register_kernel("cuda")
-def _(x, gate_up, down, weights, ids, shared, shared_gate, invariant):
+def _(x, gate_up, down, weights, ids, shared, shared_gate, invariant, gate_up_scale=None, down_scale=None):
     if not invariant or reference_forced("moe"):
-        return moe_reference(x, gate_up, down, weights, ids, shared, shared_gate, invariant).contiguous()
-    return moe_triton(x, gate_up, down, weights, ids, shared, shared_gate)
+        return moe_reference(
+            x, gate_up, down, weights, ids, shared, shared_gate, invariant, gate_up_scale, down_scale
+        ).contiguous()
+    return moe_triton(x, gate_up, down, weights, ids, shared, shared_gate, gate_up_scale, down_scale)
 
 
 @moe.register_fake
-def _(x, gate_up, down, weights, ids, shared, shared_gate, invariant):
+def _(x, gate_up, down, weights, ids, shared, shared_gate, invariant, gate_up_scale=None, down_scale=None):
     return torch.empty_like(x)
 
 

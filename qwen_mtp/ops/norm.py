@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from qwen_mtp.ops import elementwise
 from qwen_mtp.ops.backend import reference_forced
 
 
@@ -24,13 +24,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * (1.0 + weight.float())).type_as(x)
 
 
-def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN output norm: plain weight applied in the activation dtype, then the silu(gate) product in fp32."""
+def gated_rms_norm_reference(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool = False
+) -> torch.Tensor:
+    """GDN output norm: plain weight applied in the activation dtype, then the silu(gate) product in fp32.
+    `invariant` (decode, verify): the silu rounds a row the same whatever the batch (`ops/elementwise.py`)."""
     dtype = x.dtype
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * y.to(dtype)
-    return (y * F.silu(gate.float())).to(dtype)
+    return (y * elementwise.silu(gate.float(), invariant)).to(dtype)
 
 
 def add_rms_norm_reference(
@@ -141,20 +144,23 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("qwen_mtp::gated_rms_norm", mutates_args=())
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Custom op: `gated_rms_norm_reference` on CPU, the batch-invariant Triton kernel on CUDA."""
-    return gated_rms_norm_reference(x, gate, weight, eps).contiguous()
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool = False
+) -> torch.Tensor:
+    """Custom op: `gated_rms_norm_reference` on CPU, the batch-invariant Triton kernel on CUDA (invariant
+    either way: one program per row)."""
+    return gated_rms_norm_reference(x, gate, weight, eps, invariant).contiguous()
 
 
 @gated_rms_norm.register_kernel("cuda")
-def _(x, gate, weight, eps):
+def _(x, gate, weight, eps, invariant=False):
     if reference_forced("gated_rms_norm"):
-        return gated_rms_norm_reference(x, gate, weight, eps).contiguous()
+        return gated_rms_norm_reference(x, gate, weight, eps, invariant).contiguous()
     return norm_triton(x, weight, eps, gate)
 
 
 @gated_rms_norm.register_fake
-def _(x, gate, weight, eps):
+def _(x, gate, weight, eps, invariant=False):
     return x.new_empty(x.shape)
 
 

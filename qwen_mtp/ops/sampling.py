@@ -204,6 +204,10 @@ def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, blo
     partials, combine, _ = _kernels()
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
+    # the kernels read row r's parameters at offset r: a per-request value expanded over its verify rows is a
+    # stride-0 view (one request's [1, K+1] rows flatten to one), so it is laid out one per row first
+    inv_temperature, seed, position = (t.contiguous() for t in (inv_temperature, seed, position))
+    threshold = None if threshold is None else threshold.contiguous()
     chunks = triton.cdiv(vocab, block)
     best = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
@@ -225,6 +229,7 @@ def top_p_threshold_triton(ordered, keep, inv_temperature, top_p, block: int = B
     """Triton version of `top_p_threshold_reference`: one program per row, masses summed in fixed lanes."""
     _, _, top_p_cut = _kernels()
     assert ordered.stride(1) == 1
+    keep, inv_temperature, top_p = (t.contiguous() for t in (keep, inv_temperature, top_p))  # one per row (above)
     out = torch.empty(ordered.shape[0], dtype=torch.float32, device=ordered.device)
     top_p_cut[(ordered.shape[0],)](ordered, ordered.stride(0), keep, inv_temperature, top_p, out, BLOCK=block)
     return out

@@ -2,8 +2,8 @@
 
 The MLP's gate and up projections run as one GEMM on CUDA (`MLP.gate_up_proj`, a `MergedLinear`); this op
 reads both halves of its output in place (no split copies). Rounding follows the two eager ops (silu rounded to
-the activation dtype, then the product), so it only saves launches. Elementwise, hence batch-invariant by
-construction.
+the activation dtype, then the product), so it only saves launches. The kernel is elementwise, hence
+batch-invariant by construction; the CPU reference is with `invariant` (see `swiglu_reference`).
 """
 
 from __future__ import annotations
@@ -11,19 +11,21 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from qwen_mtp.ops import elementwise
 from qwen_mtp.ops.backend import reference_forced
 
 
-def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu_reference(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """gate_up [..., 2I] -> silu(gate) * up [..., I].
 
     silu runs on a contiguous copy of the gate, as HF's MLP runs it on its own projection's output: torch's CPU
     silu rounds the elements its vector loop leaves over differently, and over strided rows of I that is the
-    last I % 32 of every row (the shared experts' width, e.g. 48, showed it)."""
+    last I % 32 of every row (the shared experts' width, e.g. 48, showed it). Over the contiguous copy that is
+    the tail of the whole tensor, which moves with the batch: `invariant` (decode, verify) rounds every element
+    the same way instead (`ops/elementwise.py`)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.contiguous()) * up
+    return elementwise.silu(gate.contiguous(), invariant) * up
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
@@ -57,20 +59,20 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("qwen_mtp::swiglu", mutates_args=())
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """Custom op: `swiglu_reference` on CPU, the Triton kernel on CUDA."""
-    return swiglu_reference(gate_up).contiguous()
+def swiglu(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """Custom op: `swiglu_reference` on CPU, the Triton kernel on CUDA (elementwise per program: invariant)."""
+    return swiglu_reference(gate_up, invariant).contiguous()
 
 
 @swiglu.register_kernel("cuda")
-def _(gate_up):
+def _(gate_up, invariant=False):
     if reference_forced("swiglu"):
-        return swiglu_reference(gate_up).contiguous()
+        return swiglu_reference(gate_up, invariant).contiguous()
     return swiglu_triton(gate_up)
 
 
 @swiglu.register_fake
-def _(gate_up):
+def _(gate_up, invariant=False):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 

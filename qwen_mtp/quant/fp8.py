@@ -31,13 +31,14 @@ def scale_grid(shape: Sequence[int], block: tuple[int, int] = FP8_BLOCK) -> tupl
 
 def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
     rows, cols = block
-    return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: shape[0], : shape[1]]
+    return scale.repeat_interleave(rows, -2).repeat_interleave(cols, -1)[..., : shape[-2], : shape[-1]]
 
 
 def dequantize_fp8_block(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
 ) -> torch.Tensor:
-    """fp8 [N, K] and its block scales -> fp32 [N, K] (cast to the model dtype after: transformers' rounding)."""
+    """fp8 [..., N, K] and its block scales [..., ceil(N/bn), ceil(K/bk)] (3-D MoE experts: one grid per expert)
+    -> fp32 [..., N, K] (cast to the model dtype after: transformers' rounding)."""
     return weight.float() * _expand(scale_inv.float(), weight.shape, block)
 
 
@@ -67,23 +68,28 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK)
 @dataclass(frozen=True)
 class Fp8BlockConfig:
     """Which projections `quantize_` stores in FP8: every one but those whose Hugging Face name contains an entry
-    of `modules_to_not_convert` (default: what Qwen's FP8 releases keep in bf16; embeddings and norms are not
-    projections and always stay)."""
+    of `modules_to_not_convert` as whole dotted components ("mlp.gate" skips `layers.0.mlp.gate`, the MoE
+    router, not `mlp.gate_proj`). Default: what Qwen's FP8 releases keep in bf16 (the MoE routers too: small
+    matrices, faster in bf16); embeddings and norms are not projections and always stay."""
 
-    modules_to_not_convert: tuple[str, ...] = ("lm_head", "mtp.fc", "in_proj_a", "in_proj_b")
+    modules_to_not_convert: tuple[str, ...] = (
+        "lm_head", "mtp.fc", "in_proj_a", "in_proj_b", "mlp.gate", "shared_expert_gate",
+    )  # fmt: skip
 
 
 def quantize_(model: nn.Module, config: Fp8BlockConfig | None = None) -> nn.Module:
     """Store `model`'s projections in FP8 128x128 blocks, in place (torchao's verb, on our linear modules):
-    each `Linear` / `MergedLinear` segment the config selects is quantized from its current values (on the
-    meta device: only the storage changes, for a checkpoint to fill). Segments already in FP8 are left as they
-    are, and so are merged projections whose segments cannot share one FP8 weight (with a warning). Returns the
-    model."""
+    each `Linear` / `MergedLinear` segment / MoE `Experts` weight the config selects is quantized from its
+    current values (on the meta device: only the storage changes, for a checkpoint to fill). Segments already in
+    FP8 are left as they are, and so are merged projections whose segments cannot share one FP8 weight (with a
+    warning). Returns the model."""
     skip = (config or Fp8BlockConfig()).modules_to_not_convert
     for path, module in list(model.named_modules()):
         if not hasattr(module, "fp8_candidates") or path == "lm_head":  # model.logits reads it as a plain weight
             continue
-        chosen = [seg for seg, name in module.fp8_candidates(path) if not any(entry in name for entry in skip)]
+        chosen = [
+            seg for seg, name in module.fp8_candidates(path) if not any(f".{e}." in f".{name}." for e in skip)
+        ]  # fmt: skip
         if not chosen:
             continue
         problem = module.fp8_unsupported(chosen)

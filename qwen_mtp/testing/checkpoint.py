@@ -24,7 +24,7 @@ from qwen_mtp.quant.fp8 import quantize_fp8_block
 from qwen_mtp.testing.tokenizer import build_tokenizer
 
 FIXTURE_DTYPES = ("float32", "bfloat16")  # what the fixtures are written in
-FIXTURE_VERSION = 2  # bump when the builder's output changes, so cached fixtures are rebuilt
+FIXTURE_VERSION = 3  # bump when the builder's output changes, so cached fixtures are rebuilt
 
 _TINY: dict[str, Any] = {
     "model_type": "qwen3_5_text",
@@ -102,9 +102,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_key_head_dim": 32,
         "linear_value_head_dim": 32,
     },
+    # Qwen3.5-MoE in FP8 blocks: tiny-moe's 8 experts, top-2, with 128-multiple matrices (the experts' gate and up
+    # scale grids stack, as in Qwen's releases).
+    "tiny-moe-fp8": {
+        "model_type": "qwen3_5_moe_text",
+        "intermediate_size": None,
+        "hidden_size": 128,
+        "head_dim": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+    },
 }
 
-FP8_PRESETS = ("tiny-fp8",)  # fixtures written as FP8 block checkpoints
+FP8_PRESETS = ("tiny-fp8", "tiny-moe-fp8")  # fixtures written as FP8 block checkpoints
 
 # Matrices that Qwen's FP8 releases store as e4m3 blocks; everything else stays bf16 (modules_to_not_convert).
 FP8_SUFFIXES = (
@@ -256,12 +272,17 @@ def build_checkpoint(
         if fp8 and value.ndim == 2 and name.endswith(FP8_SUFFIXES):
             q, scale = quantize_fp8_block(value)
             tensors[disk], tensors[disk + "_scale_inv"] = q, scale.to(torch.bfloat16)  # bf16, as Qwen's releases
+        elif fp8 and name.endswith(EXPERT_WEIGHTS):  # 3-D experts: each expert's blocks, stacked (HF's FP8Experts)
+            pairs = [quantize_fp8_block(expert) for expert in value]
+            tensors[disk] = torch.stack([q for q, _ in pairs])
+            tensors[disk + "_scale_inv"] = torch.stack([scale for _, scale in pairs]).to(torch.bfloat16)
         else:
             tensors[disk] = value.to(dtype_of_tensors).contiguous()
     if layout == "vlm":
         tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, dtype=dtype_of_tensors)
     if fp8:
-        kept = sorted({n.rsplit(".", 1)[0] for n in tensors if not n.endswith(FP8_SUFFIXES + ("_scale_inv",))})
+        quantized = FP8_SUFFIXES + EXPERT_WEIGHTS + ("_scale_inv",)
+        kept = sorted({n.rsplit(".", 1)[0] for n in tensors if not n.endswith(quantized)})
         config["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",

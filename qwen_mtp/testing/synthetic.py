@@ -36,13 +36,6 @@ SYNTHETIC: dict[str, dict] = {
                      "linear_num_key_heads": 16, "linear_num_value_heads": 16, "intermediate_size": 3584,
                      "tie_word_embeddings": True},
 }  # fmt: skip
-# FP8 variants (`<name>-fp8`): the config of a Qwen FP8 release; the projections it quantizes are FP8 128x128
-# blocks (`quant.fp8.quantize_` of the random bf16 weights, on the device).
-FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-SYNTHETIC.update(
-    {f"{name}-fp8": {**dims, "quantization_config": FP8_RELEASE} for name, dims in list(SYNTHETIC.items())}
-)
-
 # The MoE families (same section of the note): Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B. In bf16 the 35B takes
 # ~70 GB, the 80B ~160 GB (one H200 needs its FP8 form). The "-8l" variants keep every per-layer shape with 8
 # layers (6 GDN + 2 attention), for GPU exactness tests and kernel timing at the real expert shapes.
@@ -58,6 +51,14 @@ SYNTHETIC.update({
 })  # fmt: skip
 for _name in ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):
     SYNTHETIC[f"{_name}-8l"] = {**SYNTHETIC[_name], "num_hidden_layers": 8}
+
+# FP8 variants of every preset (`<name>-fp8`, e.g. `qwen3.5-35b-a3b-fp8`, `qwen3-next-80b-a3b-8l-fp8`): the
+# config of a Qwen FP8 release; the projections and experts it quantizes are FP8 128x128 blocks, created in FP8
+# on the device (the 80B-A3B fits one H200 only so: its bf16 form would take ~160 GB).
+FP8_RELEASE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+SYNTHETIC.update(
+    {f"{name}-fp8": {**dims, "quantization_config": FP8_RELEASE} for name, dims in list(SYNTHETIC.items())}
+)
 
 
 def synthetic_config(name: str) -> ModelConfig:
@@ -75,11 +76,21 @@ def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, s
 
     config = synthetic_config(name)
     with torch.device("meta"):
-        model = QwenHybridForCausalLM(config, 1 if parallel is None else parallel.degree)
-    model = model.to(dtype).to_empty(device=device)  # never materialize an fp32 copy (27B: 108 GB)
+        model = QwenHybridForCausalLM(config, 1 if parallel is None else parallel.degree).to(dtype)
+    if config.weight_block_size is not None:
+        from qwen_mtp.quant.fp8 import quantize_
+
+        quantize_(model)  # on the meta device: only the storage becomes e4m3 + block scales
+    model = model.to_empty(device=device)  # never materialize an fp32 copy (27B: 108 GB), nor a bf16 one of FP8
     gen = torch.Generator(device=device).manual_seed(seed)
-    for pname, param in model.named_parameters():
-        if pname.endswith("A_log"):
+    params = dict(model.named_parameters())
+    for pname, param in params.items():
+        if param.dtype == torch.float8_e4m3fn:  # W = e4m3(N(0, 1)) * scale, scale 1/sqrt(K) (its `_scale_inv`)
+            for rows in param.view(-1, param.shape[-1]).split(1 << 14):
+                rows.copy_(torch.randn(rows.shape, generator=gen, device=device, dtype=dtype))
+        elif pname.endswith("_scale_inv"):
+            param.fill_(params[pname.removesuffix("_scale_inv")].shape[-1] ** -0.5)
+        elif pname.endswith("A_log"):
             param.uniform_(0.0, math.log(16.0), generator=gen)
         elif pname.endswith("dt_bias") or pname.endswith("linear_attn.norm.weight"):
             param.fill_(1.0)
@@ -90,10 +101,6 @@ def synthetic_model(name: str, dtype: torch.dtype, device: torch.device | str, s
         else:
             param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=gen)
     model.init_non_persistent_buffers(device)
-    if config.weight_block_size is not None:
-        from qwen_mtp.quant.fp8 import quantize_
-
-        quantize_(model)
     if parallel is not None and parallel.degree > 1:
         from qwen_mtp.parallel.apply import apply_tensor_parallel
 

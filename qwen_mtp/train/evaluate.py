@@ -78,10 +78,13 @@ def measure_acceptance(
     dtype: str = "float32",
     max_batch: int = 8,
     log: Callable[[str], None] | None = None,
+    draft_vocab: int = 0,
+    draft_vocab_file: str | None = None,
 ) -> dict[str, Any]:
     """Greedy generation from each prompt with MTP off, then with MTP K for each K in `ks` (EOS ignored, so
     every prompt generates `max_new_tokens`): acceptance lengths, per-position acceptance, and whether each
-    K's tokens equal MTP-off's (they must: speculation is lossless)."""
+    K's tokens equal MTP-off's (they must: speculation is lossless). `draft_vocab` > 0: the head drafts from
+    that many ids of `draft_vocab_file` (`mtp.draft_vocab`)."""
     from qwen_mtp.engine import Engine
     from qwen_mtp.engine.setup import load_from_recipe
     from qwen_mtp.recipe import CacheSection, MTPSection, load_recipe
@@ -102,8 +105,12 @@ def measure_acceptance(
         "checkpoint": str(checkpoint), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "device": device, "dtype": dtype, "k": {},
     }  # fmt: skip
+    if draft_vocab:
+        report |= {"draft_vocab": draft_vocab, "draft_vocab_file": draft_vocab_file}
     for k in ks:
-        tokens, engine = generate(MTPSection(enabled=True, k=k))
+        tokens, engine = generate(
+            MTPSection(enabled=True, k=k, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
+        )
         totals = engine.speculator.totals
         report["k"][str(k)] = {
             "acceptance_length": round(totals.acceptance_length, 4),

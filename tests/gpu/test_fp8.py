@@ -39,7 +39,7 @@ def test_w8a16_equals_bf16_kernel_on_dequantized_weights_and_is_invariant(n, k):
 
 
 @pytest.mark.parametrize("m", [1, 5, 512, 2048])
-@pytest.mark.parametrize("n,k", [(34816, 5120), (5120, 17408)])
+@pytest.mark.parametrize("n,k", [(34816, 5120), (5120, 17408), (2048, 512), (512, 1024), (512, 512)])  # 27B; fixture
 def test_scaled_mm_prefill_is_the_w8a8_product(n, k, m):
     """cuBLASLt's blockwise GEMM equals the W8A8 product (activations quantized per 1x128 group) to fp32
     rounding, and is within the activation quantization's error of the bf16 product."""

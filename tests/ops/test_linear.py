@@ -8,7 +8,7 @@ import torch
 from op_helpers import DTYPES, REAL, VERIFY_DTYPE, check_op, rand
 
 from qwen_mtp.ops import linear
-from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton
+from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan, prefill_rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,3 +96,26 @@ def test_gemm_plan_rejects_what_no_kernel_runs(fields):
 def test_linear_passes_opcheck_on_a_strided_input(invariant):
     strided = rand(2, 3, 16, dtype=torch.float32)[..., :8]  # like one half of q_proj's [q | gate] chunk
     check_op(torch.ops.qwen_mtp.linear, (strided, rand(5, 8, dtype=torch.float32), invariant))
+
+
+def test_prefill_plan_rows_never_depend_on_m():
+    """The prefill plan (128-row tiles, one K split) a packed prefill runs: a row's result whatever M."""
+    plan = prefill_gemm_plan(N_TEST, K_TEST)
+    assert plan.splits(K_TEST) == 1 and plan.block_m == 128
+    weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=3), rand(300, K_TEST, dtype=VERIFY_DTYPE, seed=4)
+    full = invariant_matmul_triton(x, weight, plan)
+    tol = 1e-4 if VERIFY_DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), x.float() @ weight.float().T, rtol=tol, atol=tol)
+    for m in (1, 127, 128, 129, 256):
+        assert torch.equal(invariant_matmul_triton(x[:m], weight, plan), full[:m]), f"rows differ at M={m}"
+    assert torch.equal(invariant_matmul_triton(x[200:201], weight, plan), full[200:201])
+
+
+def test_prefill_rows_selects_the_prefill_plans_only_inside_the_block():
+    assert linear._invariant_plan(256, 512) is None  # the decode plan
+    with prefill_rows():
+        assert linear._invariant_plan(256, 512) == prefill_gemm_plan(256, 512)
+        with prefill_rows():
+            pass
+        assert linear._invariant_plan(256, 512) is not None  # an inner block leaves the outer one on
+    assert linear._invariant_plan(256, 512) is None

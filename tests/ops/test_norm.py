@@ -60,3 +60,4 @@ def test_norm_ops_pass_opcheck_with_the_models_strided_inputs():
     check_op(ops.rms_norm, (strided, w, 1e-6))
     check_op(ops.add_rms_norm, (strided, x, w, 1e-6))
     check_op(ops.gated_rms_norm, (strided, x, w, 1e-6))
+    check_op(ops.gated_rms_norm, (strided, x, w, 1e-6, True))  # decode path

@@ -85,3 +85,27 @@ def test_top_p_kernel_equals_reference():
         before = torch.cumsum(probs, dim=0) - probs
         last = int((before < top_p[r]).sum()) - 1
         assert ref[r] == ordered[r, last]
+
+
+def test_kernels_take_one_requests_parameters_expanded_over_its_verify_rows():
+    """A verify of one request (B = 1, T = K + 1 rows) hands the kernels its parameters as stride-0 views, which
+    `sampling.choose` gets by expanding [B] over the rows, sitting in one tensor beside the other parameters
+    (`sampling.rows_of`). Every row must read the request's own values, not its neighbours in memory."""
+    logits = rand(4, VOCAB, seed=6, scale=3.0)
+    ordered = logits.sort(dim=-1, descending=True).values
+    packed = torch.tensor([[0.0], [1.0], [0.9], [float("-inf")]], device=DEVICE)  # 1/T (greedy), then others
+    ints = torch.tensor([[12345], [678]], device=DEVICE)  # seed, then another request's
+    inv_t, seed = packed[0].expand(4), ints[0].expand(4)
+    top_p, keep = packed[2].expand(4), torch.full((4,), VOCAB, device=DEVICE)
+    positions = torch.arange(100, 104, device=DEVICE)
+    assert inv_t.stride(0) == 0  # what the kernels must cope with
+    tokens, _ = sampling.sample_tokens_triton(logits, inv_t, None, seed, positions, BLOCK)
+    assert torch.equal(tokens, logits.argmax(dim=-1))  # greedy on every row
+    own = (torch.full((4,), 1 / 0.7, device=DEVICE), torch.full((4,), 0.9, device=DEVICE))
+    sampled = packed.clone()
+    sampled[0] = 1 / 0.7
+    tokens, _ = sampling.sample_tokens_triton(logits, sampled[0].expand(4), None, seed, positions, BLOCK)
+    ref, _ = sampling.sample_tokens_reference(logits, own[0], None, seed.contiguous(), positions, BLOCK)
+    assert torch.equal(tokens, ref)
+    cut = sampling.top_p_threshold_triton(ordered, keep, sampled[0].expand(4), top_p, BLOCK)
+    assert torch.equal(cut, sampling.top_p_threshold_reference(ordered, keep, own[0], own[1], BLOCK))

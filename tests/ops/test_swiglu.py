@@ -17,3 +17,4 @@ def test_swiglu_matches_reference(dtype):
 
 def test_swiglu_passes_opcheck():
     check_op(torch.ops.qwen_mtp.swiglu, (rand(2, 3, 16, dtype=torch.float32),))
+    check_op(torch.ops.qwen_mtp.swiglu, (rand(2, 3, 16, dtype=torch.float32), True))  # decode path

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qwen_mtp.ops import elementwise
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -163,7 +165,15 @@ def chunked_gated_delta_rule_varlen(
     return out, torch.cat(finals, dim=0)
 
 
-def gate_values(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):  # noqa: N803
+def gate_values(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,  # noqa: N803
+    dt_bias: torch.Tensor,
+    invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN gates from the projections, with HF's dtypes: g = -exp(A_log) * softplus(a + dt_bias) in fp32 (log
-    decay), beta = sigmoid(b) in the activation dtype."""
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+    decay), beta = sigmoid(b) in the activation dtype. `invariant` (decode, verify): a token's gates round the
+    same whatever the batch and T (`ops/elementwise.py`)."""
+    decay = elementwise.softplus(a.float() + dt_bias, invariant)
+    return -A_log.float().exp() * decay, elementwise.sigmoid(b, invariant)

@@ -32,7 +32,7 @@ def gdn_recurrent_reference(
 
     Starts each request from `pool[row, committed[row]]`, writes the state after token t into `pool[row, t]`
     and returns the output [B, T, Hv, dv]."""
-    g, beta = gate_values(a, b, A_log, dt_bias)
+    g, beta = gate_values(a, b, A_log, dt_bias, invariant=True)
     initial = pool[rows, committed[rows]]
     out, states = recurrent_gated_delta_rule(q, k, v, g, beta, initial, state_dtype=pool.dtype)
     pool[rows, : q.shape[1]] = states.to(pool.dtype)

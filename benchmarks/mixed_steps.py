@@ -1,0 +1,256 @@
+"""Mixed steps (issue #20) on the GPU, packing on (`cache.mixed_steps`) against off, one loaded model:
+1. gemm:  one forward's linears at prefill row counts (bf16), per weight shape and summed: the batch-invariant
+          GEMM with its decode plans, cuBLAS (the unpacked prefill) and `prefill_plans`: the prefill plan packed
+          prefills run (`prefill_gemm_plan`) and two alternatives;
+2. ttft:  32 simultaneous 128-token prompts and 8 simultaneous 2048-token prompts: time to first token (mean,
+          max) beside the compute floor (2 x linear params x prompt tokens at 700 TFLOP/s), and the decode
+          tokens/s of the same batch after its prefill;
+3. itl:   16 running requests while a 2048-token prompt arrives every 0.5 s: p50 / p99 of the running
+          requests' gaps between token updates;
+4. exact: packed tokens == each prompt's tokens alone (packing on: must hold), packed == packing off (reported:
+          the prefill GEMM differs, so bf16 near-ties may flip), and with --k MTP-on == MTP-off (packing on).
+Writes JSON to --out (default $OUT/mixed-steps.json) and prints a summary.
+Usage (GPU box): python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml [--k 2] [--set cache.max_step_tokens=16384]
+CPU smoke run:   python3 benchmarks/mixed_steps.py recipes/bench-tiny.yaml --scale 0.0625 --arrivals 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from bench_common import free_memory, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
+
+from qwen_mtp.engine import Engine, SamplingParams
+from qwen_mtp.engine.setup import load_from_recipe
+from qwen_mtp.model.linear import Linear, MergedLinear
+from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan
+from qwen_mtp.recipe import load_recipe
+
+FLOOR_FLOPS = 700e12  # a dense bf16 GEMM's practical peak on the H200 (issue #20's floor)
+
+
+def make_engine(args, loaded, mixed: bool, k: int, batch: int) -> Engine:
+    sets = (f"cache.mixed_steps={str(mixed).lower()}", f"cache.max_batch={batch}", f"cache.num_state_rows={batch}")
+    sets += (("mtp.enabled=true", f"mtp.k={k}") if k else ("mtp.enabled=false",)) + tuple(args.set)
+    engine = Engine.from_recipe(load_recipe(args.recipe, sets), loaded=loaded, log=lambda _: None)
+    engine.warmup()
+    engine.generate([tokens(16, seed=0, vocab=loaded.model.config.vocab_size)], max_new_tokens=2, ignore_eos=True)
+    return engine
+
+
+def timed(fn, reps: int = 10) -> float:
+    """Seconds per call of fn (after a warm-up call)."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / reps
+
+
+def linears(model) -> dict[tuple[int, int], list]:
+    """The decoder layers' linear modules by weight shape [N, K] (what a prefill forward runs per token)."""
+    found: dict[tuple[int, int], list] = {}
+    for module in model.model.layers.modules():
+        if isinstance(module, Linear | MergedLinear):
+            found.setdefault(tuple(module.weight.shape), []).append(module)
+    return found
+
+
+def prefill_plans(n: int, k: int) -> dict[str, GemmPlan]:
+    """Candidate batch-invariant plans for prefill row counts (a function of (N, K) only, like every plan): the
+    plan packed prefills run now (`prefill_gemm_plan`: "grid", 128 x 128 tiles, no K split) and two other "grid"
+    tilings without a K split, as a dense GEMM library tiles a large M. The decode plans (`gemm_plan`: "stream",
+    16-32-row MMAs, one program per weight slice walking every row) are built for M = 1..64."""
+    blocks = -(-k // 64)
+    return {
+        "prefill_gemm_plan": prefill_gemm_plan(n, k),
+        "grid128x256": GemmPlan(256, 64, blocks, 8, 3, block_m=128),
+        "grid64x128": GemmPlan(128, 64, blocks, 4, 4, block_m=64),
+    }
+
+
+@torch.inference_mode()
+def gemm(model, rows: list[int]) -> dict:
+    """Per weight shape [N, K] and row count M: the invariant GEMM with the decode plan, cuBLAS (`F.linear`, the
+    unpacked prefill) and `prefill_plans` (the one packed prefills run, and alternatives); and one
+    forward's linears summed (each shape its count of modules, the best candidate per shape)."""
+    device, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
+    shapes, report = linears(model), {"shapes": [], "forward": []}
+    for m in rows:
+        total = {"invariant": 0.0, "cublas": 0.0, "best_prefill_plan": 0.0}
+        for (n, k), modules in shapes.items():
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            w = torch.randn(n, k, device=device, dtype=dtype)
+            t = {"invariant": timed(lambda x=x, w=w: invariant_matmul_triton(x, w))}
+            t["cublas"] = timed(lambda x=x, w=w: F.linear(x, w))
+            plans = {name: timed(lambda x=x, w=w, p=p: invariant_matmul_triton(x, w, p)) for name, p in
+                     prefill_plans(n, k).items()}  # fmt: skip
+            best = min(plans, key=plans.get)
+            t["best_prefill_plan"] = plans[best]
+            for name in total:
+                total[name] += t[name] * len(modules)
+            seconds = {f"{a}_s": b for a, b in t.items()}
+            report["shapes"].append(dict(m=m, n=n, k=k, count=len(modules), best_plan=best, plans_s=plans, **seconds))
+            candidates = ", ".join(f"{a} {b * 1e6:.0f} us" for a, b in plans.items())
+            print(f"  M={m} {n}x{k} (x{len(modules)}): decode plan {t['invariant'] * 1e6:.0f} us, cuBLAS "
+                  f"{t['cublas'] * 1e6:.0f} us, {candidates}")  # fmt: skip
+        report["forward"].append(dict(m=m, **{f"{a}_s": b for a, b in total.items()}))
+        print(f"gemm M={m:5d}: one forward's linears: invariant (decode plans) {total['invariant'] * 1e3:8.2f} ms, "
+              f"cuBLAS {total['cublas'] * 1e3:8.2f} ms, best prefill plan {total['best_prefill_plan'] * 1e3:8.2f} ms "
+              f"(invariant/cuBLAS {total['invariant'] / total['cublas']:.2f}x, "
+              f"prefill plan/cuBLAS {total['best_prefill_plan'] / total['cublas']:.2f}x)")  # fmt: skip
+    return report
+
+
+def burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """All prompts submitted at once: TTFT per request, decode tokens/s after the last first token, tokens."""
+    sync()
+    start = time.perf_counter()
+    ids = [engine.submit(p, SamplingParams(new_tokens, ignore_eos=True)) for p in prompts]
+    first: dict[int, float] = {}
+    while engine.has_unfinished():
+        for update in engine.step():
+            if update.new_token_ids:
+                first.setdefault(update.request_id, time.perf_counter())
+    sync()
+    end = time.perf_counter()
+    failed = [engine.requests[i] for i in ids if engine.requests[i].finish_reason == "error"]
+    if failed:
+        error = failed[0].error
+        raise SystemExit(f"{len(failed)} of {len(ids)} requests ended with an error, the first: {error!r}") from error
+    ttft = [first[i] - start for i in ids]
+    decoding = end - max(first.values())
+    return {
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_max_s": max(ttft),
+        "decode_tokens_per_s": len(ids) * (new_tokens - 1) / decoding if decoding > 0 else None,
+        "tokens": [engine.result(i).token_ids for i in ids],
+    }
+
+
+def inter_token(engine: Engine, args, vocab: int) -> dict:
+    """`--running` requests decode while a `--long`-token prompt arrives every `--interval` s (`--arrivals` of
+    them): the running requests' gaps between token updates (one update per step that gave them tokens)."""
+    running = [
+        engine.submit(tokens(args.short, seed=500 + i, vocab=vocab), SamplingParams(args.itl_tokens, ignore_eos=True))
+        for i in range(args.running)
+    ]
+    while any(engine.requests[r].in_prefill for r in running):
+        engine.step()
+    last = dict.fromkeys(running, time.perf_counter())
+    gaps: list[float] = []
+    start, arrived, arrivals = time.perf_counter(), 0, []
+    while arrived < args.arrivals or any(not engine.requests[r].done for r in arrivals):
+        if arrived < args.arrivals and time.perf_counter() - start >= arrived * args.interval:
+            prompt = tokens(args.long, seed=700 + arrived, vocab=vocab)
+            arrivals.append(engine.submit(prompt, SamplingParams(1, ignore_eos=True)))
+            arrived += 1
+        updates = engine.step()
+        now = time.perf_counter()
+        for update in updates:
+            if update.request_id in last and update.new_token_ids:
+                gaps.append(now - last[update.request_id])
+                last[update.request_id] = now
+        if any(engine.requests[r].done for r in running):
+            raise SystemExit(f"--itl-tokens {args.itl_tokens} ran out before the arrivals ended: raise it")
+    for rid in running:
+        engine.cancel(rid)
+        engine.result(rid)
+    for rid in arrivals:
+        engine.result(rid)
+    gaps.sort()
+    return {
+        "p50_ms": 1e3 * gaps[len(gaps) // 2],
+        "p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
+        "max_ms": 1e3 * gaps[-1],
+        "updates": len(gaps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--k", type=int, default=0, help="also run MTP with this K (packing on) for MTP-on == off")
+    parser.add_argument("--set", action="append", default=[], help="recipe override, e.g. cache.max_step_tokens=16384")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (CPU smoke runs)")
+    parser.add_argument("--arrivals", type=int, default=6, help="long prompts arriving during the ITL run")
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--running", type=int, default=16)
+    parser.add_argument("--itl-tokens", type=int, default=2048, help="max_new_tokens of the ITL run's decoders")
+    parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens of the TTFT bursts")
+    parser.add_argument("--solo", type=int, default=4, help="prompts of each burst also run alone (exactness)")
+    parser.add_argument("--gemm-rows", default="128,512,2048,4096,8192")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mixed-steps.json"))
+    args = parser.parse_args()
+    args.short, args.long = max(1, int(128 * args.scale)), max(1, int(2048 * args.scale))
+    loaded = load_from_recipe(load_recipe(args.recipe, tuple(args.set)))
+    model, vocab = loaded.model, loaded.model.config.vocab_size
+    params = sum(n * k * len(m) for (n, k), m in linears(model).items())
+    report: dict = {"recipe": args.recipe, "set": args.set, "k": args.k, "linear_params": params}
+    report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if loaded.device.type == "cuda":
+        report["gemm"] = gemm(model, [int(m) for m in args.gemm_rows.split(",")])
+        with open(args.out, "w") as f:  # the GEMM part survives a failure later in the run
+            json.dump(report, f, indent=1)
+
+    bursts = {"32x128": [tokens(args.short, seed=i, vocab=vocab) for i in range(32)]}
+    bursts["8x2048"] = [tokens(args.long, seed=100 + i, vocab=vocab) for i in range(8)]
+    batch = max(32, args.running + args.arrivals)
+    results: dict = {}
+    for mixed in (False, True):
+        name = "packed" if mixed else "unpacked"
+        engine = make_engine(args, loaded, mixed, 0, batch)
+        for case, prompts in bursts.items():
+            burst(engine, prompts[:2], 2)  # warm-up: kernels compiled for these lengths outside the timed burst
+            results[name, case] = burst(engine, prompts, args.new_tokens)
+            got = results[name, case]
+            # (what a run cut short by a time limit still reports)
+            print(f"{name} {case}: TTFT mean {got['ttft_mean_s'] * 1e3:.1f} ms, max {got['ttft_max_s'] * 1e3:.1f} ms")
+            if mixed:
+                alone = [burst(engine, [p], args.new_tokens)["tokens"][0] for p in prompts[: args.solo]]
+                results[name, case]["alone_exact"] = alone == results[name, case]["tokens"][: args.solo]
+        results[name, "itl"] = inter_token(engine, args, vocab)
+        del engine  # the last reference: the next engine sizes itself from the free memory
+        free_memory()
+    if args.k:
+        engine = make_engine(args, loaded, True, args.k, batch)
+        for case, prompts in bursts.items():
+            results["packed-mtp", case] = burst(engine, prompts, args.new_tokens)
+        del engine  # the last reference: the next engine sizes itself from the free memory
+        free_memory()
+
+    for case, prompts in bursts.items():
+        count = sum(len(p) for p in prompts)
+        entry: dict = {"prompt_tokens": count, "floor_s": 2 * params * count / FLOOR_FLOPS}
+        for name in ("unpacked", "packed", "packed-mtp"):
+            if (name, case) in results:
+                entry[name] = {key: v for key, v in results[name, case].items() if key != "tokens"}
+        entry["packed_equals_unpacked"] = results["packed", case]["tokens"] == results["unpacked", case]["tokens"]
+        if args.k:
+            entry["mtp_equals_plain"] = results["packed-mtp", case]["tokens"] == results["packed", case]["tokens"]
+        report[f"ttft_{case}"] = entry
+        print(f"TTFT {case}: unpacked {entry['unpacked']['ttft_mean_s'] * 1e3:8.1f} ms (max "
+              f"{entry['unpacked']['ttft_max_s'] * 1e3:.1f}), packed {entry['packed']['ttft_mean_s'] * 1e3:8.1f} ms "
+              f"(max {entry['packed']['ttft_max_s'] * 1e3:.1f}), floor {entry['floor_s'] * 1e3:.1f} ms; decode tok/s "
+              f"{entry['unpacked']['decode_tokens_per_s']} vs {entry['packed']['decode_tokens_per_s']}; packed alone-"
+              f"exact {entry['packed']['alone_exact']}, packed == unpacked {entry['packed_equals_unpacked']}"
+              + (f", MTP == plain {entry['mtp_equals_plain']}" if args.k else ""))  # fmt: skip
+    report["itl"] = {name: results[name, "itl"] for name in ("unpacked", "packed")}
+    for name, itl in report["itl"].items():
+        print(f"ITL {args.running} running + a {args.long}-token prompt every {args.interval} s, {name:8s}: "
+              f"p50 {itl['p50_ms']:.1f} ms, p99 {itl['p99_ms']:.1f} ms, max {itl['max_ms']:.1f} ms")  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

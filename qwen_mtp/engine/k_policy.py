@@ -1,0 +1,88 @@
+"""K per step (`mtp.k: auto`): how many drafts the running batch verifies next. The choice maximises expected
+tokens per second, from the acceptance per draft position measured so far and the verify and draft step times
+of the batch's bucket at each K (measured at warm-up); K = 0 is a plain decode step.
+
+Expected tokens of a step with K drafts: E(K) = 1 + sum_{i<=K} a_1 * ... * a_i, with a_i the acceptance of draft
+i given that the drafts before it were accepted. A step costs T(K) = verify(K) + draft(K) for the whole batch,
+so the batch's tokens per second are B * E(K) / T(K): the best K does not depend on B beyond T's bucket.
+Whatever K is chosen, the tokens are the target's: K changes only the speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds per step at one batch bucket, indexed by K = 0..max_k: `verify[K]` the target over K+1 tokens
+    per request, `draft[K]` the MTP catch-up over those K+1 positions plus a K-draft chain."""
+
+    verify: tuple[float, ...]
+    draft: tuple[float, ...]
+
+    def step(self, k: int) -> float:
+        return self.verify[k] + self.draft[k]
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(K) = 1 + sum_{i=1..K} prod_{m<=i} a_m: the tokens a step with K drafts emits on average."""
+    total, run = 1.0, 1.0
+    for rate in acceptance[:k]:
+        run *= rate
+        total += run
+    return total
+
+
+def best_k(acceptance: Sequence[float], times: StepTimes, current: int | None = None, margin: float = 0.02) -> int:
+    """The K in 0..len(times.verify)-1 with the most expected tokens per second (ties: the smaller K). The
+    `current` K is kept unless another is faster by more than `margin` (a fraction): a change of K costs a step
+    with fewer real drafts (see speculative.py), so noise in the figures must not flip it back and forth."""
+    rates = [expected_tokens(acceptance, k) / times.step(k) for k in range(len(times.verify))]
+    best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+    if current is not None and current < len(rates) and rates[best] <= rates[current] * (1.0 + margin):
+        return current
+    return best
+
+
+class AcceptanceAverage:
+    """Exponential moving averages of the conditional acceptance a_i of each draft position i = 1..max_k. A
+    request's step with `drafted` real drafts and `accepted` of them accepted is one observation of positions
+    1..min(accepted + 1, drafted): accepted up to `accepted`, rejected at the next. Positions never tried keep
+    the optimistic `prior`, so the policy tries them once and learns."""
+
+    def __init__(self, max_k: int, prior: float = 0.8, weight: float = 0.02):
+        self.rates, self.weight = [prior] * max_k, weight
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for i in range(min(accepted + 1, drafted)):
+            hit = 1.0 if i < accepted else 0.0
+            self.rates[i] += self.weight * (hit - self.rates[i])
+
+
+class KPolicy:
+    """`mtp.k: auto`: K for a step of `count` requests, from the running acceptance and the times of the
+    bucket that runs it. `times_of(bucket)` measures a bucket's `StepTimes` (on first use, or at warm-up)."""
+
+    def __init__(self, max_k: int, buckets: Sequence[int], times_of: Callable[[int], StepTimes]):
+        self.max_k, self.buckets, self.times_of = max_k, sorted(buckets), times_of
+        self.acceptance = AcceptanceAverage(max_k)
+        self.times: dict[int, StepTimes] = {}
+        self.current: int | None = None
+
+    def bucket(self, count: int) -> int:
+        return next((size for size in self.buckets if size >= count), self.buckets[-1])
+
+    def measure(self, bucket: int) -> StepTimes:
+        if bucket not in self.times:
+            self.times[bucket] = self.times_of(bucket)
+        return self.times[bucket]
+
+    def choose(self, count: int) -> int:
+        times = self.measure(self.bucket(count))
+        self.current = best_k(self.acceptance.rates, times, self.current)
+        return self.current
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.acceptance.observe(drafted, min(accepted, drafted))

@@ -1,0 +1,77 @@
+"""A packed prefill step (mixed steps, `cache.mixed_steps`): several requests' prompt chunks laid end to end in
+one [1, N] forward. `PackedChunks` holds the step's tensors and its layout (host ints), `PackedStepCache` is the
+`ForwardCache` the model sees.
+
+Exactness: a request's numbers must not depend on what it is packed with. The linears, norms and the MLP run
+once over all N tokens, batch-invariant (`batch_invariant`: each row computed as it is alone, whatever N; on CUDA
+with the prefill plans, `ops.linear.prefill_rows`); the
+ops with a sequence axis run per chunk, on the chunk's own state and pages, with the kernels an unpacked chunk
+runs: the GDN's conv and chunked delta rule (`sequences`, the layer loops) and the prefill attention (`attend`
+loops here). So a chunk computes the same whether 0 or 31 other chunks share its forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from qwen_mtp.cache.kv import PagePool
+from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
+
+
+@dataclass
+class PackedChunks:
+    """S chunks, chunk i feeding `lengths[i]` tokens of its request at its next positions."""
+
+    token_ids: torch.Tensor  # [1, N] the chunks end to end
+    positions: torch.Tensor  # [1, N]
+    state_rows: torch.Tensor  # [S] each chunk's state pool row
+    block_tables: torch.Tensor  # [S, max pages] int32
+    context_lens: torch.Tensor  # [S] int32: positions cached after the chunk
+    lengths: tuple[int, ...]  # host: tokens of each chunk (N = their sum)
+    fresh: tuple[bool, ...]  # host: the chunk starts its sequence (no conv window or SSM state to read)
+
+    def slices(self) -> list[slice]:
+        """Each chunk's slice of the token dim."""
+        ends = itertools.accumulate(self.lengths)
+        return [slice(end - length, end) for end, length in zip(ends, self.lengths, strict=True)]
+
+    def chunk(self, i: int, part: slice) -> StepBatch:
+        """Chunk i as the one-request prefill batch it would be unpacked."""
+        rows = slice(i, i + 1)
+        return StepBatch(
+            StepKind.PREFILL, self.token_ids[:, part], self.positions[:, part], self.state_rows[rows],
+            self.block_tables[rows], self.context_lens[rows], self.fresh[i],
+        )  # fmt: skip
+
+
+class PackedStepCache:
+    """The `ForwardCache` of a packed prefill step over the shared pools. It has no GDN state methods of its
+    own: the GDN layers reach each chunk's state through `sequences()`."""
+
+    batch_invariant = True  # the linears see N rows of several requests: each row must be computed on its own
+
+    def __init__(self, batch: PackedChunks, pages: PagePool, states: StatePool):
+        self.batch = batch
+        self.parts = batch.slices()
+        self.chunks = [
+            PagedStepCache(batch.chunk(i, part), pages, states) for i, part in enumerate(self.parts)
+        ]  # each chunk's own cache, exactly the one its unpacked prefill step would use
+
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        return self.batch.positions
+
+    def sequences(self) -> list[tuple[slice, PagedStepCache]]:
+        return list(zip(self.parts, self.chunks, strict=True))
+
+    def gdn_recurrent(self, num_tokens: int) -> bool:
+        return False  # prompt chunks: the chunked delta rule, per chunk (`sequences`)
+
+    def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [1, H, N, D], k, v [1, KV, N, D]: each chunk over its own pages (the unpacked chunk's op call)."""
+        return torch.cat(
+            [chunk.attend(layer, q[:, :, s], k[:, :, s], v[:, :, s], scale) for s, chunk in self.sequences()], dim=2
+        )

@@ -1,0 +1,214 @@
+"""K per step (`mtp.k: auto`): the policy as a pure function of acceptance and step times, and the engine with K
+changing between steps (K = 0 plain steps included, longer drafts truncated, missing ones filled): MTP-on ==
+MTP-off whatever K each step uses, greedy and sampled at batch 8, with a scripted K sequence and with the real
+policy; the MTP KV of plainly decoded positions is what a fixed K writes, so acceptance after K = 0 steps stays
+as good."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from helpers import random_prompt
+
+from qwen_mtp import Engine, SamplingParams
+from qwen_mtp.engine.k_policy import AcceptanceAverage, KPolicy, StepTimes, best_k, expected_tokens
+
+MAX_NEW = 14
+PROMPTS = [random_prompt(n, seed=700 + n) for n in (1, 4, 5, 33, 2, 19, 9, 17)]
+
+
+class Scripted:
+    """A K policy that replays a fixed sequence (cycled) and records what the engine asked it."""
+
+    def __init__(self, ks):
+        self.ks, self.used, self.observed = itertools.cycle(ks), [], []
+        self.buckets = [1]
+
+    def choose(self, count):
+        self.used.append(next(self.ks))
+        return self.used[-1]
+
+    def observe(self, drafted, accepted):
+        self.observed.append((drafted, accepted))
+
+    def measure(self, bucket):
+        raise AssertionError("a scripted policy needs no step times")
+
+
+def make_engine(path, k=None, **mtp):
+    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
+    if k is not None:
+        recipe["mtp"] = {"enabled": True, "k": k, **mtp}
+    return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+def greedy(i):
+    return SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+def sampled(i):
+    return SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5 * i + 2)
+
+
+def run(engine, params, prompts=PROMPTS, oracles=None):
+    """Every prompt with params(i), as one continuous batch (oracle drafts: replaying `oracles`)."""
+    if oracles is not None:
+        ids = [
+            engine.submit_with_oracle(p, o, params(i)) for i, (p, o) in enumerate(zip(prompts, oracles, strict=True))
+        ]
+    else:
+        ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.result(i).token_ids for i in ids]
+
+
+# ---- the policy ---------------------------------------------------------------------------------------------
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([1.0, 1.0], 2) == 3.0
+
+
+def test_best_k_trades_acceptance_against_step_time():
+    flat = StepTimes(verify=(1.0,) * 5, draft=(0.0, 0.1, 0.2, 0.3, 0.4))  # small batch: verify costs the same
+    steep = StepTimes(verify=(1.0, 2.0, 3.0, 4.0, 5.0), draft=(0.0, 0.1, 0.2, 0.3, 0.4))  # compute-bound batch
+    good, poor = [0.9, 0.8, 0.7, 0.6], [0.3, 0.2, 0.1, 0.1]
+    assert best_k(good, flat) == 4
+    assert best_k(poor, flat) == 1  # 1.3 / 1.1 beats plain's 1 / 1 and K = 2's 1.36 / 1.2
+    assert best_k(good, steep) == 0  # never below plain decoding
+    assert best_k([0.0] * 4, flat) == 0
+    # K = 2 gives 2.62 / 1.2 = 2.183 tokens per unit, K = 3 2.692 / 1.3 = 2.071 (5.4% less): K = 3 is kept
+    # unless 2 is more than `margin` faster
+    middle = [0.9, 0.8, 0.1, 0.1]
+    assert best_k(middle, flat) == 2
+    assert best_k(middle, flat, current=3, margin=0.1) == 3
+    assert best_k(middle, flat, current=3, margin=0.01) == 2
+
+
+def test_acceptance_average_observes_the_positions_tried():
+    average = AcceptanceAverage(3, prior=0.5, weight=0.5)
+    average.observe(drafted=3, accepted=1)  # draft 1 accepted, draft 2 rejected, draft 3 never judged
+    assert average.rates == [0.75, 0.25, 0.5]
+    average.observe(drafted=1, accepted=1)  # only position 1 was tried
+    assert average.rates == [0.875, 0.25, 0.5]
+    average.observe(drafted=0, accepted=0)  # a plain step tells nothing
+    assert average.rates == [0.875, 0.25, 0.5]
+
+
+def test_k_policy_measures_each_bucket_once_and_picks_by_batch():
+    measured = []
+    fast = StepTimes((1.0,) * 3, (0.0, 0.1, 0.2))
+    slow = StepTimes((1.0, 3.0, 5.0), (0.0, 0.1, 0.2))
+
+    def times_of(bucket):
+        measured.append(bucket)
+        return fast if bucket <= 2 else slow
+
+    policy = KPolicy(2, [1, 2, 4], times_of)
+    assert policy.choose(1) == 2 and policy.choose(3) == 0 and policy.choose(2) == 2 and policy.choose(4) == 0
+    assert measured == [1, 4, 2]
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+SCRIPTS = {
+    "down-and-up": [3, 3, 1, 0, 0, 2, 3, 0, 1, 3],
+    "zeros-between": [0, 3, 0, 2, 0, 1],
+}
+
+
+@pytest.mark.parametrize("params", [greedy, sampled], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("draft", ["head", "oracle"])
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_scripted_k_per_step_equals_plain(checkpoint, script, draft, params):
+    path = checkpoint("tiny")
+    expected = run(make_engine(path), params)
+    engine = make_engine(path, "auto", max_k=3, draft=draft, oracle_accept=0.8)
+    engine.speculator.policy = policy = Scripted(SCRIPTS[script])
+    assert run(engine, params, oracles=expected if draft == "oracle" else None) == expected
+    assert {0, 1, 3} <= set(policy.used)
+    if draft == "oracle" and script == "down-and-up":  # many accepted drafts: truncation and fillers mattered
+        assert engine.stats()["accepted"] > 20
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["free_state_rows"] == stats["total_state_rows"]
+
+
+@pytest.mark.parametrize("params", [greedy, sampled], ids=["greedy", "sampled"])
+def test_real_policy_equals_plain(checkpoint, params):
+    """The real policy over measured (CPU, eager) step times; and over given times that make it change K with
+    the batch (K = 3 for 1-2 requests, K = 0 for 3 or more) while requests end one after another."""
+    path = checkpoint("tiny")
+    expected = run(make_engine(path), params)
+    engine = make_engine(path, "auto", max_k=3)
+    engine.warmup()  # measures every bucket's step times on padding rows
+    policy = engine.speculator.policy
+    assert sorted(policy.times) == policy.buckets == [1, 2, 4, 8]
+    assert run(engine, params) == expected
+
+    def shrinking(i):  # prompt i stops 2 tokens before prompt i - 1: the batch shrinks step by step
+        return dataclasses.replace(params(i), max_new_tokens=MAX_NEW - i)
+
+    want = run(make_engine(path), shrinking)
+    engine = make_engine(path, "auto", max_k=3, draft="oracle", oracle_accept=0.9)
+    policy = engine.speculator.policy
+    cheap, dear = StepTimes((1.0,) * 4, (0.0, 0.1, 0.2, 0.3)), StepTimes((1.0, 3.0, 5.0, 7.0), (0.0, 0.1, 0.2, 0.3))
+    policy.times = {1: cheap, 2: cheap, 4: dear, 8: dear}
+    chosen, choose = [], policy.choose
+    policy.choose = lambda count: chosen.append((count, choose(count))) or chosen[-1][1]
+    assert run(engine, shrinking, oracles=want) == want
+    assert {k for count, k in chosen if count >= 3} == {0} and {k for count, k in chosen if count <= 2} == {3}
+
+
+def _mtp_kv(engine, request, positions):
+    """The MTP layers' keys and values of `request`'s first `positions` positions [layers, 2, positions, ...]."""
+    pages = engine.pages
+    layers = [i for name, i in pages.layer_index.items() if name.startswith("mtp.")]
+    table = pages.tables[request.id]
+    slots = [table[p // pages.page_size] * pages.page_size + p % pages.page_size for p in range(positions)]
+    flat = pages.storage[layers].flatten(2, 3)  # [layers, 2, pages * page_size, KV, D]
+    return flat[:, :, slots]
+
+
+@pytest.mark.parametrize("params", [greedy, sampled], ids=["greedy", "sampled"])
+def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params):
+    """Whatever K the steps used (K = 0 included), the MTP KV of every committed position is bit for bit what a
+    fixed K writes: each comes from the catch-up over the target's hidden states, so later drafts (and the
+    acceptance) are exactly as good as with a fixed K. Oracle drafts, so many are accepted and j varies."""
+    path = checkpoint("tiny")
+    prompt, oracle = PROMPTS[3], run(make_engine(path), params, PROMPTS[3:4])[0]
+    kv = []
+    for k, script in ((3, None), ("auto", [3, 3, 0, 0, 2, 0, 3, 1, 0])):
+        engine = make_engine(path, k, max_k=3, draft="oracle", oracle_accept=0.8)
+        if script is not None:
+            engine.speculator.policy = Scripted(script)
+        request = engine.requests[
+            engine.submit_with_oracle(prompt, oracle, dataclasses.replace(params(0), max_new_tokens=40))
+        ]
+        while request.num_computed < len(prompt) + 24:
+            engine.step()
+        kv.append(_mtp_kv(engine, request, len(prompt) + 24))
+    assert torch.equal(kv[0], kv[1])
+
+
+def test_compiled_buckets_with_k_per_step_equal_plain(checkpoint):
+    """The static decode path (torch.compile, aot_eager on CPU) with K changing per step: one target and one
+    draft step per (bucket, K), MTP-on == MTP-off; warm-up builds them all and times each bucket."""
+    path = checkpoint("tiny")
+    recipe = {
+        "model": {"path": str(path), "dtype": "float32", "device": "cpu"},
+        "cache": {"max_batch": 4, "prefill_chunk": 16},
+        "compile": {"enabled": True, "backend": "aot_eager", "batch_sizes": [2, 4]},
+    }
+    prompts = PROMPTS[:4]
+    expected = run(Engine.from_recipe(recipe, log=lambda _: None), greedy, prompts)
+    engine = Engine.from_recipe(recipe | {"mtp": {"enabled": True, "k": "auto", "max_k": 2}}, log=lambda _: None)
+    engine.warmup()
+    steps = sorted(engine.runner.graphs._steps)
+    assert steps == sorted((kind, size, k + 1) for kind in ("draft", "target") for size in (2, 4) for k in range(3))
+    assert sorted(engine.speculator.policy.times) == [2, 4]
+    engine.speculator.policy = Scripted([2, 0, 1, 2, 0, 0, 2])
+    assert run(engine, greedy, prompts) == expected
+    assert sorted(engine.runner.graphs._steps) == steps  # nothing built after the warm-up

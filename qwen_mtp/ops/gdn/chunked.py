@@ -45,7 +45,10 @@ from qwen_mtp.ops.gdn.naive import _prepare, chunked_gated_delta_rule, chunked_g
 # on the launch.
 CHUNK = 64
 DOTS = "tf32x3"  # the GPU dots' precision for fp32 operands (the module docstring says why)
-STATE_BLOCK_V = 32  # value columns per `states` program: it runs sequences x heads x dv / STATE_BLOCK_V programs
+# Value columns per `states` program: it runs sequences x heads x dv / STATE_BLOCK_V programs. 64: with 32 the
+# kernel Triton 3.6 builds for the H200 makes an illegal memory access at 8192 tokens (benchmarks/gdn_fault.py;
+# its index arithmetic stays in bounds, tests/ops/test_gdn_bounds.py), with 64 it runs and matches the reference.
+STATE_BLOCK_V = 64
 OUTPUT_BLOCK_V = 64  # value columns per `output` program
 PREPARE_WARPS, STATE_WARPS, OUTPUT_WARPS = 4, 4, 8
 INVERT_WARPS = 1  # `invert`'s 16x16 tiles: one warp reduces them without barriers

@@ -21,6 +21,7 @@ OPS = frozenset(
         "filter_threshold",
         "gated_rms_norm",
         "gdn_chunked",
+        "gdn_chunked_varlen",
         "gdn_recurrent",
         "linear",
         "linear_fp8",

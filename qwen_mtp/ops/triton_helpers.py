@@ -43,6 +43,35 @@ fma.rn.bf16x2 $0, t, $2, z;
 
 
 @triton.jit
+def precise_dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
+    """a [M, K] @ b [K, N] to fp32 accuracy whatever the operands' dtypes, in the cheapest exact tensor-core form:
+    - both 16-bit (raw bf16 / fp16 inputs): one product, exact in fp32;
+    - one bf16 and one fp32 (raw inputs times computed values): the fp32 one split into three bf16 pieces
+      (x = x1 + x2 + x3 up to 2^-27 |x|: its own 24 bits), each product exact: three bf16 products, as accurate
+      as an fp32 dot at half of `tf32x3`'s tensor-core work, the bf16 operand never converted;
+    - otherwise (fp32, or fp16 beside fp32): `dot` of both in fp32 at `PRECISION`.
+    Interpreted: `dot` of both in fp32 (all products exact there)."""
+    if INTERPRETED:
+        return dot(a.to(tl.float32), b.to(tl.float32), INTERPRETED, PRECISION)
+    elif a.dtype == b.dtype and a.dtype != tl.float32:
+        return tl.dot(a, b)
+    elif a.dtype == tl.bfloat16 and b.dtype == tl.float32:
+        b1 = b.to(tl.bfloat16)
+        rest = b - b1.to(tl.float32)
+        b2 = rest.to(tl.bfloat16)
+        b3 = (rest - b2.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a, b1, tl.dot(a, b2, tl.dot(a, b3)))  # smallest pieces first
+    elif a.dtype == tl.float32 and b.dtype == tl.bfloat16:
+        a1 = a.to(tl.bfloat16)
+        rest = a - a1.to(tl.float32)
+        a2 = rest.to(tl.bfloat16)
+        a3 = (rest - a2.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(a1, b, tl.dot(a2, b, tl.dot(a3, b)))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+
+
+@triton.jit
 def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,  # noqa: N803
                    INTERPRETED: tl.constexpr = False, MMA_SYNC: tl.constexpr = False):  # noqa: N803  # fmt: skip
     """An e4m3 weight tile w [BLOCK_N, BLOCK_K] (rows `ns`, columns k0..k0+BLOCK_K) -> `dtype`, each element times
@@ -192,3 +221,24 @@ def fixed_point_mass(x, row_max, inv_t):
     whole = (p * 16777216.0).to(tl.int64)
     shift = n.to(tl.int64) + _MASS_SHIFT
     return tl.where(shift >= 0, whole << tl.maximum(shift, 0), whole >> tl.maximum(-shift, 0))
+
+
+@triton.jit
+def packed_chunk(cu_ptr, n_seqs, chunk, C: tl.constexpr):  # noqa: N803
+    """Where chunk number `chunk` lies among sequences packed back to back (`cu_ptr`: their cumulative lengths,
+    [n_seqs + 1] int32), each cut into C-token chunks from its own start, numbered sequence after sequence:
+    (its first token, its sequence's end); (0, 0) for a number past the last chunk. A loop over the sequences
+    with a runtime count, so one binary serves every packing (a sequence's numbers never depend on its
+    neighbours)."""
+    first = chunk * 0
+    end = chunk * 0
+    before = chunk * 0
+    for s in range(n_seqs):
+        lo = tl.load(cu_ptr + s)
+        hi = tl.load(cu_ptr + s + 1)
+        count = (hi - lo + C - 1) // C
+        inside = (chunk >= before) & (chunk < before + count)
+        first = tl.where(inside, lo + (chunk - before) * C, first)
+        end = tl.where(inside, hi, end)
+        before += count
+    return first, end

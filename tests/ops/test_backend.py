@@ -43,6 +43,12 @@ def gdn_chunked_args():
     return (q, k, v, -rand(1, 5, 4, seed=12).abs(), rand(1, 5, 4, seed=13).sigmoid(), rand(1, 4, 16, 16, seed=14))
 
 
+def gdn_chunked_varlen_args():
+    q, k, v = (t.view(1, 7, -1, 16) for t in fused_projection(1, 7, [32, 32, 64], seed=11))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    return (q, k, v, -rand(1, 7, 4, seed=12).abs(), rand(1, 7, 4, seed=13).sigmoid(), cu, rand(2, 4, 16, 16, seed=14))
+
+
 def moe_args():
     x, ids = rand(3, 16), torch.tensor([[1, 3], [3, 0], [2, 1]], device=DEVICE)
     experts = (rand(4, 16, 16, seed=1), rand(4, 16, 8, seed=2))
@@ -80,6 +86,7 @@ CUDA_PATHS = {
     "conv_update": (conv, "conv_update_triton", conv_args),
     "gdn_recurrent": (recurrent, "gdn_recurrent_triton", gdn_recurrent_args),
     "gdn_chunked": (chunked, "gdn_chunked_triton", gdn_chunked_args),
+    "gdn_chunked_varlen": (chunked, "gdn_chunked_varlen_triton", gdn_chunked_varlen_args),
     "paged_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "paged_prefill_attention": (paged_attention, "write_kv_triton", strided_attention_step),
     "linear": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), rand(5, 16), True)),

@@ -5,7 +5,7 @@ Two equivalent forms, as in Hugging Face and flash-linear-attention:
 - `recurrent_gated_delta_rule`: one token at a time; used for decode and speculative verify, where a
   position's result must not depend on how many tokens share the call.
 - `chunked_gated_delta_rule`: the chunk-parallel (UT transform) form used for prefill; it equals the recurrent
-  form up to fp32 rounding (~1e-7).
+  form up to fp32 rounding (~1e-7); `chunked_gated_delta_rule_varlen` runs it over sequences packed back to back.
 
 Math per value head, state S in R^{dk x dv}, in fp32:
     q, k <- l2norm(q), l2norm(k);  q <- q * dk^-0.5
@@ -135,6 +135,34 @@ def chunked_gated_delta_rule(
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(batch, heads, -1, dv)[:, :, :length]
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+
+
+def chunked_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_gated_delta_rule` over N sequences packed back to back along T (q, k [1, T, Hk, dk]; v [1, T, Hv,
+    dv]; g, beta [1, T, Hv]; cu_seqlens [N + 1]: their cumulative lengths; initial_state [N, Hv, dk, dv] or None),
+    each on its own. Returns (output [1, T, Hv, dv], final states [N, Hv, dk, dv])."""
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        init = None if initial_state is None else initial_state[n : n + 1]
+        if end == start:  # nothing to run: the state passes through
+            dk, dv = k.shape[-1], v.shape[-1]
+            final = torch.zeros(1, v.shape[2], dk, dv, dtype=torch.promote_types(q.dtype, torch.float32))
+            finals.append(final.to(v.device) if init is None else init.to(final.dtype))
+            continue
+        out, final = chunked_gated_delta_rule(*(x[:, start:end] for x in (q, k, v, g, beta)), initial_state=init)
+        outs.append(out)
+        finals.append(final)
+    out = torch.cat(outs, dim=1) if outs else v.new_empty(v.shape, dtype=q.dtype)
+    return out, torch.cat(finals, dim=0)
 
 
 def gate_values(

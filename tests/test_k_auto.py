@@ -1,8 +1,8 @@
 """K per step (`mtp.k: auto`): the policy as a pure function of acceptance and step times, and the engine with K
 changing between steps (K = 0 plain steps included, longer drafts truncated, missing ones filled): MTP-on ==
 MTP-off whatever K each step uses, greedy and sampled at batch 8, with a scripted K sequence and with the real
-policy; the MTP KV of plainly decoded positions is what a fixed K writes, so acceptance after K = 0 steps stays
-as good."""
+policy; a K = 0 step runs no MTP work, and the MTP KV of the positions it decoded is what a fixed K writes (up to
+fp32 rounding) once K rises, so acceptance after K = 0 steps stays as good."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from helpers import random_prompt
 
 from qwen_mtp import Engine, SamplingParams
 from qwen_mtp.cache.state import StatePool
+from qwen_mtp.engine import speculative
 from qwen_mtp.engine.k_policy import AcceptanceAverage, KPolicy, StepTimes, best_k, expected_tokens
 from qwen_mtp.engine.speculative import spread_tokens
 
@@ -178,25 +179,48 @@ def _mtp_kv(engine, request, positions):
     return flat[:, :, slots]
 
 
+@pytest.mark.parametrize("behind", [256, 2])
 @pytest.mark.parametrize("params", [greedy, sampled], ids=["greedy", "sampled"])
-def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params):
-    """Whatever K the steps used (K = 0 included), the MTP KV of every committed position is bit for bit what a
-    fixed K writes: each comes from the catch-up over the target's hidden states, so later drafts (and the
-    acceptance) are exactly as good as with a fixed K. Oracle drafts, so many are accepted and j varies."""
+def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params, behind, monkeypatch):
+    """Whatever K the steps used (K = 0 included), the MTP KV of every committed position is what a fixed K
+    writes, up to fp32 rounding: positions a K = 0 step decoded plainly are caught up from the target's hidden
+    states when K rises (or when `MAX_BEHIND` of them wait: 2 here), as one prompt-chunk pass instead of one
+    catch-up per step, so later drafts (and the acceptance) are as good as with a fixed K. A position never
+    caught up would hold another's values or zeros. Oracle drafts, so many are accepted and j varies."""
+    monkeypatch.setattr(speculative, "MAX_BEHIND", behind)
     path = checkpoint("tiny")
     prompt, oracle = PROMPTS[3], run(make_engine(path), params, PROMPTS[3:4])[0]
     kv = []
-    for k, script in ((3, None), ("auto", [3, 3, 0, 0, 2, 0, 3, 1, 0])):
+    for k, script in ((3, None), ("auto", [3, 3, 0, 0, 2, 0, 0, 0, 3, 1, 0])):
         engine = make_engine(path, k, max_k=3, draft="oracle", oracle_accept=0.8)
         if script is not None:
             engine.speculator.policy = Scripted(script)
         request = engine.requests[
-            engine.submit_with_oracle(prompt, oracle, dataclasses.replace(params(0), max_new_tokens=40))
+            engine.submit_with_oracle(prompt, oracle, dataclasses.replace(params(0), max_new_tokens=60))
         ]
-        while request.num_computed < len(prompt) + 24:
+        # read after a step with drafts: no position left behind
+        while request.num_computed < len(prompt) + 24 or (script and engine.speculator.policy.used[-1] == 0):
             engine.step()
         kv.append(_mtp_kv(engine, request, len(prompt) + 24))
-    assert torch.equal(kv[0], kv[1])
+    torch.testing.assert_close(kv[1], kv[0], rtol=1e-5, atol=1e-5)
+
+
+def test_plain_steps_run_no_mtp_work(checkpoint, monkeypatch):
+    """A K = 0 step runs the target alone: the MTP head runs only when K rises again (one catch-up pass)."""
+    path = checkpoint("tiny")
+    engine = make_engine(path, "auto", max_k=3)
+    engine.speculator.policy = Scripted([0, 0, 0, 0, 2])
+    calls = []
+    for name in ("draft", "prefill_mtp"):
+        original = getattr(engine.runner, name)
+        monkeypatch.setattr(engine.runner, name, lambda *a, _n=name, _o=original: calls.append(_n) or _o(*a))
+    request = engine.requests[engine.submit(PROMPTS[3], greedy(0))]
+    while len(engine.speculator.policy.used) < 5:
+        engine.step()
+    # the prompt's three 16-token chunks, then nothing for four K = 0 steps, then the K = 2 step: one catch-up
+    # pass over the four positions and the step's own draft
+    assert calls == ["prefill_mtp"] * 4 + ["draft"]
+    assert request.id not in engine.speculator._behind
 
 
 def test_compiled_buckets_with_k_per_step_equal_plain(checkpoint):

@@ -21,10 +21,12 @@ false): either way only acceptance changes, never the tokens.
 
 K may change from step to step (`mtp.k: auto`, `k_policy.py`): a step verifies K drafts per request, the first
 K of those it has, padded with filler tokens when it has fewer (after a step with a smaller K); a filler is
-rarely accepted, and when it is, it equals the target's choice, so the tokens stay the target's. The catch-up
-covers every verified position whatever K is, K = 0 included (a plain decode step that still writes the MTP KV
-of its position), so the MTP KV never misses a position and later drafts stay as good. The state pool and the
-page reservations are sized for `max_k`.
+rarely accepted, and when it is, it equals the target's choice, so the tokens stay the target's. A K = 0 step
+is a plain decode step: it runs no MTP work, and keeps the target's hidden state of its position instead; the
+first step with K > 0 (or `MAX_BEHIND` such positions) runs the MTP head over the positions it missed, as over a
+prompt chunk, and drafts from there (`_catch_up`), so the MTP KV never misses a position and later drafts stay as
+good, while a batch that decodes plainly pays nothing for staying ready. The state pool and the page
+reservations are sized for `max_k`.
 
 Oracle drafts (`mtp.draft: oracle`, for benchmarks and tests) replace the head's proposal for output index i
 with the plain-decoding token there when a seeded draw for (seed, request, i) falls under `oracle_accept`, so
@@ -49,6 +51,7 @@ from qwen_mtp.engine.request import Request, SpecStats
 from qwen_mtp.engine.runner import Runner
 
 FILLER = 0  # the draft token of a position a request has no draft for (after a step with a smaller K)
+MAX_BEHIND = 256  # K = 0 positions a request's MTP KV may lag before they are caught up anyway (memory: H each)
 
 
 @dataclass
@@ -90,6 +93,9 @@ class Speculator:
         self.totals = SpecStats(self.max_k)  # every verify step of every request, for Engine.stats()
         self._oracles: dict[int, tuple[list[int], list[bool]]] = {}  # request -> (tokens, use) per output index
         self._drafted: dict[int, int] = {}  # request -> real drafts its last verify checked (fillers excluded)
+        # request -> (first position, the target's hidden [H] at each position since): what K = 0 steps left for
+        # the MTP head to catch up with
+        self._behind: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     @property
     def oracle(self) -> bool:
@@ -106,6 +112,7 @@ class Speculator:
     def forget(self, request: Request) -> None:
         self._oracles.pop(request.id, None)
         self._drafted.pop(request.id, None)
+        self._behind.pop(request.id, None)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill_chunk(
@@ -137,6 +144,10 @@ class Speculator:
         """One packed target forward over [t_n, d1..dK] per request (K = `k`, default max_k), acceptance, and
         the commit of each request's state at its accepted boundary."""
         k = self.max_k if k is None else k
+        if k > 0:  # drafts for the requests K = 0 steps left behind
+            self._catch_up([r for r in requests if r.id in self._behind], draft=True)
+        else:
+            self._catch_up([r for r in requests if len(self._behind.get(r.id, (0, ()))[1]) >= MAX_BEHIND], False)
         tokens = []
         for r in requests:
             drafts = r.drafts[:k]
@@ -149,12 +160,36 @@ class Speculator:
         return Verified(batch, hidden, chosen, accepted, logprobs)
 
     def propose(self, requests: list[Request], verified: Verified) -> torch.Tensor:
-        """MTP catch-up over the verified positions, then the draft chain: the next drafts [B, K]."""
+        """MTP catch-up over the verified positions, then the draft chain: the next drafts [B, K]. After a K = 0
+        step: nothing runs; the target's hidden states wait for `_catch_up` ([B, 0] drafts)."""
+        if verified.k == 0:
+            hidden = verified.hidden[:, 0].clone()  # a CUDA graph's output buffer: the next replay rewrites it
+            for b, request in enumerate(requests):
+                self._behind.setdefault(request.id, (request.num_computed, []))[1].append(hidden[b])
+            return verified.chosen.new_zeros(len(requests), 0)
         batch = replace(verified.batch, token_ids=verified.chosen)
         # the next step's d1 is output index n + j + 2 - prompt length
         firsts = [r.num_computed + 2 - len(r.prompt) for r in requests]
         override, use = self._overrides(requests, firsts, verified.accepted, verified.k)
         return self.runner.draft(batch, verified.hidden, verified.accepted, override, use)
+
+    def _catch_up(self, requests: list[Request], draft: bool) -> None:
+        """Run the MTP head over the positions K = 0 steps left behind, from the target's hidden states kept
+        there (as over a prompt chunk: `prefill_chunk`), writing its KV; with `draft`, also draft from the last of
+        them: each request's drafts for the next verify (a host read, only when K rises)."""
+        for request in requests:
+            first, hidden = self._behind.pop(request.id)
+            end = request.num_computed  # positions first..end-1 are behind; the token at `end` is the last emitted
+            following = self.runner.tensor([request.tokens[first + 1 : end + 1]])  # token i+1 at position i
+            batch = self.runner.batch(StepKind.PREFILL, [request], following, [first])
+            mtp_hidden = self.runner.prefill_mtp(batch, torch.stack(hidden)[None])
+            if draft:
+                batch = replace(batch, sampling=self.runner.sampling([request]))
+                accepted = torch.zeros(1, dtype=torch.long, device=mtp_hidden.device)
+                firsts = [end + 1 - len(request.prompt)]  # d1 guesses the token at end + 1
+                override, use = self._overrides([request], firsts, accepted, self.max_k)
+                drafts = self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
+                request.drafts = drafts[0].tolist()
 
     def record(self, request: Request, accepted: int) -> None:
         drafted = self._drafted.get(request.id, self.max_k)
@@ -182,7 +217,8 @@ class Speculator:
             hidden, accepted = hidden.clone(), torch.zeros(bucket, dtype=torch.long, device=self.runner.device)
             override = torch.zeros(bucket, k, dtype=torch.long, device=self.runner.device)
             args = (drafted, hidden, accepted, override, override.bool())
-            draft.append(self._seconds(lambda a=args: self.runner.draft(*a), repeats))
+            timed = k > 0  # a K = 0 step runs no MTP work (`propose`)
+            draft.append(self._seconds(lambda a=args: self.runner.draft(*a), repeats) if timed else 0.0)
         return StepTimes(tuple(verify), tuple(draft))
 
     def _padding_batch(self, size: int, length: int) -> StepBatch:

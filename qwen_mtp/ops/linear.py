@@ -141,8 +141,9 @@ TUNED: dict[tuple[int, int], GemmPlan] = {
     (5120, 17408): GemmPlan(128, 128, 46, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
     # qwen3.5-27b mtp fc: f swap32x4 s3
     (5120, 10240): GemmPlan(128, 128, 27, 8, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True),
-    # qwen3.5-27b lm_head: c 64x2 s1
-    (248320, 5120): GemmPlan(128, 64, 80, 8, 4, family="stream", block_m=64, row_tiles=2),
+    # qwen3.5-27b lm_head: f swap32x4 deep4 s1 (H200, 2026-12-01, sixth session: 568.7 us at M=1 against 631.4
+    # for c 64x2 s1 and 616.1 for cuBLAS, 884 against 756 at M=128; docs/img/gemm-family-27b-lm_head-wp6gemm.json)
+    (248320, 5120): GemmPlan(128, 128, 40, 8, 4, "stream", 32, 4, True, wide_stages=3),
     # qwen3.5-9b gdn in_proj (fused): grid64 s2
     (12352, 4096): GemmPlan(128, 64, 32, 4, 4, block_m=64),
     # qwen3.5-9b gdn out_proj / attn o_proj: e swap32x4 s2

@@ -5,9 +5,10 @@ one [1, N] forward. `PackedChunks` holds the step's tensors and its layout (host
 Exactness: a request's numbers must not depend on what it is packed with. The linears, norms and the MLP run
 once over all N tokens, batch-invariant (`batch_invariant`: each row computed as it is alone, whatever N; on CUDA
 with the prefill plans, `ops.linear.prefill_rows`); the
-ops with a sequence axis run per chunk, on the chunk's own state and pages, with the kernels an unpacked chunk
-runs: the GDN's conv and chunked delta rule (`sequences`, the layer loops) and the prefill attention (`attend`
-loops here). So a chunk computes the same whether 0 or 31 other chunks share its forward.
+ops with a sequence axis run per chunk, on the chunk's own state and pages: the GDN's conv (`sequences`, the layer
+loops) and the prefill attention (`attend` loops here) with the kernels an unpacked chunk runs, the GDN's delta
+rule as one varlen call over all chunks (`cu_seqlens`), whose kernels compute each sequence as alone. So a chunk
+computes the same whether 0 or 31 other chunks share its forward.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class PackedChunks:
     state_rows: torch.Tensor  # [S] each chunk's state pool row
     block_tables: torch.Tensor  # [S, max pages] int32
     context_lens: torch.Tensor  # [S] int32: positions cached after the chunk
+    cu_seqlens: torch.Tensor  # [S + 1] int32: where each chunk starts in the token dim, then N
     lengths: tuple[int, ...]  # host: tokens of each chunk (N = their sum)
     fresh: tuple[bool, ...]  # host: the chunk starts its sequence (no conv window or SSM state to read)
 
@@ -50,7 +52,7 @@ class PackedChunks:
 
 class PackedStepCache:
     """The `ForwardCache` of a packed prefill step over the shared pools. It has no GDN state methods of its
-    own: the GDN layers reach each chunk's state through `sequences()`."""
+    own: the GDN layers reach each chunk's state through `sequences()` (`cache_api.packed_gdn_states`)."""
 
     batch_invariant = True  # the linears see N rows of several requests: each row must be computed on its own
 
@@ -67,8 +69,11 @@ class PackedStepCache:
     def sequences(self) -> list[tuple[slice, PagedStepCache]]:
         return list(zip(self.parts, self.chunks, strict=True))
 
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.batch.cu_seqlens
+
     def gdn_recurrent(self, num_tokens: int) -> bool:
-        return False  # prompt chunks: the chunked delta rule, per chunk (`sequences`)
+        return False  # prompt chunks: the chunked delta rule over the packed chunks
 
     def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [1, H, N, D], k, v [1, KV, N, D]: each chunk over its own pages (the unpacked chunk's op call)."""

@@ -12,6 +12,7 @@ come back in one copy (`read_back`): the step's one device->host synchronisation
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -113,6 +114,7 @@ class Runner:
             state_rows=self.tensor([self.states.rows[i] for i in ids]),
             block_tables=self.tensor(self.pages.block_rows(ids), torch.int32),
             context_lens=self.tensor([c.start + c.length for c in chunks], torch.int32),
+            cu_seqlens=self.tensor([0, *itertools.accumulate(c.length for c in chunks)], torch.int32),
             lengths=tuple(c.length for c in chunks),
             fresh=tuple(c.start == 0 for c in chunks),
         )

@@ -26,7 +26,12 @@ class ForwardCache(Protocol):
         """The sequences of the forward's token dim, each as (its slice of the token dim, its own cache).
         A [B, T] batch (each row one sequence) is one entry, `(slice(None), self)`; a packed step (several
         requests' chunks laid end to end in a [1, N] batch) one per chunk. The GDN's chunked path runs the conv
-        and the delta rule per entry, so a sequence's state never mixes with another's."""
+        per entry and the delta rule from each entry's own state, so a sequence's state never mixes with
+        another's."""
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """[S + 1] int32 on the device: where each of the S `sequences()` starts in the token dim, then N. Asked
+        only when there are several (a packed step), for the GDN's one varlen delta rule over all of them."""
 
     def gdn_recurrent(self, num_tokens: int) -> bool:
         """Whether GDN layers take the token-by-token path (decode, verify) rather than the chunked one."""
@@ -60,6 +65,20 @@ class ForwardCache(Protocol):
 def sequences(cache: ForwardCache | None) -> list[tuple[slice, ForwardCache | None]]:
     """`cache.sequences()`; without a cache the batch is one set of whole sequences."""
     return [(slice(None), None)] if cache is None else cache.sequences()
+
+
+def packed_gdn_states(
+    cache: ForwardCache, layer: str
+) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
+    """What GDN layer `layer` of a packed step starts from: (cu_seqlens [S + 1], each sequence's conv window
+    [1, C, kernel-1] or None, the SSM states [S, Hv, dk, dv] of all S sequences or None). A fresh sequence's
+    state is zeros (the very numbers the zero-initial path computes with); None when every sequence is fresh."""
+    windows, states = zip(*(seq.gdn_state(layer) for _, seq in cache.sequences()), strict=True)
+    known = next((ssm for ssm in states if ssm is not None), None)
+    if known is None:
+        return cache.cu_seqlens(), list(windows), None
+    ssm = torch.cat([known.new_zeros(known.shape) if s is None else s for s in states])
+    return cache.cu_seqlens(), list(windows), ssm
 
 
 def batch_invariant(cache: ForwardCache | None) -> bool:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, sequences
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, packed_gdn_states, sequences
 from qwen_mtp.model.layers import GatedRMSNorm
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.ops.conv import causal_conv1d
 from qwen_mtp.ops.gdn import gate_values
-from qwen_mtp.ops.gdn.chunked import gdn_chunked
+from qwen_mtp.ops.gdn.chunked import gdn_chunked, gdn_chunked_varlen
 
 
 class GatedDeltaNet(nn.Module):
@@ -48,10 +48,10 @@ class GatedDeltaNet(nn.Module):
             # Decode / verify: the cache runs the conv and the recurrence on its state memory.
             q, k, v = self._split(cache.gdn_conv_update(self.name, raw, weight))
             out = cache.gdn_delta_rule(self.name, q, k, v, a, b, self.A_log, self.dt_bias)
+        elif len(entries := sequences(cache)) == 1:
+            out = self._chunked(raw, a, b, weight, entries[0][1])  # prefill of whole sequences ([B, T] rows)
         else:
-            # Prefill: conv and delta rule per sequence (one, or each chunk of a packed step), from its own state.
-            parts = [self._chunked(raw[:, s], a[:, s], b[:, s], weight, seq) for s, seq in sequences(cache)]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            out = self._packed(raw, a, b, weight, cache)  # prefill of a packed step: several chunks end to end
         out = self.norm(out, z, invariant)  # [B, T, Hv, dv]: per head, z read in place
         return self.out_proj(out.reshape(batch, length, self.value_dim), invariant)
 
@@ -64,6 +64,26 @@ class GatedDeltaNet(nn.Module):
         out, final = gdn_chunked(q, k, v, g, beta, ssm)
         if cache is not None:
             cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
+        return out
+
+    def _packed(self, raw, a, b, weight, cache: ForwardCache) -> torch.Tensor:
+        """The chunked path over a packed step ([1, N]: S sequences end to end), each continuing its own cached
+        state: [1, N, Hv, dv]. The conv and the gates run per sequence, as `_chunked` runs them on it alone (on CPU
+        an elementwise op's rounding depends on its tensor's size); the delta rule runs once over all S
+        (`gdn_chunked_varlen`: each sequence's numbers bitwise those of `gdn_chunked` on it alone)."""
+        cu_seqlens, windows, ssm = packed_gdn_states(cache, self.name)
+        entries = cache.sequences()
+        mixed, conv_inputs, gates = [], [], []
+        for (s, _), window in zip(entries, windows, strict=True):
+            out, inputs = causal_conv1d(raw[:, s].transpose(1, 2), weight, window)
+            mixed.append(out.transpose(1, 2))  # [1, T_i, C]
+            conv_inputs.append(inputs)
+            gates.append(gate_values(a[:, s], b[:, s], self.A_log, self.dt_bias))
+        q, k, v = self._split(torch.cat(mixed, dim=1))
+        g, beta = (torch.cat(parts, dim=1) for parts in zip(*gates, strict=True))
+        out, finals = gdn_chunked_varlen(q, k, v, g, beta, cu_seqlens, ssm)
+        for i, ((_, seq), inputs) in enumerate(zip(entries, conv_inputs, strict=True)):
+            seq.set_gdn_state(self.name, inputs[..., inputs.shape[-1] - weight.shape[1] + 1 :], finals[i : i + 1])
         return out
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

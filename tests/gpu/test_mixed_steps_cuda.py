@@ -1,7 +1,8 @@
-"""Mixed steps on CUDA (the batch-invariant Triton GEMM at packed-prefill row counts, the Triton GDN and prefill
-attention kernels per chunk, CUDA graphs for the decode rows): a request's tokens do not depend on what its
-chunks were packed with, MTP off and on; and the 200-prompt stress run (lengths 1..2048, staggered arrivals)
-packed == every request alone, MTP-on == MTP-off."""
+"""Mixed steps on CUDA (the batch-invariant Triton GEMM at packed-prefill row counts, the Triton GDN kernels over
+all chunks (varlen), the prefill attention kernel per chunk, CUDA graphs for the decode rows): a request's tokens
+do not depend on what its chunks were packed with, MTP off and on; each chunk's hidden states and GDN states
+packed are bitwise those alone; and the 200-prompt stress run (lengths 1..2048, staggered arrivals) packed ==
+every request alone, MTP-on == MTP-off."""
 
 import gc
 import random
@@ -68,3 +69,15 @@ def test_stress_packed_matches_alone_and_mtp_matches_plain(k):
             engine.step()
     drain(engine)
     assert [engine.result(i).token_ids for i in ids] == expected
+
+
+@pytest.mark.parametrize("source", [{"fixture": "tiny-8l"}, {"synthetic": "qwen3.5-0.8b"}], ids=["tiny", "0.8b"])
+def test_packed_gdn_varlen_equals_each_chunk_alone_cuda(source, monkeypatch):
+    """tests/test_packed_gdn.py with the Triton kernels: each chunk of a packed step (1, 50, 64 and 130 tokens, one
+    continuing an earlier chunk's state) gets from the one varlen GDN call per layer bitwise the hidden states and
+    GDN states that `gdn_chunked` gives it alone."""
+    from test_packed_gdn import assert_packed_equals_alone
+
+    assert_packed_equals_alone(source, "bfloat16", "cuda", monkeypatch, num_state_rows=4, num_pages=64)
+    gc.collect()
+    torch.cuda.empty_cache()

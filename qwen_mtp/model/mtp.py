@@ -57,7 +57,7 @@ class DraftLmHead:
       none can be chosen), multiplied by `qwen_mtp::linear_fp8` batch-invariantly, W8A8 on CUDA when `w8a8` (the
       model's `model.fp8_decode`). It halves the bytes a draft step reads from the lm_head; it is a copy, so it
       costs V x H bytes more (1.27 GB at 27B; N x H with a draft vocabulary).
-    The target keeps scoring the whole bf16 lm_head, so only the drafts (their cost and acceptance) change."""
+    The target keeps scoring its whole lm_head as loaded, so only the drafts (their cost and acceptance) change."""
 
     QUANTIZE_ROWS = 64 * FP8_BLOCK[0]  # rows quantized at a time: bounds the temporaries (fp32 copies) at load
 

@@ -1,6 +1,7 @@
 """`qwen-mtp bench`: plain decode vs MTP K=1..4 and `mtp.k: auto` (oracle drafts at several accept rates, and
-the real head; with `bench.draft_vocabs`, also over pruned draft vocabularies), in one process on one loaded
-model, with every MTP row checked token-for-token against plain decode.
+the real head; with `bench.draft_vocabs`, also over pruned draft vocabularies, and with `bench.draft_lm_heads`,
+over the drafts' lm_head in bf16 and FP8), in one process on one loaded model, with every MTP row checked
+token-for-token against plain decode.
 
 Reported per row: TTFT, TPOT, decode tokens/s, speedup vs plain (same run), acceptance length, step time split
 (verify / draft / host), peak device memory, and % of the HBM roofline: (the bytes one decode step must move /
@@ -43,6 +44,7 @@ class Row:
     k: int | str  # "auto": chosen per step (mtp.k auto, up to mtp.max_k)
     draft: str  # "-" | "head" | "oracle"
     draft_vocab: int  # the head's draft vocabulary (mtp.draft_vocab; 0: the whole vocabulary)
+    draft_lm_head: str  # what the drafts' lm_head is stored as (mtp.draft_lm_head: bf16 | fp8)
     mean_k: float  # drafts verified per request and step (fillers excluded; k, except with k auto)
     accept_rate: float | None
     ttft_ms: float
@@ -156,6 +158,7 @@ def _variant(
     draft: str = "head",
     accept: float = 1.0,
     draft_vocab: int = 0,
+    draft_lm_head: str = "bf16",
 ) -> Recipe:
     bench = recipe.bench
     spec = 0 if k is None else recipe.mtp.max_k if k == "auto" else k
@@ -170,7 +173,7 @@ def _variant(
     )
     mtp = dataclasses.replace(
         recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept,
-        draft_vocab=draft_vocab,
+        draft_vocab=draft_vocab, draft_lm_head=draft_lm_head,
     )  # fmt: skip
     return dataclasses.replace(recipe, cache=cache, mtp=mtp, compile=compile_)
 
@@ -251,12 +254,13 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per step: target {sizes['target'] / 1e9:.2f} GB, "
         f"MTP draft step {sizes['mtp_step'] / 1e9:.2f} GB")  # fmt: skip
     settings = recipe.compile
-    configs: list[tuple[int | str | None, str, float, int]] = [(None, "-", 0.0, 0)]
-    for draft_vocab in bench.draft_vocabs:
-        for k in bench.ks:
-            configs += [(k, "oracle", rate, draft_vocab) for rate in bench.accept_rates]
-            if bench.head:
-                configs.append((k, "head", 0.0, draft_vocab))
+    configs: list[tuple[int | str | None, str, float, int, str]] = [(None, "-", 0.0, 0, "bf16")]
+    for lm_head in bench.draft_lm_heads or [recipe.mtp.draft_lm_head]:
+        for draft_vocab in bench.draft_vocabs:
+            for k in bench.ks:
+                configs += [(k, "oracle", rate, draft_vocab, lm_head) for rate in bench.accept_rates]
+                if bench.head:
+                    configs.append((k, "head", 0.0, draft_vocab, lm_head))
     report: dict[str, Any] = {
         "recipe": recipe.to_dict(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -272,9 +276,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     for prompt_len, batch in cases:
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
         plain_tokens, plain_tps = None, None
-        for k, draft, rate, draft_vocab in configs:
+        for k, draft, rate, draft_vocab, lm_head in configs:
             # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
-            variant = _variant(recipe, prompt_len, batch, k, draft, rate, draft_vocab)
+            variant = _variant(recipe, prompt_len, batch, k, draft, rate, draft_vocab, lm_head)
             engine = Engine.from_recipe(variant, loaded=loaded, log=log if settings.enabled else _quiet)
             if not report["rows"]:
                 prefill = "compiled, any chunk length" if settings.enabled and settings.prefill else "eager"
@@ -297,9 +301,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             step = result["decode_seconds"] / steps
             mean_k = result["mean_k"] if k is not None else 0.0
             row_sizes = sizes
-            if draft_vocab:  # a draft step reads N of the lm_head's V rows
-                pruned = sizes["lm_head"] * (1 - draft_vocab / loaded.model.lm_head_weight.shape[0])
-                row_sizes = sizes | {"mtp_step": sizes["mtp_step"] - int(pruned)}
+            head = engine.runner.steps.draft_head
+            if head is not None:  # a draft step reads the draft head (N rows, maybe FP8), not the lm_head
+                row_sizes = sizes | {"mtp_step": sizes["mtp_step"] - sizes["lm_head"] + head.nbytes}
             drafts = k if isinstance(k, int) else round(mean_k)
             moved = step_bytes(engine, row_sizes, batch, drafts, prompt_len + bench.output_len / 2)
             row = Row(
@@ -309,6 +313,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 k=k or 0,
                 draft=draft,
                 draft_vocab=draft_vocab,
+                draft_lm_head=lm_head if k is not None else "-",
                 mean_k=mean_k,
                 accept_rate=None if draft != "oracle" else rate,
                 ttft_ms=1e3 * result["ttft"],
@@ -339,7 +344,8 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
 
 COLUMNS = [
     ("ctx", "prompt_len", "{}"), ("B", "batch", "{}"), ("mode", "mode", "{}"), ("K", "k", "{}"),
-    ("draft", "draft", "{}"), ("vocab", "draft_vocab", "{}"), ("mean K", "mean_k", "{:.2f}"),
+    ("draft", "draft", "{}"), ("vocab", "draft_vocab", "{}"), ("lm_head", "draft_lm_head", "{}"),
+    ("mean K", "mean_k", "{:.2f}"),
     ("acc", "accept_rate", "{}"), ("TTFT ms", "ttft_ms", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x plain", "speedup", "{:.2f}"), ("AL", "acceptance_length", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"), ("verify", "verify_ms", "{:.2f}"), ("draft", "draft_ms", "{:.2f}"),
@@ -429,4 +435,5 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
 
 def _drafts(row: dict[str, Any]) -> str:
     kind = f"oracle {row['accept_rate']}" if row["draft"] == "oracle" else "head"
-    return kind + (f" vocab {row['draft_vocab']}" if row.get("draft_vocab") else "")
+    vocab = f" vocab {row['draft_vocab']}" if row.get("draft_vocab") else ""
+    return kind + vocab + (" fp8 lm_head" if row.get("draft_lm_head") == "fp8" else "")

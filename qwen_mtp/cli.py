@@ -240,6 +240,7 @@ def acceptance(
     out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
     draft_vocab: Annotated[int, typer.Option(help="draft from the N most frequent ids only (mtp.draft_vocab)")] = 0,
     draft_vocab_file: Annotated[str | None, typer.Option(help="with --draft-vocab: the count file")] = None,
+    draft_lm_head: Annotated[str, typer.Option(help="bf16 or fp8: what the drafts score (mtp.draft_lm_head)")] = "bf16",
 ) -> None:
     """Greedy MTP acceptance lengths for K=1..4 on held-out prompts (and a check that MTP-on == MTP-off)."""
     import json
@@ -250,7 +251,7 @@ def acceptance(
         k_values = tuple(int(k) for k in ks.split(","))
         report = measure_acceptance(
             checkpoint, read_prompts(prompts)[:count], k_values, max_new_tokens, device, dtype, log=typer.echo,
-            draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file,
+            draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, draft_lm_head=draft_lm_head,
         )  # fmt: skip
     except ValueError as err:
         _fail(ValueError(f"--ks must be comma-separated integers 1..4: {err}"))

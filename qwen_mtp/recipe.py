@@ -47,6 +47,7 @@ class MTPSection:
     coupled_drafts: bool = True  # sampled requests: drafts use the target's noise (false: greedy drafts)
     draft_vocab: int = 0  # > 0: the head drafts from the N most frequent tokens only (docs/mtp.md); 0: all
     draft_vocab_file: str | None = None  # token counts (`qwen-mtp draft-vocab` writes them), or "first": ids 0..N-1
+    draft_lm_head: Literal["bf16", "fp8"] = "bf16"  # fp8: drafts score an FP8 copy of the lm_head (docs/mtp.md)
 
     @property
     def max_drafts(self) -> int:
@@ -97,6 +98,8 @@ class BenchSection:
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     ks: list[int | Literal["auto"]] = field(default_factory=lambda: [1, 2, 3, 4])  # "auto": mtp.k auto, max_k
     draft_vocabs: list[int] = field(default_factory=lambda: [0])  # MTP rows per draft vocabulary (0: the whole)
+    # MTP rows per draft lm_head (mtp.draft_lm_head, docs/mtp.md); empty: the recipe's mtp.draft_lm_head only
+    draft_lm_heads: list[Literal["bf16", "fp8"]] = field(default_factory=list)
     accept_rates: list[float] = field(default_factory=lambda: [1.0, 0.8, 0.6])
     head: bool = True  # also run the real MTP head's drafts
     prompt_len: int | list[int] = 128  # several: a sweep over context lengths

@@ -120,3 +120,23 @@ def test_a_batch_sweep_with_k_auto_and_draft_vocabularies(tmp_path):
     assert all(0 <= r["mean_k"] <= 3 for r in report["rows"] if r["mode"] == "mtp")
     assert bench.write_outputs(report, tmp_path)[-1].stat().st_size > 0
     assert "auto" in (tmp_path / "bench.txt").read_text()
+
+
+def test_draft_lm_heads_run_the_mtp_rows_once_per_head(tmp_path):
+    """`bench.draft_lm_heads: [bf16, fp8]`: the MTP rows once per draft lm_head (each with every draft
+    vocabulary), each exact, and the table names the head."""
+    recipe = load_recipe(
+        {
+            "model": {"fixture": "tiny", "dtype": "float32", "device": "cpu"},
+            "mtp": {"draft_vocab_file": "first"},
+            "bench": {"batch_sizes": [1], "ks": [2], "accept_rates": [0.8], "head": True, "draft_vocabs": [0, 200],
+                      "draft_lm_heads": ["bf16", "fp8"], "prompt_len": 8, "output_len": 4, "out_dir": str(tmp_path)},
+        }
+    )  # fmt: skip
+    report = bench.run_bench(recipe, progress=False, log=lambda _: None)
+    rows = [(r["mode"], r["draft"], r["draft_vocab"], r["draft_lm_head"]) for r in report["rows"]]
+    assert rows == [("plain", "-", 0, "-")] + [
+        ("mtp", draft, vocab, head) for head in ("bf16", "fp8") for vocab in (0, 200) for draft in ("oracle", "head")
+    ]
+    assert all(r["exact"] for r in report["rows"])
+    assert "fp8" in (tmp_path / "bench.txt").read_text()

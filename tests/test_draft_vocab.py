@@ -19,7 +19,7 @@ from helpers import random_prompt
 from qwen_mtp import Engine, RecipeError, SamplingParams
 from qwen_mtp.engine.draft_vocab import draft_ids, read_counts, write_counts
 from qwen_mtp.engine.sampling import Mode
-from qwen_mtp.model.mtp import DraftVocab
+from qwen_mtp.model.mtp import DraftLmHead
 from qwen_mtp.ops.sampling import gumbel_noise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_mtp_with_draft_vocab_equals_plain_batch8(checkpoint, tmp_path, k, param
     expected = run(make_engine(path), params)
     for source, size in ((counts_file(tmp_path, vocab), vocab // 4), ("first", vocab // 2)):
         engine = make_engine(path, k, draft_vocab=size, draft_vocab_file=source)
-        assert engine.runner.steps.draft_vocab.size == size
+        assert engine.runner.steps.draft_head.size == size
         assert run(engine, params) == expected
         stats = engine.stats()
         assert stats["verify_steps"] > 0 and stats["free_pages"] == stats["total_pages"]
@@ -103,13 +103,13 @@ def test_draft_vocab_drafts_are_its_argmax_and_use_the_full_ids_noise(checkpoint
     noise = Mode(noise=True)
     full = [_drafts_of(engine, hidden, mode, positions, rows if mode == noise else {}) for mode in (Mode(), noise)]
     ids = torch.randperm(vocab, generator=gen)[: vocab // 3]
-    engine.runner.steps.draft_vocab = DraftVocab(weight, ids)
+    engine.runner.steps.draft_head = DraftLmHead(weight, ids)
     kept = ids.sort().values
     logits = hidden @ weight[kept].T
     assert torch.equal(_drafts_of(engine, hidden, Mode(), positions, {}), kept[logits.argmax(dim=-1)])
     scores = logits * 1.25 + gumbel_noise(rows["seed"], positions, vocab)[:, kept]
     assert torch.equal(_drafts_of(engine, hidden, noise, positions, rows), kept[scores.argmax(dim=-1)])
-    engine.runner.steps.draft_vocab = DraftVocab(weight, torch.arange(vocab))
+    engine.runner.steps.draft_head = DraftLmHead(weight, torch.arange(vocab))
     assert torch.equal(_drafts_of(engine, hidden, Mode(), positions, {}), full[0])
     assert torch.equal(_drafts_of(engine, hidden, noise, positions, rows), full[1])
 

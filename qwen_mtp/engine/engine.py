@@ -44,7 +44,7 @@ from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
-from qwen_mtp.model.mtp import DraftVocab
+from qwen_mtp.model.mtp import DraftLmHead
 from qwen_mtp.recipe import CacheSection, CompileSection, MTPSection, Recipe, StateSection, load_recipe
 
 
@@ -99,6 +99,8 @@ class Engine:
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
         self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
+        # before the pools are sized from the free memory, so that they leave room for its copy
+        draft_head = self._draft_head(mtp) if mtp.enabled else None
         dtype = self.model.lm_head_weight.dtype
         sizes = size_pools(self.config, self.model.shapes, cache, dtype, state.dtype, self.device, self.spec_tokens)
         # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
@@ -132,7 +134,7 @@ class Engine:
             self.speculator = Speculator(
                 self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed, max_k=mtp.max_k, buckets=buckets
             )
-            self.runner.steps.draft_vocab = self._draft_vocab(mtp)
+            self.runner.steps.draft_head = draft_head
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.updater = RequestUpdater(lambda: self.eos_ids, self._release, self._record_acceptance, decode)
         self._seeds = random.Random(seed)  # draws the seed of a request submitted without one
@@ -224,14 +226,21 @@ class Engine:
             log=log,
         )
 
-    def _draft_vocab(self, mtp: MTPSection) -> DraftVocab | None:
-        """`mtp.draft_vocab`: the head's pruned vocabulary, gathered from the lm_head now (None when off)."""
-        if not mtp.draft_vocab:
+    def _draft_head(self, mtp: MTPSection) -> DraftLmHead | None:
+        """What the drafts score with (`model/mtp.py`): the lm_head's rows for `mtp.draft_vocab`, an FP8 copy for
+        `mtp.draft_lm_head: fp8`, made now from the lm_head; None for the lm_head itself."""
+        if mtp.draft_lm_head not in ("bf16", "fp8"):  # an MTPSection built in code skips the recipe's check
+            raise RecipeError(f"mtp.draft_lm_head must be bf16 or fp8, got {mtp.draft_lm_head!r}")
+        fp8 = mtp.draft_lm_head == "fp8"
+        if not (mtp.draft_vocab or fp8):
             return None
-        if self.parallel is not None:
-            raise RecipeError("mtp.draft_vocab is not available with tensor parallelism yet (parallel.tp > 1)")
+        if self.model.parallel is not None:
+            key = "mtp.draft_vocab" if mtp.draft_vocab else "mtp.draft_lm_head: fp8"
+            raise RecipeError(f"{key} is not available with tensor parallelism yet (parallel.tp > 1)")
         weight = self.model.lm_head_weight
-        return DraftVocab(weight, draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, weight.shape[0]))
+        ids = draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, weight.shape[0]) if mtp.draft_vocab else None
+        # the FP8 product follows `model.fp8_decode`, which `set_fp8_decode` wrote into every linear module
+        return DraftLmHead(weight, ids, fp8=fp8, w8a8=self.model.mtp.fc.fp8_decode == "w8a8")
 
     @torch.inference_mode()
     def warmup(self) -> None:

@@ -31,14 +31,15 @@ from qwen_mtp.engine.packed import PackedChunks, PackedStepCache
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
 from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
-from qwen_mtp.model.mtp import DraftVocab
+from qwen_mtp.model.mtp import DraftLmHead
 from qwen_mtp.ops.linear import prefill_rows
 
 
 class DecodeSteps:
     def __init__(self, model: QwenHybridForCausalLM, pages: PagePool, states: StatePool, k: int):
         self.model, self.pages, self.states, self.k = model, pages, states, k  # k: the most drafts a step makes
-        self.draft_vocab: DraftVocab | None = None  # `mtp.draft_vocab`: the head drafts from these ids only
+        # `mtp.draft_vocab` / `mtp.draft_lm_head: fp8`: what the drafts score with (None: the target's lm_head)
+        self.draft_head: DraftLmHead | None = None
 
     def _cache(self, tokens, positions, rows, tables, lens) -> PagedStepCache:
         batch = StepBatch(StepKind.DECODE, tokens, positions, rows, tables, lens, fresh=False)
@@ -49,16 +50,17 @@ class DecodeSteps:
         return sampling.choose(logits, mode, chosen_positions, **sampling_rows, shard=self.model.vocab_shard)
 
     def _propose(self, hidden: torch.Tensor, mode: Mode, positions: torch.Tensor, sampling_rows: dict):
-        """The head's draft [B] from its post-norm output [B, H] for the token at `positions` [B]. With a draft
-        vocabulary: greedy, the argmax over its ids; sampled (coupled), its logits spread over the whole
-        vocabulary (-inf elsewhere) so each id meets the same noise as in the target's choice."""
-        vocab = self.draft_vocab
-        if vocab is None:
+        """The head's draft [B] from its post-norm output [B, H] for the token at `positions` [B], scored by the
+        target's lm_head, or by `draft_head` when set. With a draft vocabulary: greedy, the argmax over its ids;
+        sampled (coupled), its logits spread over the whole vocabulary (-inf elsewhere) so each id meets the same
+        noise as in the target's choice."""
+        head = self.draft_head
+        if head is None:
             return self._choose(hidden, mode, positions, sampling_rows)[0]
-        logits = vocab.logits(hidden)  # [B, N]
-        if mode.greedy:
-            return vocab.ids[logits.float().argmax(dim=-1)]
-        full = vocab.full_logits(logits, self.model.lm_head_weight.shape[0])
+        logits = head.logits(hidden)  # [B, N]
+        if head.ids is not None and mode.greedy:
+            return head.ids[logits.float().argmax(dim=-1)]
+        full = head.full_logits(logits, self.model.lm_head_weight.shape[0])  # [B, V]
         return sampling.choose(full, mode, positions, **sampling_rows)[0]
 
     def target(

@@ -80,11 +80,13 @@ def measure_acceptance(
     log: Callable[[str], None] | None = None,
     draft_vocab: int = 0,
     draft_vocab_file: str | None = None,
+    draft_lm_head: str = "bf16",
 ) -> dict[str, Any]:
     """Greedy generation from each prompt with MTP off, then with MTP K for each K in `ks` (EOS ignored, so
     every prompt generates `max_new_tokens`): acceptance lengths, per-position acceptance, and whether each
     K's tokens equal MTP-off's (they must: speculation is lossless). `draft_vocab` > 0: the head drafts from
-    that many ids of `draft_vocab_file` (`mtp.draft_vocab`)."""
+    that many ids of `draft_vocab_file` (`mtp.draft_vocab`); `draft_lm_head` "fp8": through an FP8 copy of the
+    lm_head (`mtp.draft_lm_head`)."""
     from qwen_mtp.engine import Engine
     from qwen_mtp.engine.setup import load_from_recipe
     from qwen_mtp.recipe import CacheSection, MTPSection, load_recipe
@@ -107,9 +109,17 @@ def measure_acceptance(
     }  # fmt: skip
     if draft_vocab:
         report |= {"draft_vocab": draft_vocab, "draft_vocab_file": draft_vocab_file}
+    if draft_lm_head != "bf16":
+        report["draft_lm_head"] = draft_lm_head
     for k in ks:
         tokens, engine = generate(
-            MTPSection(enabled=True, k=k, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
+            MTPSection(
+                enabled=True,
+                k=k,
+                draft_vocab=draft_vocab,
+                draft_vocab_file=draft_vocab_file,
+                draft_lm_head=draft_lm_head,
+            )
         )
         totals = engine.speculator.totals
         report["k"][str(k)] = {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
-# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile runs one part (compile, sweep,
-# family, fp8family and longprefill only when asked: minutes each).
+# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|verifybench runs one part
+# (compile, sweep, family, fp8family, longprefill, verify and verifybench only when asked: minutes each; verify and
+# verifybench are one device call each: the exactness subset and the 27B rows behind docs/benchmarks.md "Not run").
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -58,6 +59,29 @@ fi
 if [[ "$STAGE" == longprefill ]]; then  # TTFT of a long prompt per prefill chunk size, with a GPU time split
   python3 benchmarks/long_prefill.py "${1:-recipes/bench-27b.yaml}" --length "${LENGTH:-32768}" \
     --out "$OUT/long-prefill.json" 2>&1 | tee "$OUT/long-prefill.log"
+fi
+if [[ "$STAGE" == verify ]]; then  # one device call (~7 min): the GPU exactness subset after decode-path changes
+  run() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1; echo "[rc $? at ${SECONDS}s] $log"
+          grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/$log" | tail -12; }
+  run 190 verify-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  run 90 verify-long.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[3]" \
+    tests/gpu/test_cuda_exactness.py::test_prefill_kernels_as_accurate_as_hf
+  run 60 verify-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k w8a8_decode_mtp_equals_plain
+  run 60 verify-draft-head.log python3 -m pytest -q -rA tests/gpu/test_draft_lm_head_cuda.py
+  run 60 verify-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py -k "varlen or depend_on_packing"
+fi
+if [[ "$STAGE" == verifybench ]]; then  # one device call (~5 min): the 27B rows behind the sixth session's open claims
+  common=(--set 'bench.accept_rates=[0.8]' --set bench.head=false)
+  fp8=(--set model.synthetic=qwen3.5-27b-fp8 "${common[@]}" --set bench.output_len=48)
+  timeout 90 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml "${fp8[@]}" --set mtp.draft_vocab_file=first \
+    --set 'bench.ks=[3]' --set 'bench.draft_vocabs=[0,32768]' --set 'bench.draft_lm_heads=[bf16,fp8]' \
+    --set "bench.out_dir=$OUT/bench-draft-head" >"$OUT/bench-draft-head.log" 2>&1; cat "$OUT/bench-draft-head/bench.txt"
+  timeout 80 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml "${fp8[@]}" --set 'bench.batch_sizes=[64]' \
+    --set 'bench.ks=[auto]' --set "bench.out_dir=$OUT/bench-b64-auto" >"$OUT/bench-b64-auto.log" 2>&1
+  cat "$OUT/bench-b64-auto/bench.txt"
+  timeout 120 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml "${common[@]}" --set 'bench.prompt_len=[8192,32768]' \
+    --set 'bench.ks=[3]' --set bench.output_len=32 --set "bench.out_dir=$OUT/bench-long" >"$OUT/bench-long.log" 2>&1
+  cat "$OUT/bench-long/bench.txt"
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

@@ -146,8 +146,14 @@ def shapes(preset: str, only: str = "") -> dict[str, tuple[int, int]]:
     o_proj"), lm_head last; `only`: the shapes one of whose names contains it."""
     from gemm_sweep import decode_shapes
 
+    return named_once(decode_shapes(preset, lm_head=True), only)
+
+
+def named_once(shapes: dict[str, tuple[int, int]], only: str = "") -> dict[str, tuple[int, int]]:
+    """Each (N, K) of `shapes` once, under the names of every linear that has it joined by " / "; `only`: the
+    shapes one of whose names contains it."""
     names: dict[tuple[int, int], list[str]] = {}
-    for name, nk in decode_shapes(preset, lm_head=True).items():
+    for name, nk in shapes.items():
         names.setdefault(nk, []).append(name)
     return {" / ".join(ns): nk for nk, ns in names.items() if any(only in name for name in ns)}
 
@@ -173,14 +179,16 @@ def _compile(task: tuple[int, int, GemmPlan]) -> str | None:
         return _error(err)
 
 
-def precompile(tasks: list[tuple[int, int, GemmPlan]], jobs: int) -> list[str]:
+def precompile(tasks: list[tuple], jobs: int, worker=_compile) -> list[str]:
     """Compile every plan in `jobs` processes at once, so that the measuring process loads them from Triton's disk
-    cache; the workers' errors (the measuring process tries those plans again and reports what fails there)."""
+    cache; the workers' errors (the measuring process tries those plans again and reports what fails there).
+    `worker(task)` launches one task's plan once (a module-level function: the processes are spawned); the bf16
+    family's by default, the FP8 sweeps pass theirs."""
     if jobs <= 1:
         return []
     try:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return [err for err in pool.map(_compile, tasks) if err]
+            return [err for err in pool.map(worker, tasks) if err]
     except Exception as err:  # a worker died (e.g. a launch broke its CUDA context): compile while measuring
         return [f"parallel compile failed: {type(err).__name__}: {err}"]
 

@@ -18,10 +18,8 @@ import argparse
 import dataclasses
 import itertools
 import json
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -273,14 +271,13 @@ def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: f
     `apply_plans.py --fp8` turns into `TUNED_FP8`."""
     props = torch.cuda.get_device_properties(0)
     t0 = time.time()
-    names: dict[tuple[int, int], list[str]] = {}
-    for name, nk in fp8_shapes(preset).items():
-        names.setdefault(nk, []).append(name)
-    todo = {" / ".join(ns): (nk, fp8_candidates(*nk, props.multi_processor_count))
-            for nk, ns in names.items() if any(only in name for name in ns)}  # fmt: skip
+    from gemm_family import named_once, precompile
+
+    sms = props.multi_processor_count
+    todo = {name: (nk, fp8_candidates(*nk, sms)) for name, nk in named_once(fp8_shapes(preset), only).items()}
     tasks = [(n, k, plan, True) for (n, k), plans in todo.values() for plan in plans.values()]
     tasks += [(n, k, gemm_plan(n, k), False) for (n, k), _ in todo.values()]  # the bf16 baseline
-    errors = precompile_fp8(tasks, jobs)
+    errors = precompile(tasks, jobs, _compile)
     print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errors)} errors)")
     report = {}
     for name, ((n, k), plans) in todo.items():
@@ -303,18 +300,6 @@ def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: f
         json.dump(dict(meta, copy_bandwidth=bandwidth, shapes=report), f, indent=1)
     print(f"wrote {path}")
     return report
-
-
-def precompile_fp8(tasks: list[tuple[int, int, GemmPlan, bool]], jobs: int) -> list[str]:
-    """Compile every plan in `jobs` processes at once (as `gemm_family.precompile` does for bf16), so that the
-    measuring process loads them from Triton's disk cache; the workers' errors."""
-    if jobs <= 1:
-        return []
-    try:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return [err for err in pool.map(_compile, tasks) if err]
-    except Exception as err:  # a worker died: compile while measuring
-        return [f"parallel compile failed: {type(err).__name__}: {err}"]
 
 
 def main() -> None:

@@ -16,16 +16,14 @@ import argparse
 import dataclasses
 import functools
 import json
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
 import triton
-from gemm_family import _error, _with_splits, graph_us, invariance_failures, split_choices
+from gemm_family import _error, _with_splits, graph_us, invariance_failures, named_once, precompile, split_choices
 from gemm_fp8 import ROTATE_BYTES, fp8_shapes, random_fp8
 
 from qwen_mtp.bench import copy_bandwidth
@@ -153,16 +151,6 @@ def _compile(task: tuple[int, int, GemmPlan]) -> str | None:
         return _error(err)
 
 
-def precompile(tasks: list[tuple[int, int, GemmPlan]], jobs: int) -> list[str]:
-    if jobs <= 1:
-        return []
-    try:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return [err for err in pool.map(_compile, tasks) if err]
-    except Exception as err:  # a worker died: compile while measuring
-        return [f"parallel compile failed: {type(err).__name__}: {err}"]
-
-
 def measure_family_shape(n: int, k: int, plans: dict[str, GemmPlan], bandwidth: float) -> dict:
     """Every W8A8 plan of one shape at `FAMILY_M` (quantization included), rows checked bitwise across M; the
     W8A16 plan in use, our bf16 plan and cuBLAS bf16 as baselines."""
@@ -215,13 +203,10 @@ def print_family_shape(name: str, e: dict) -> None:
 def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: float) -> dict:
     props = torch.cuda.get_device_properties(0)
     t0 = time.time()
-    names: dict[tuple[int, int], list[str]] = {}
-    for name, nk in fp8_shapes(preset).items():
-        names.setdefault(nk, []).append(name)
-    todo = {" / ".join(ns): (nk, w8a8_candidates(*nk, props.multi_processor_count))
-            for nk, ns in names.items() if any(only in name for name in ns)}  # fmt: skip
+    sms = props.multi_processor_count
+    todo = {name: (nk, w8a8_candidates(*nk, sms)) for name, nk in named_once(fp8_shapes(preset), only).items()}
     tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
-    errs = precompile(tasks, jobs)
+    errs = precompile(tasks, jobs, _compile)
     print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errs)} errors)")
     report = {}
     for name, ((n, k), plans) in todo.items():

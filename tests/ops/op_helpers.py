@@ -4,6 +4,13 @@ on CUDA when there is one."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,3 +82,18 @@ def check_op(op, args):
     outputs = op(*args)
     for out in outputs if isinstance(outputs, tuple) else (outputs,):
         assert out.is_contiguous()
+
+
+def sm90_report(*args):
+    """What `tests/ops/sm90_compile.py` prints (JSON) for `args` (a mode name, then JSON-able values): the kernels
+    compiled for the H200 (sm_90) here, in a process without TRITON_INTERPRET (the interpreter replaces
+    `triton.jit`). Skips where Triton's wheels ship no CUDA toolchain (ptxas, cuobjdump)."""
+    if sys.platform != "linux":
+        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    command = [sys.executable, str(root / "tests" / "ops" / "sm90_compile.py")]
+    command += [arg if isinstance(arg, str) else json.dumps(arg) for arg in args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

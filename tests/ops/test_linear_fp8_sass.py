@@ -2,28 +2,14 @@
 e4m3 -> bf16 dequantization uses integer ops and one packed bf16 multiply per two weights, no conversion
 instructions (Hopper runs those at a quarter of the integer rate; converting made the kernel slower than bf16)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from op_helpers import sm90_report
 
 
 def test_w8a16_stream_loop_has_no_per_weight_conversions():
-    if sys.platform != "linux":
-        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
     # the 27B gate_up tile (34816x5120, 64x128 weight blocks, swapped, 32-row column side), one row tile
     plan = [34816, 5120, 64, 128, 40, 4, 4, "stream", 32, 1, True]
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    script = str(ROOT / "tests" / "ops" / "sm90_compile.py")
-    done = subprocess.run([sys.executable, script, json.dumps(plan)], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    ops = sm90_report(plan)
     weights_per_thread = 64 * 128 // (4 * 32)  # one weight block per K step over 4 warps
     assert ops.get("HGMMA.64x32x16.F32.BF16", 0) >= 8  # the K step's 8 wgmma on the dequantized block
     assert ops.get("HMUL2.BF16_V2", 0) >= weights_per_thread // 2  # the scale, two weights per instruction
@@ -40,13 +26,6 @@ def test_w8a16_mma_sync_operands_have_the_bf16_kernels_k_order(plan):
     it: traced to the e4m3 load, a thread held 4 consecutive K values (kWidth 4) where the bf16 kernel holds 2, so
     its MMAs grouped the products differently and the H200 results differed from the bf16 kernel's in the last
     bits. The dequantized tile must reach the MMAs in the bf16 kernel's layout."""
-    if sys.platform != "linux":
-        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    script = str(ROOT / "tests" / "ops" / "sm90_compile.py")
-    done = subprocess.run([sys.executable, script, "kwidth", json.dumps(plan)], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    widths = json.loads(done.stdout.strip().splitlines()[-1])
+    widths = sm90_report("kwidth", plan)
     assert widths["bf16"] and set(widths["bf16"]) == {2}
     assert widths["fp8"] == widths["bf16"]

@@ -3,29 +3,14 @@ program reserves the shared memory of its widest K loop (the 27B gate_up plan: 4
 at every M), and `GemmPlan.wide_stages` lets the one-row-tile loop pipeline deeper in that same memory, with the
 same MMA instructions (so the same sums) and more weight bytes in flight."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from op_helpers import sm90_report
 
 
 def _k_loops(n: int, k: int, fields: list, options: dict) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    script = str(ROOT / "tests" / "ops" / "sm90_compile.py")
-    done = subprocess.run([sys.executable, script, "loops", json.dumps([n, k, *fields, options])], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return sm90_report("loops", [n, k, *fields, options])
 
 
 def test_deep_one_tile_loop_keeps_the_mmas_and_shared_memory_and_doubles_bytes_in_flight():
-    if sys.platform != "linux":
-        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
     # the 27B gate_up plan before its deep8 tail8 one: 64x128 weight blocks, swapped, 4 tiles of 32 rows, 4 stages
     tuned = [64, 128, 40, 4, 4, "stream", 32, 4, True]
     deep = [64, 128, 40, 4, 8, "stream", 32, 4, True]
@@ -44,8 +29,6 @@ def test_deep_one_tile_loop_keeps_the_mmas_and_shared_memory_and_doubles_bytes_i
 def test_split_tail_leaves_the_k_loops_and_shared_memory_as_they_were():
     """`tail_tiles` only remaps the last programs to (tile, K split) and adds the split reduction after the loops:
     the K loops every program runs (MMAs, copies, depth) and the shared memory (programs per SM) are unchanged."""
-    if sys.platform != "linux":
-        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
     tuned = [64, 128, 40, 4, 4, "stream", 32, 4, True]
     now, tail = _k_loops(34816, 5120, tuned, {}), _k_loops(34816, 5120, tuned, {"tail_tiles": 16, "tail_splits": 8})
     assert tail == now
@@ -66,11 +49,4 @@ def test_every_kind_of_launch_compiles_for_sm90():
     """The CPU tests run the kernels in Triton's interpreter, which never compiles them: a path that only a real
     target rejects (an atomic on the bf16 output that one-split launches pass as their counters) passes every
     test here and fails every such plan on the GPU. Each kind of launch compiles here for the H200."""
-    if sys.platform != "linux":
-        pytest.skip("Triton's CUDA toolchain (ptxas, cuobjdump) ships in its Linux wheels")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    script = str(ROOT / "tests" / "ops" / "sm90_compile.py")
-    done = subprocess.run([sys.executable, script, "compile", json.dumps(LAUNCHES)], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
+    assert sm90_report("compile", LAUNCHES) == {}

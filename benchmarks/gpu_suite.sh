@@ -66,7 +66,7 @@ if [[ "$STAGE" == verify ]]; then  # one device call (~7 min): the GPU exactness
   run 190 verify-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
   run 90 verify-long.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[3]" \
     tests/gpu/test_cuda_exactness.py::test_prefill_kernels_as_accurate_as_hf
-  run 60 verify-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
+  run 120 verify-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
   run 60 verify-draft-head.log python3 -m pytest -q -rA tests/gpu/test_draft_lm_head_cuda.py
   run 60 verify-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py -k "varlen or depend_on_packing"
 fi

@@ -8,6 +8,8 @@ prints the first step that failed (`reference`, `decay_kkt`, `invert`, `wy`, `st
 largest difference from the reference. The kernels' index arithmetic at these shapes stays inside every tensor
 (tests/ops/test_gdn_bounds.py, under the interpreter), so a fault here points at the compiled code.
 Usage (repo root): PYTHONPATH=$PWD python3 benchmarks/gdn_fault.py [lengths ...]   (default 2048 8192)
+GDN_SHAPE=hk,hv,d (e.g. 2,4,16: the tiny fixture's) runs other head counts and head size instead of 27B's;
+GDN_BATCH=b runs b equal-length sequences (default 1).
 """
 
 import json
@@ -36,6 +38,10 @@ def child(length: int, setting: dict) -> None:
 
     for name, value in setting.items():
         setattr(chunked, name, value)
+    if os.environ.get("GDN_SHAPE"):
+        hk, hv, d = (int(x) for x in os.environ["GDN_SHAPE"].split(","))
+        gdn_prefill.HK, gdn_prefill.HV, gdn_prefill.DK, gdn_prefill.DV = hk, hv, d, d
+    batch = int(os.environ.get("GDN_BATCH", "1"))
     step = {"name": "reference"}
     kernels = chunked._kernels()
 
@@ -55,6 +61,8 @@ def child(length: int, setting: dict) -> None:
     try:
         with torch.inference_mode():
             args = gdn_prefill.inputs(length)
+            if batch > 1:  # b copies of the sequence as one [b, T, ...] batch
+                args = tuple(torch.cat([a] * batch) for a in args)
             ref_out, ref_final = chunked_gated_delta_rule(*args[:5], initial_state=args[5])
             torch.cuda.synchronize()
             out, final = chunked.gdn_chunked_triton(*args)

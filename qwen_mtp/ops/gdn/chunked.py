@@ -51,6 +51,10 @@ DOTS = "tf32x3"  # the GPU dots' precision for fp32 operands (the module docstri
 STATE_BLOCK_V = 64
 OUTPUT_BLOCK_V = 64  # value columns per `output` program
 PREPARE_WARPS, STATE_WARPS, OUTPUT_WARPS = 4, 4, 8
+# `output` with 8 warps on 16-wide tiles (head size 16, the tiny test fixtures') makes an illegal memory access on
+# the H200 (Triton 3.6; benchmarks/gdn_fault.py with GDN_SHAPE=2,4,16: only OUTPUT_WARPS = 4 ran), though its
+# index arithmetic stays in bounds (tests/ops/test_gdn_bounds.py): below 32 columns it runs with this many warps.
+SMALL_TILE_WARPS = 4
 INVERT_WARPS = 1  # `invert`'s 16x16 tiles: one warp reduces them without barriers
 STATE_STAGES = 2  # software-pipelining depth of the `states` loop (its loads of the next chunk)
 
@@ -312,9 +316,10 @@ def _launch(q, k, v, g, beta, cu_seqlens, chunks, initial_state):
         num_stages=STATE_STAGES, **common,
     )  # fmt: skip
     block_v = min(dv, OUTPUT_BLOCK_V)
+    output_warps = OUTPUT_WARPS if min(dk, block_v) >= 32 else SMALL_TILE_WARPS
     output[(hv, chunks, triton.cdiv(dv, block_v))](
         q, k, cu_seqlens, cum, starts, delta, out, sequences, hv, group, dk**-0.5, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), C=CHUNK, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=OUTPUT_WARPS, **common,
+        out.stride(0), out.stride(1), C=CHUNK, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=output_warps, **common,
     )  # fmt: skip
     parts = dict(a=a, inverse=inverse, cum=cum, kf=kf, w=w, u=u, states=starts, delta=delta)
     return out, final, parts

@@ -30,8 +30,13 @@ KINDS = (  # kernel-name fragments -> category (first match wins)
 )
 
 
+GDN_KERNELS = {"decay_kkt", "invert", "wy", "states", "output"}  # ops/gdn/chunked.py's kernels, by exact name
+
+
 def kind(name: str) -> str:
     low = name.lower()
+    if low in GDN_KERNELS:
+        return "gdn"
     for label, keys in KINDS:
         if any(key in low for key in keys):
             return label

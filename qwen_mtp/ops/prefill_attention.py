@@ -57,7 +57,7 @@ def _prefill_attention_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T", "sq_b", "sq_t"])
-    def kernel(
+    def prefill_attention(
         q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
         T, GROUP, scale,
         sq_b, sq_t, sq_h, so_b, so_t, so_h, s_half, s_page, s_slot, s_head, s_table,
@@ -98,7 +98,7 @@ def _prefill_attention_kernel():
             mask=valid[:, None],
         )
 
-    return kernel, triton.cdiv
+    return prefill_attention, triton.cdiv
 
 
 def prefill_attention_triton(

@@ -9,7 +9,7 @@ from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, packed_gdn_s
 from qwen_mtp.model.layers import GatedRMSNorm
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
-from qwen_mtp.ops.conv import causal_conv1d
+from qwen_mtp.ops.conv import conv_prefill
 from qwen_mtp.ops.gdn import gate_values
 from qwen_mtp.ops.gdn.chunked import gdn_chunked, gdn_chunked_varlen
 
@@ -58,12 +58,12 @@ class GatedDeltaNet(nn.Module):
     def _chunked(self, raw, a, b, weight, cache: ForwardCache | None) -> torch.Tensor:
         """The chunked path over whole sequences continuing their cached state: [B, T, Hv, dv]."""
         window, ssm = cache.gdn_state(self.name) if cache is not None else (None, None)
-        mixed, conv_inputs = causal_conv1d(raw.transpose(1, 2), weight, window)
-        q, k, v = self._split(mixed.transpose(1, 2))
+        mixed, next_window = conv_prefill(raw, weight, window)
+        q, k, v = self._split(mixed)
         g, beta = gate_values(a, b, self.A_log, self.dt_bias)
         out, final = gdn_chunked(q, k, v, g, beta, ssm)
         if cache is not None:
-            cache.set_gdn_state(self.name, conv_inputs[..., conv_inputs.shape[-1] - weight.shape[1] + 1 :], final)
+            cache.set_gdn_state(self.name, next_window, final)
         return out
 
     def _packed(self, raw, a, b, weight, cache: ForwardCache) -> torch.Tensor:
@@ -73,17 +73,17 @@ class GatedDeltaNet(nn.Module):
         (`gdn_chunked_varlen`: each sequence's numbers bitwise those of `gdn_chunked` on it alone)."""
         cu_seqlens, windows, ssm = packed_gdn_states(cache, self.name)
         entries = cache.sequences()
-        mixed, conv_inputs, gates = [], [], []
+        mixed, next_windows, gates = [], [], []
         for (s, _), window in zip(entries, windows, strict=True):
-            out, inputs = causal_conv1d(raw[:, s].transpose(1, 2), weight, window)
-            mixed.append(out.transpose(1, 2))  # [1, T_i, C]
-            conv_inputs.append(inputs)
+            out, next_window = conv_prefill(raw[:, s], weight, window)
+            mixed.append(out)  # [1, T_i, C]
+            next_windows.append(next_window)
             gates.append(gate_values(a[:, s], b[:, s], self.A_log, self.dt_bias))
         q, k, v = self._split(torch.cat(mixed, dim=1))
         g, beta = (torch.cat(parts, dim=1) for parts in zip(*gates, strict=True))
         out, finals = gdn_chunked_varlen(q, k, v, g, beta, cu_seqlens, ssm)
-        for i, ((_, seq), inputs) in enumerate(zip(entries, conv_inputs, strict=True)):
-            seq.set_gdn_state(self.name, inputs[..., inputs.shape[-1] - weight.shape[1] + 1 :], finals[i : i + 1])
+        for i, ((_, seq), next_window) in enumerate(zip(entries, next_windows, strict=True)):
+            seq.set_gdn_state(self.name, next_window, finals[i : i + 1])
         return out
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

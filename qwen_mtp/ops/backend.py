@@ -17,6 +17,7 @@ from contextlib import contextmanager
 OPS = frozenset(
     {
         "add_rms_norm",
+        "conv_prefill",
         "conv_update",
         "filter_threshold",
         "gated_rms_norm",

@@ -37,6 +37,120 @@ def causal_conv1d(
     return elementwise.silu(out, invariant).to(out_dtype), full
 
 
+# ---- prefill: the conv over whole chunks, token-major, as one kernel ----
+
+
+def conv_prefill_reference(
+    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, C] raw inputs (token-major: the input projection's qkv slice), weight [C, K], window [B, C, K-1]
+    or None (zeros). Returns (silu(conv) [B, T, C] contiguous, in x's dtype; the next window [B, C, K-1]: the
+    last K-1 inputs of window then x, in the weight's dtype). `causal_conv1d` on the transposed input."""
+    out, full = causal_conv1d(x.transpose(1, 2), weight, window)
+    return out.transpose(1, 2).contiguous(), full[..., full.shape[-1] - weight.shape[1] + 1 :].contiguous()
+
+
+def next_window(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+    """The last K-1 inputs of (window, x) as [B, C, K-1] in the weight's dtype: exactly the reference's values
+    (inputs cast to the weight's dtype), read from x directly once it holds K-1 tokens."""
+    keep = weight.shape[1] - 1
+    tail = x[:, max(0, x.shape[1] - keep) :].transpose(1, 2).to(weight.dtype)
+    if tail.shape[-1] < keep:
+        before = window.to(weight.dtype) if window is not None else tail.new_zeros(*tail.shape[:2], keep)
+        tail = torch.cat([before, tail], dim=-1)[..., -keep:]
+    return tail.clone(memory_format=torch.contiguous_format)  # never a view of x (a custom op's outputs)
+
+
+@functools.cache  # build (and let Triton cache) the kernel once, on first use
+def _conv_prefill_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def conv_prefill(
+        x_ptr, w_ptr, window_ptr, out_ptr, T, C, s_xb, s_xt, s_ob, s_ot,
+        KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # One program: BLOCK_T tokens x BLOCK_C channels of one sequence. Tap j of token t reads input t - K+1 + j,
+        # from x, or for the first K-1 tokens from the window (zeros without one). Each output's arithmetic is
+        # the same whatever T and B: taps in order, fp32, rounded to the weight's dtype as the conv's output.
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        b = tl.program_id(2).to(tl.int64)
+        cmask = cs < C
+        w_type = w_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(KERNEL):
+            w = tl.load(w_ptr + cs * KERNEL + j, mask=cmask, other=0.0).to(tl.float32)
+            p = ts - (KERNEL - 1) + j
+            inside = ((p >= 0) & (p < T))[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + b * s_xb + p.to(tl.int64)[:, None] * s_xt + cs[None, :], mask=inside, other=0.0)
+            tap = x.to(w_type).to(tl.float32)
+            if HAS_WINDOW:
+                before = ((p < 0) & (ts < T))[:, None] & cmask[None, :]
+                offsets = (b * C + cs[None, :]) * (KERNEL - 1) + (p + KERNEL - 1)[:, None]
+                tap += tl.load(window_ptr + offsets, mask=before, other=0.0).to(w_type).to(tl.float32)
+            acc += w[None, :] * tap
+        conv = acc.to(w_type).to(tl.float32)
+        out = (conv * tl.sigmoid(conv)).to(w_type)
+        keep = (ts < T)[:, None] & cmask[None, :]
+        tl.store(out_ptr + b * s_ob + ts.to(tl.int64)[:, None] * s_ot + cs[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=keep)  # fmt: skip
+
+    return conv_prefill
+
+
+CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 128, 4
+
+
+def conv_prefill_triton(
+    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `conv_prefill_reference`: reads x in place (a strided slice whose channels are
+    contiguous), writes the token-major output once: no transposes, no concatenated copy of window and input."""
+    import triton
+
+    batch, length, channels = x.shape
+    x = x if x.stride(2) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device)
+    windows = window.contiguous() if window is not None else out  # (not read without a window)
+    grid = (triton.cdiv(length, CONV_BLOCK_T), triton.cdiv(channels, CONV_BLOCK_C), batch)
+    _conv_prefill_kernel()[grid](
+        x, weight, windows, out, length, channels, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        KERNEL=weight.shape[1], HAS_WINDOW=window is not None, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C,
+        num_warps=CONV_WARPS,
+    )  # fmt: skip
+    return out, next_window(x, weight, window)
+
+
+@torch.library.custom_op("qwen_mtp::conv_prefill", mutates_args=())
+def conv_prefill(
+    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom op: `conv_prefill_reference` on CPU (Hugging Face's conv, bit for bit), the Triton kernel on CUDA
+    (each token's output the same whatever the chunking and the batch)."""
+    return conv_prefill_reference(x, weight, window)
+
+
+@conv_prefill.register_kernel("cuda")
+def _(x, weight, window):
+    if reference_forced("conv_prefill"):
+        return conv_prefill_reference(x, weight, window)
+    return conv_prefill_triton(x, weight, window)
+
+
+@conv_prefill.register_fake
+def _(x, weight, window):
+    batch, _, channels = x.shape
+    return x.new_empty(x.shape), weight.new_empty(batch, channels, weight.shape[1] - 1)
+
+
+from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)
+
+register_reference_autograd(conv_prefill, conv_prefill_reference)
+
+
 # ---- decode / verify: the conv over T = 1..K+1 new tokens, reading and writing a request's pooled window ----
 
 

@@ -5,7 +5,13 @@ import pytest
 import torch
 from op_helpers import DEVICE, DTYPES, REAL, VERIFY_DTYPE, close, fused_projection, rand
 
-from qwen_mtp.ops.conv import causal_conv1d, conv_update_reference, conv_update_triton
+from qwen_mtp.ops.conv import (
+    causal_conv1d,
+    conv_prefill_reference,
+    conv_prefill_triton,
+    conv_update_reference,
+    conv_update_triton,
+)
 
 
 def test_causal_conv_window_continuation():
@@ -20,6 +26,36 @@ def test_causal_conv_window_continuation():
         rest.append(out)
         assert torch.equal(inputs, x[..., t - 3 : t + 1])
     torch.testing.assert_close(torch.cat(rest, -1), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("length", [1, 2, 37])
+@pytest.mark.parametrize("with_window", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_prefill_matches_reference(length, with_window, dtype):
+    """The prefill kernel on the fused projection's strided qkv slice, with and without a carried window (the
+    pool's fp32 windows in a half model): the conv output, and the next window bit for bit."""
+    _, qkv, _ = fused_projection(2, length, [24, 40, 8], dtype=dtype, seed=2)
+    weight = rand(40, 4, dtype=dtype, seed=3)
+    window = rand(2, 40, 3, seed=4) if with_window else None
+    out, next_window = conv_prefill_triton(qkv, weight, window)
+    ref_out, ref_window = conv_prefill_reference(qkv, weight, window)
+    assert out.is_contiguous() and out.dtype == dtype and next_window.dtype == dtype
+    close(out, ref_out, dtype)
+    assert torch.equal(next_window, ref_window)
+
+
+def test_conv_prefill_chunks_equal_the_whole_prompt_bitwise():
+    """Chunked prefill (each chunk continuing the last one's window) computes every token exactly as one pass over
+    the prompt, and a batch of prompts each as alone: a token's conv never depends on T, B or the chunking."""
+    x, weight = rand(3, 70, 40, seed=5), rand(40, 4, seed=6)
+    whole, last = conv_prefill_triton(x, weight, None)
+    window, parts = None, []
+    for start, end in ((0, 2), (2, 33), (33, 70)):
+        out, window = conv_prefill_triton(x[:, start:end], weight, window)
+        parts.append(out)
+    assert torch.equal(torch.cat(parts, dim=1), whole) and torch.equal(window, last)
+    alone = conv_prefill_triton(x[1:2], weight, None)[0]
+    assert torch.equal(alone, whole[1:2])
 
 
 @pytest.mark.parametrize("length", [1, 2, 5])

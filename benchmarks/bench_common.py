@@ -1,13 +1,22 @@
 """What several benchmark scripts share: waiting for the GPU before reading a clock, reproducible random
-prompts, and freeing a dropped engine's memory. Imported by the scripts as a sibling module (a script's
-directory is first on sys.path)."""
+prompts, freeing a dropped engine's memory, and a profile's GPU time by kind of kernel. Imported by the scripts
+as a sibling module (a script's directory is first on sys.path)."""
 
 from __future__ import annotations
 
 import gc
 import random
+from collections import defaultdict
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+KINDS = (  # kernel-name fragments -> category (first match wins)
+    ("attention", ("prefill_attention", "flash", "attn", "sdpa")),
+    ("gdn", ("gdn", "delta", "chunk", "conv", "gated")),
+    ("gemm", ("gemm", "matmul", "cutlass", "sm90", "xmma", "nvjet", "linear")),
+)
+GDN_KERNELS = {"decay_kkt", "invert", "wy", "states", "output"}  # ops/gdn/chunked.py's kernels, by exact name
 
 
 def sync() -> None:
@@ -29,3 +38,32 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def kind(name: str) -> str:
+    """A kernel's category for `gpu_split`: attention, gdn, gemm or other."""
+    low = name.lower()
+    if low in GDN_KERNELS:
+        return "gdn"
+    for label, keys in KINDS:
+        if any(key in low for key in keys):
+            return label
+    return "other"
+
+
+def gpu_split(fn, top: int = 12) -> dict:
+    """Device milliseconds of one call of `fn` per kernel category, and its `top` kernels by name (on CPU: the
+    ops' CPU time, the profiler's only device there)."""
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    totals: dict = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total" if on_gpu else "self_cpu_time_total", 0)
+        if us > 0:
+            totals[kind(event.key)] += us / 1e3
+            kernels[event.key[:80]] += us / 1e3
+    totals["top kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])
+    return dict(totals)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
-# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|verifybench runs one part
-# (compile, sweep, family, fp8family, longprefill, verify and verifybench only when asked: minutes each; verify and
-# verifybench are one device call each: the exactness subset and the 27B rows behind docs/benchmarks.md "Not run").
+# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|verifybench|ttft runs one part
+# (compile, sweep, family, fp8family, longprefill, verify, verifybench and ttft only when asked: minutes each; verify,
+# verifybench and ttft are one device call each: the exactness subset after decode- or prefill-path changes, the
+# 27B rows of the sixth session's open claims, and where TTFT goes at 32 x 128 packed and at one 32k prompt).
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -69,6 +70,14 @@ if [[ "$STAGE" == verify ]]; then  # one device call (~7 min): the GPU exactness
   run 120 verify-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
   run 60 verify-draft-head.log python3 -m pytest -q -rA tests/gpu/test_draft_lm_head_cuda.py
   run 60 verify-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py -k "varlen or depend_on_packing"
+  run 45 verify-conv.log python3 -m pytest -q -rA tests/ops/test_conv.py
+fi
+if [[ "$STAGE" == ttft ]]; then  # one device call (~3 min): TTFT of the packed bursts (with a profile), and at 32k
+  timeout 120 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \
+    --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --profile --out "$OUT/mixed-steps.json" >"$OUT/mixed-steps.log" 2>&1
+  grep -E "^(TTFT|ITL|packed 32x128 profile)|^ +[0-9.]+ ms" "$OUT/mixed-steps.log"
+  timeout 80 python3 benchmarks/long_prefill.py recipes/bench-27b.yaml --length 32768 --chunks 8192 \
+    --out "$OUT/long-prefill.json" 2>&1 | grep -v Warn | tee "$OUT/long-prefill.log" | tail -16
 fi
 if [[ "$STAGE" == verifybench ]]; then  # one device call (~5 min): the 27B rows behind the sixth session's open claims
   common=(--set 'bench.accept_rates=[0.8]' --set bench.head=false)

@@ -13,34 +13,14 @@ import argparse
 import json
 import os
 import time
-from collections import defaultdict
 
-from bench_common import sync  # (a sibling module: benchmarks/bench_common.py)
-from torch.profiler import ProfilerActivity, profile
+from bench_common import gpu_split, sync  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.recipe import load_recipe
 
 DENSE_BF16_TFLOPS = 700.0  # what cuBLAS reaches on large bf16 GEMMs on this H200 (docs/benchmarks.md)
-KINDS = (  # kernel-name fragments -> category (first match wins)
-    ("attention", ("prefill_attention", "flash", "attn", "sdpa")),
-    ("gdn", ("gdn", "delta", "chunk", "conv", "gated")),
-    ("gemm", ("gemm", "matmul", "cutlass", "sm90", "xmma", "nvjet", "linear")),
-)
-
-
-GDN_KERNELS = {"decay_kkt", "invert", "wy", "states", "output"}  # ops/gdn/chunked.py's kernels, by exact name
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    if low in GDN_KERNELS:
-        return "gdn"
-    for label, keys in KINDS:
-        if any(key in low for key in keys):
-            return label
-    return "other"
 
 
 def time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
@@ -55,19 +35,9 @@ def time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, steps
 
 
-def profiled(engine: Engine, prompt: list[int]) -> dict[str, float]:
+def profiled(engine: Engine, prompt: list[int]) -> dict:
     """GPU milliseconds per kernel category over one whole prefill."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_to_first_token(engine, prompt)
-    totals: dict[str, float] = defaultdict(float)
-    top: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", 0)
-        if us > 0:
-            totals[kind(event.key)] += us / 1e3
-            top[event.key[:80]] += us / 1e3
-    totals["top kernels"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])
-    return dict(totals)
+    return gpu_split(lambda: time_to_first_token(engine, prompt))
 
 
 def main() -> None:

@@ -9,6 +9,7 @@
           requests' gaps between token updates;
 4. exact: packed tokens == each prompt's tokens alone (packing on: must hold), packed == packing off (reported:
           the prefill GEMM differs, so bf16 near-ties may flip), and with --k MTP-on == MTP-off (packing on).
+With --profile, also the GPU time of one more packed 32 x 128 burst by kind of kernel, and its top kernels.
 Writes JSON to --out (default $OUT/mixed-steps.json) and prints a summary.
 Usage (GPU box): python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml [--k 2] [--set cache.max_step_tokens=16384]
 CPU smoke run:   python3 benchmarks/mixed_steps.py recipes/bench-tiny.yaml --scale 0.0625 --arrivals 2
@@ -24,7 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_common import free_memory, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
+from bench_common import free_memory, gpu_split, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens of the TTFT bursts")
     parser.add_argument("--solo", type=int, default=4, help="prompts of each burst also run alone (exactness)")
     parser.add_argument("--gemm-rows", default="128,512,2048,4096,8192")
+    parser.add_argument("--profile", action="store_true", help="GPU time split of one more packed 32 x 128 burst")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mixed-steps.json"))
     args = parser.parse_args()
     args.short, args.long = max(1, int(128 * args.scale)), max(1, int(2048 * args.scale))
@@ -221,6 +223,15 @@ def main() -> None:
             if mixed:
                 alone = [burst(engine, [p], args.new_tokens)["tokens"][0] for p in prompts[: args.solo]]
                 results[name, case]["alone_exact"] = alone == results[name, case]["tokens"][: args.solo]
+        if mixed and args.profile:  # where a packed burst's time goes (other tokens: nothing cached)
+            profile_prompts = [tokens(len(p), seed=9500 + i, vocab=vocab) for i, p in enumerate(bursts["32x128"])]
+            report["packed_32x128_gpu_ms"] = split = gpu_split(
+                lambda engine=engine, prompts=profile_prompts: burst(engine, prompts, 1)
+            )
+            parts = "  ".join(f"{k} {v:.1f} ms" for k, v in split.items() if k != "top kernels")
+            print(f"packed 32x128 profile: {parts}")
+            for kernel, ms in split["top kernels"].items():
+                print(f"      {ms:9.1f} ms  {kernel}")
         results[name, "itl"] = inter_token(engine, args, vocab)
         del engine  # the last reference: the next engine sizes itself from the free memory
         free_memory()

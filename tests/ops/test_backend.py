@@ -84,8 +84,11 @@ CUDA_PATHS = {
     "swiglu": (swiglu, "swiglu_triton", lambda: (rand(2, 3, 16),)),
     "qk_norm_rope": (rope, "qk_norm_rope_triton", rope_args),
     "conv_update": (conv, "conv_update_triton", conv_args),
-    "conv_prefill": (conv, "conv_prefill_triton", lambda: (fused_projection(2, 5, [8, 40])[1], rand(40, 4, seed=3),
-                                                           rand(2, 40, 3, seed=4))),
+    "conv_prefill": (
+        conv,
+        "conv_prefill_triton",
+        lambda: (fused_projection(2, 5, [8, 40])[1], rand(40, 4, seed=3), rand(2, 40, 3, seed=4)),
+    ),
     "gdn_recurrent": (recurrent, "gdn_recurrent_triton", gdn_recurrent_args),
     "gdn_chunked": (chunked, "gdn_chunked_triton", gdn_chunked_args),
     "gdn_chunked_varlen": (chunked, "gdn_chunked_varlen_triton", gdn_chunked_varlen_args),

@@ -81,3 +81,22 @@ def assert_matches_reference(ours: list[int], expected: list[int], margins: list
 
 def random_prompt(length: int, seed: int, vocab: int = 500) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cpu_engine(path, k: int | None = None, **mtp):
+    """An fp32 CPU engine on the checkpoint at `path`, prefill chunks of 16 tokens: MTP off, or on with K = `k`
+    and the other `mtp.*` settings given."""
+    from qwen_mtp import Engine
+
+    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
+    if k is not None:
+        recipe["mtp"] = {"enabled": True, "k": k, **mtp}
+    return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+def generate_all(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Every prompt with params(i), as one continuous batch: each one's generated tokens."""
+    ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.result(i).token_ids for i in ids]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_prompt
+from helpers import cpu_engine, generate_all, random_prompt
 
 from qwen_mtp import Engine, RecipeError, SamplingParams
 from qwen_mtp.engine.sampling import Mode
@@ -27,20 +27,6 @@ PROMPTS = [random_prompt(n, seed=700 + n) for n in (1, 4, 5, 33, 2, 19)]
 DRAFT_VOCAB = 200  # of the tiny model's 512 ids: a partial last 128-row block
 
 
-def make_engine(path, k=None, **mtp):
-    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
-    if k is not None:
-        recipe["mtp"] = {"enabled": True, "k": k, **mtp}
-    return Engine.from_recipe(recipe, log=lambda _: None)
-
-
-def run(engine, params):
-    ids = [engine.submit(p, params(i)) for i, p in enumerate(PROMPTS)]
-    while engine.has_unfinished():
-        engine.step()
-    return [engine.result(i).token_ids for i in ids]
-
-
 def greedy(i):
     return SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 
@@ -53,12 +39,12 @@ def sampled(i):
 @pytest.mark.parametrize("draft_vocab", [0, DRAFT_VOCAB], ids=["whole-vocab", "draft-vocab"])
 def test_mtp_with_fp8_draft_lm_head_equals_plain_k2_batch6(checkpoint, draft_vocab, params):
     path = checkpoint("tiny")
-    expected = run(make_engine(path), params)
+    expected = generate_all(cpu_engine(path), PROMPTS, params)
     vocab = {"draft_vocab": draft_vocab, "draft_vocab_file": "first"} if draft_vocab else {}
-    engine = make_engine(path, 2, draft_lm_head="fp8", **vocab)
+    engine = cpu_engine(path, 2, draft_lm_head="fp8", **vocab)
     head = engine.runner.steps.draft_head
     assert head.weight.dtype == torch.float8_e4m3fn and head.size == (draft_vocab or engine.config.vocab_size)
-    assert run(engine, params) == expected
+    assert generate_all(engine, PROMPTS, params) == expected
     stats = engine.stats()
     assert stats["verify_steps"] > 0 and stats["free_pages"] == stats["total_pages"]
 
@@ -80,7 +66,7 @@ def test_fp8_drafts_are_the_dequantized_copys_argmax_over_real_ids(checkpoint, d
     (coupled): the argmax of those logits / T + g(seed, p, full id). With N = 200 (not a multiple of 128) the
     logits are [B, N]: no padded row is scored, so every draft is one of the N ids."""
     vocab = {"draft_vocab": draft_vocab, "draft_vocab_file": "first"} if draft_vocab else {}
-    engine = make_engine(checkpoint("tiny"), 2, draft_lm_head="fp8", **vocab)
+    engine = cpu_engine(checkpoint("tiny"), 2, draft_lm_head="fp8", **vocab)
     weight, size = engine.model.lm_head_weight, engine.config.vocab_size
     ids = torch.arange(draft_vocab or size)
     rows = weight[ids]
@@ -106,8 +92,8 @@ def test_fp8_draft_logits_within_fp8_tolerance_of_the_unquantized_ones(checkpoin
     error (in norm) lands near 2-3%. The bound: at most 5e-2, and not zero (the copy is really FP8)."""
     path = checkpoint("tiny")
     vocab = {"draft_vocab": draft_vocab, "draft_vocab_file": "first"} if draft_vocab else {}
-    fp8 = make_engine(path, 2, draft_lm_head="fp8", **vocab).runner.steps.draft_head
-    weight = make_engine(path).model.lm_head_weight
+    fp8 = cpu_engine(path, 2, draft_lm_head="fp8", **vocab).runner.steps.draft_head
+    weight = cpu_engine(path).model.lm_head_weight
     hidden = torch.randn(16, weight.shape[1], generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         ref = hidden @ weight[: draft_vocab or weight.shape[0]].T
@@ -118,7 +104,7 @@ def test_fp8_draft_logits_within_fp8_tolerance_of_the_unquantized_ones(checkpoin
 
 def test_draft_lm_head_recipe_names_the_choices(checkpoint):
     with pytest.raises(RecipeError, match=r"mtp.draft_lm_head.*bf16.*fp8"):
-        make_engine(checkpoint("tiny"), 2, draft_lm_head="int8")
+        cpu_engine(checkpoint("tiny"), 2, draft_lm_head="int8")
     with pytest.raises(RecipeError, match=r"bench.draft_lm_heads.*bf16.*fp8"):
         Engine.from_recipe(
             {"model": {"path": str(checkpoint("tiny")), "device": "cpu"}, "bench": {"draft_lm_heads": ["fp4"]}},
@@ -128,13 +114,13 @@ def test_draft_lm_head_recipe_names_the_choices(checkpoint):
 
 def test_bf16_draft_lm_head_scores_with_the_lm_head_itself(checkpoint):
     """The default makes no copy: the drafts read the target's lm_head (`draft_head` None)."""
-    assert make_engine(checkpoint("tiny"), 2).runner.steps.draft_head is None
+    assert cpu_engine(checkpoint("tiny"), 2).runner.steps.draft_head is None
 
 
 def test_fp8_copy_quantized_in_slices_equals_one_call(checkpoint, monkeypatch):
     """Load quantizes the copy a slice of whole 128-row blocks at a time (bounded temporaries): the same bytes
     and scales as `quantize_fp8_block` over the whole matrix, a partial last block included."""
-    weight = make_engine(checkpoint("tiny")).model.lm_head_weight[:300]
+    weight = cpu_engine(checkpoint("tiny")).model.lm_head_weight[:300]
     monkeypatch.setattr(DraftLmHead, "QUANTIZE_ROWS", 128)
     head = DraftLmHead(weight, fp8=True)
     q, scale = quantize_fp8_block(weight)

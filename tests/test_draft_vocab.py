@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_prompt
+from helpers import cpu_engine, generate_all, random_prompt
 
 from qwen_mtp import Engine, RecipeError, SamplingParams
 from qwen_mtp.engine.draft_vocab import draft_ids, read_counts, write_counts
@@ -27,20 +27,6 @@ SMALL = ROOT / "models" / "qwen-mtp-small"
 FIGURES = SMALL / "acceptance_draft_vocab.json"  # written by `qwen-mtp acceptance ... --draft-vocab N`
 MAX_NEW = 12
 PROMPTS = [random_prompt(n, seed=600 + n) for n in (1, 4, 5, 33, 2, 19, 9, 17)]
-
-
-def make_engine(path, k=None, **mtp):
-    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
-    if k is not None:
-        recipe["mtp"] = {"enabled": True, "k": k, **mtp}
-    return Engine.from_recipe(recipe, log=lambda _: None)
-
-
-def run(engine, params):
-    ids = [engine.submit(p, params(i)) for i, p in enumerate(PROMPTS)]
-    while engine.has_unfinished():
-        engine.step()
-    return [engine.result(i).token_ids for i in ids]
 
 
 def greedy(i):
@@ -65,11 +51,11 @@ def counts_file(tmp_path, vocab: int) -> str:
 def test_mtp_with_draft_vocab_equals_plain_batch8(checkpoint, tmp_path, k, params):
     path = checkpoint("tiny")
     vocab = Engine.from_recipe({"model": {"path": str(path), "device": "cpu"}}, log=lambda _: None).config.vocab_size
-    expected = run(make_engine(path), params)
+    expected = generate_all(cpu_engine(path), PROMPTS, params)
     for source, size in ((counts_file(tmp_path, vocab), vocab // 4), ("first", vocab // 2)):
-        engine = make_engine(path, k, draft_vocab=size, draft_vocab_file=source)
+        engine = cpu_engine(path, k, draft_vocab=size, draft_vocab_file=source)
         assert engine.runner.steps.draft_head.size == size
-        assert run(engine, params) == expected
+        assert generate_all(engine, PROMPTS, params) == expected
         stats = engine.stats()
         assert stats["verify_steps"] > 0 and stats["free_pages"] == stats["total_pages"]
 
@@ -77,8 +63,8 @@ def test_mtp_with_draft_vocab_equals_plain_batch8(checkpoint, tmp_path, k, param
 def test_oracle_drafts_with_draft_vocab_equal_plain(checkpoint):
     """Oracle drafts (which may name ids outside the draft vocabulary) and acceptance 0.8: many accepted drafts."""
     path = checkpoint("tiny")
-    expected = run(make_engine(path), greedy)
-    engine = make_engine(path, 3, draft="oracle", oracle_accept=0.8, draft_vocab=16, draft_vocab_file="first")
+    expected = generate_all(cpu_engine(path), PROMPTS, greedy)
+    engine = cpu_engine(path, 3, draft="oracle", oracle_accept=0.8, draft_vocab=16, draft_vocab_file="first")
     results = engine.generate(PROMPTS, max_new_tokens=MAX_NEW, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
     assert engine.stats()["acceptance_length"] > 2.0
@@ -92,7 +78,7 @@ def _drafts_of(engine, hidden, mode, positions, rows):
 def test_draft_vocab_drafts_are_its_argmax_and_use_the_full_ids_noise(checkpoint):
     """Greedy: the argmax over the draft ids. Sampled: argmax over the draft ids of logit / T + g(seed, p, full
     id), the noise the target's choice uses for that id; with every id kept, exactly the drafts without one."""
-    engine = make_engine(checkpoint("tiny"), 2)
+    engine = cpu_engine(checkpoint("tiny"), 2)
     weight, vocab = engine.model.lm_head_weight, engine.model.lm_head_weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, weight.shape[1], generator=gen)
@@ -132,7 +118,7 @@ def test_count_file_picks_the_most_frequent_ids(tmp_path):
 
 def test_draft_vocab_recipe_needs_a_file(checkpoint):
     with pytest.raises(RecipeError, match="mtp.draft_vocab needs mtp.draft_vocab_file"):
-        make_engine(checkpoint("tiny"), 2, draft_vocab=8)
+        cpu_engine(checkpoint("tiny"), 2, draft_vocab=8)
 
 
 def _cli(*args):

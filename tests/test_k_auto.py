@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import random_prompt
+from helpers import cpu_engine, random_prompt
 
 from qwen_mtp import Engine, SamplingParams
 from qwen_mtp.cache.state import StatePool
@@ -39,13 +39,6 @@ class Scripted:
 
     def measure(self, bucket):
         raise AssertionError("a scripted policy needs no step times")
-
-
-def make_engine(path, k=None, **mtp):
-    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
-    if k is not None:
-        recipe["mtp"] = {"enabled": True, "k": k, **mtp}
-    return Engine.from_recipe(recipe, log=lambda _: None)
 
 
 def greedy(i):
@@ -132,8 +125,8 @@ SCRIPTS = {
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_scripted_k_per_step_equals_plain(checkpoint, script, draft, params):
     path = checkpoint("tiny")
-    expected = run(make_engine(path), params)
-    engine = make_engine(path, "auto", max_k=3, draft=draft, oracle_accept=0.8)
+    expected = run(cpu_engine(path), params)
+    engine = cpu_engine(path, "auto", max_k=3, draft=draft, oracle_accept=0.8)
     engine.speculator.policy = policy = Scripted(SCRIPTS[script])
     assert run(engine, params, oracles=expected if draft == "oracle" else None) == expected
     assert {0, 1, 3} <= set(policy.used)
@@ -148,8 +141,8 @@ def test_real_policy_equals_plain(checkpoint, params):
     """The real policy over measured (CPU, eager) step times; and over given times that make it change K with
     the batch (K = 3 for 1-2 requests, K = 0 for 3 or more) while requests end one after another."""
     path = checkpoint("tiny")
-    expected = run(make_engine(path), params)
-    engine = make_engine(path, "auto", max_k=3)
+    expected = run(cpu_engine(path), params)
+    engine = cpu_engine(path, "auto", max_k=3)
     engine.warmup()  # measures every bucket's step times on padding rows
     policy = engine.speculator.policy
     assert sorted(policy.times) == policy.buckets == [1, 2, 4, 8]
@@ -158,8 +151,8 @@ def test_real_policy_equals_plain(checkpoint, params):
     def shrinking(i):  # prompt i stops 2 tokens before prompt i - 1: the batch shrinks step by step
         return dataclasses.replace(params(i), max_new_tokens=MAX_NEW - i)
 
-    want = run(make_engine(path), shrinking)
-    engine = make_engine(path, "auto", max_k=3, draft="oracle", oracle_accept=0.9)
+    want = run(cpu_engine(path), shrinking)
+    engine = cpu_engine(path, "auto", max_k=3, draft="oracle", oracle_accept=0.9)
     policy = engine.speculator.policy
     cheap, dear = StepTimes((1.0,) * 4, (0.0, 0.1, 0.2, 0.3)), StepTimes((1.0, 3.0, 5.0, 7.0), (0.0, 0.1, 0.2, 0.3))
     policy.times = {1: cheap, 2: cheap, 4: dear, 8: dear}
@@ -189,10 +182,10 @@ def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params, behind, mon
     caught up would hold another's values or zeros. Oracle drafts, so many are accepted and j varies."""
     monkeypatch.setattr(speculative, "MAX_BEHIND", behind)
     path = checkpoint("tiny")
-    prompt, oracle = PROMPTS[3], run(make_engine(path), params, PROMPTS[3:4])[0]
+    prompt, oracle = PROMPTS[3], run(cpu_engine(path), params, PROMPTS[3:4])[0]
     kv = []
     for k, script in ((3, None), ("auto", [3, 3, 0, 0, 2, 0, 0, 0, 3, 1, 0])):
-        engine = make_engine(path, k, max_k=3, draft="oracle", oracle_accept=0.8)
+        engine = cpu_engine(path, k, max_k=3, draft="oracle", oracle_accept=0.8)
         if script is not None:
             engine.speculator.policy = Scripted(script)
         request = engine.requests[
@@ -208,7 +201,7 @@ def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params, behind, mon
 def test_plain_steps_run_no_mtp_work(checkpoint, monkeypatch):
     """A K = 0 step runs the target alone: the MTP head runs only when K rises again (one catch-up pass)."""
     path = checkpoint("tiny")
-    engine = make_engine(path, "auto", max_k=3)
+    engine = cpu_engine(path, "auto", max_k=3)
     engine.speculator.policy = Scripted([0, 0, 0, 0, 2])
     calls = []
     for name in ("draft", "prefill_mtp"):
@@ -251,7 +244,7 @@ def test_step_times_are_measured_on_tokens_spread_over_the_vocabulary(checkpoint
     ids = spread_tokens(32, 5, 248_320)
     assert ids.shape == (32, 5) and ids.unique().numel() == 160 and 0 <= int(ids.min()) and int(ids.max()) < 248_320
     assert spread_tokens(9, 5, 40).unique().numel() == 40  # more rows than tokens: every token used
-    engine = make_engine(checkpoint("tiny"), "auto", max_k=3)
+    engine = cpu_engine(checkpoint("tiny"), "auto", max_k=3)
     batch = engine.speculator._padding_batch(8, 4)
     vocab = engine.runner.model.shapes.vocab_size
     assert batch.token_ids.unique().numel() == min(32, vocab) and int(batch.token_ids.max()) < vocab

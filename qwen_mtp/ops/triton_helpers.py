@@ -154,6 +154,24 @@ def attend_block(q, k, v, visible, scale, m, denom, acc, INTERPRETED: tl.constex
 
 
 @triton.jit
+def attend_block_log2(q, k, v, visible, MASKED: tl.constexpr, qk_scale, m, denom, acc, INTERPRETED: tl.constexpr,  # noqa: N803
+                      PRECISION: tl.constexpr):  # noqa: N803  # fmt: skip
+    """`attend_block` in base 2, for the compute-bound prefill: `qk_scale` is the softmax scale times log2(e) and m
+    the running maximum in those units, so a score costs one FMA and one `ex2` (`tl.exp` is a multiply and an
+    `ex2`). MASKED=False: every key of the block is visible to every row (no select). Same contract otherwise: a
+    row's numbers depend on its own query and keys and on the block order only."""
+    scores = dot(q, tl.trans(k), INTERPRETED, PRECISION)
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1) * qk_scale)
+    p = tl.exp2(scores * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERPRETED, PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
 def mix32(x):
     """The `lowbias32` integer finalizer on uint32 values (wrapping multiplies, logical shifts): the sampler's
     counter-based noise (`ops/sampling.py`, whose torch reference computes the same bits in int64)."""

@@ -26,6 +26,22 @@ def test_prefill_attention_matches_reference(length, dtype, tile):
     close(ours, prefill_attention_reference(q, kv, tables, lens, 32**-0.5), dtype)
 
 
+@pytest.mark.parametrize("context", [64, 65, 80, 100])
+def test_prefill_attention_unmasked_blocks_match_reference(context):
+    """A 20-position chunk at the end of a longer context, 16-key blocks: the blocks every pair of a tile sees run
+    without the causal mask, then the tile's diagonal blocks with it; contexts ending on a block boundary, one
+    past it and between. Two requests of different contexts in one launch."""
+    page, kv_heads, dim, length = 8, 2, 32, 20
+    pages = -(-(context + 7) // page)
+    kv = rand(2, 2 * pages, page, kv_heads, dim, dtype=torch.float32, seed=5)
+    order = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(context)).int()
+    tables = order.view(2, pages).to(DEVICE)
+    lens = torch.tensor([context, context + 7], dtype=torch.int32, device=DEVICE)
+    q = rand(2, length, 6, dim, dtype=torch.float32, seed=6)
+    ours = prefill_attention_triton(q, kv, tables, lens, dim**-0.5, 16, 16, 4)
+    close(ours, prefill_attention_reference(q, kv, tables, lens, dim**-0.5), torch.float32)
+
+
 def test_prefill_attention_as_accurate_as_sdpa_real_shapes():
     """A 300-token chunk at the end of a 700-token context (27B attention shapes on CUDA, bf16): the tiled
     kernel is no further from an fp32 computation than SDPA over the gathered pages (the CPU path) is."""

@@ -77,8 +77,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split(mixed)
         g, beta = gate_values_varlen(a, b, self.A_log, self.dt_bias, cu_seqlens)
         out, finals = gdn_chunked_varlen(q, k, v, g, beta, cu_seqlens, ssm)
-        for i, (_, seq) in enumerate(cache.sequences()):
-            seq.set_gdn_state(self.name, next_windows[i : i + 1], finals[i : i + 1])
+        cache.set_gdn_state(self.name, next_windows, finals)  # every sequence's row at once
         return out
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

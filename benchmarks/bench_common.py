@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = (  # kernel-name fragments -> category (first match wins)
-    ("attention", ("prefill_attention", "flash", "attn", "sdpa")),
+    ("attention", ("attention", "flash", "attn", "sdpa")),
     ("gdn", ("gdn", "delta", "chunk", "conv", "gated")),
     ("gemm", ("gemm", "matmul", "cutlass", "sm90", "xmma", "nvjet", "linear")),
 )

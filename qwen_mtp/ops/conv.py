@@ -260,7 +260,7 @@ def _conv_update_kernel():
     # One binary for every T and every pool width (MAX_T is a constant, T and W runtime values): plain decode,
     # MTP verify and engines with different K must all run the very same code.
     @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_xt", "stride_ob", "stride_pr"])
-    def kernel(
+    def conv_update_window(
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, C, W,
         stride_xb, stride_xt, stride_ob, stride_ot, stride_pr, stride_pc,
@@ -299,7 +299,7 @@ def _conv_update_kernel():
         keep = cmask[:, None] & (cols[None, :] >= 1) & (cols[None, :] < KERNEL - 1 + T) & (cols[None, :] - 1 < W)
         tl.store(pool_row + cols[None, :] - 1, full.to(pool_ptr.dtype.element_ty), mask=keep)
 
-    return kernel
+    return conv_update_window
 
 
 def conv_update_triton(

@@ -245,7 +245,7 @@ def _matmul_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
-    def kernel(
+    def matmul_grid(
         x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -293,7 +293,7 @@ def _matmul_kernel():
                 tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(counter, 0, sem="relaxed")
 
-    return kernel
+    return matmul_grid
 
 
 @functools.cache
@@ -324,7 +324,7 @@ def _stream_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
-    def kernel(
+    def matmul_stream(
         x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -411,7 +411,7 @@ def _stream_kernel():
                         tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
                     tl.atomic_xchg(counter, 0, sem="relaxed")
 
-    return kernel
+    return matmul_stream
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed split counters, re-armed by the kernel
@@ -689,7 +689,9 @@ def _quantize_activations_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M", "M_PAD", "ss_k"])  # ss_k: M_PAD for the prefill layout
-    def kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, ss_k, ss_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    def quantize_activations(
+        x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, ss_k, ss_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr
+    ):  # fmt: skip
         # A program per (row block, 128-column group): its rows' amax, scale and e4m3 values, in one pass. A row's
         # values depend on that row alone (its group's amax; one division per element).
         ms = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -701,7 +703,7 @@ def _quantize_activations_kernel():
         tl.store(q_ptr + ms[:, None].to(tl.int64) * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
         tl.store(s_ptr + tl.program_id(1) * ss_k + ms * ss_m, scale, mask=live)
 
-    return kernel
+    return quantize_activations
 
 
 def quantize_activations_triton(x: torch.Tensor, block_rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -726,7 +728,7 @@ def _dequantize_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def dequantize_fp8_block(
         w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr
     ):
         ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -739,7 +741,7 @@ def _dequantize_kernel():
         )
         tl.store(out_ptr + offsets, dense, mask=mask)
 
-    return kernel
+    return dequantize_fp8_block
 
 
 def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -868,7 +870,7 @@ def _w8a8_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
-    def kernel(
+    def matmul_w8a8(
         q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sq_m, sqs_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -933,7 +935,7 @@ def _w8a8_kernel():
                         tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], out, mask=mask)
                     tl.atomic_xchg(counter, 0, sem="relaxed")
 
-    return kernel
+    return matmul_w8a8
 
 
 def w8a8_matmul_triton(

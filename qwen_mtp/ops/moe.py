@@ -175,8 +175,9 @@ def _route_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(logits_ptr, weights_ptr, ids_ptr, E, s_row, TOP_K: tl.constexpr, E_BLOCK: tl.constexpr,
-               NORMALIZE: tl.constexpr):  # fmt: skip
+    def moe_route_topk(
+        logits_ptr, weights_ptr, ids_ptr, E, s_row, TOP_K: tl.constexpr, E_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr
+    ):  # fmt: skip
         row = tl.program_id(0)
         es = tl.arange(0, E_BLOCK)
         logits = tl.load(logits_ptr + row * s_row + es, mask=es < E, other=float("-inf")).to(tl.float32)
@@ -199,7 +200,7 @@ def _route_kernel():
         tl.store(weights_ptr + row * TOP_K + slot_of, picked.to(weights_ptr.dtype.element_ty), mask=chosen)
         tl.store(ids_ptr + row * TOP_K + slot_of, es.to(tl.int64), mask=chosen)
 
-    return kernel
+    return moe_route_topk
 
 
 def route_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,8 +223,10 @@ def _align_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["P"])
-    def kernel(ids_ptr, counts_ptr, offsets_ptr, cursor_ptr, order_ptr, slots_ptr, P, E, SLOTS,
-               E_BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    def moe_align(
+        ids_ptr, counts_ptr, offsets_ptr, cursor_ptr, order_ptr, slots_ptr, P, E, SLOTS, E_BLOCK: tl.constexpr, CHUNK:
+        tl.constexpr
+    ):  # fmt: skip
         es = tl.arange(0, E_BLOCK)
         counts = tl.zeros([E_BLOCK], dtype=tl.int32)
         for p0 in range(0, P, CHUNK):
@@ -248,7 +251,7 @@ def _align_kernel():
             place = tl.atomic_add(cursor_ptr + expert, 1, mask=ps < P)
             tl.store(order_ptr + place, ps, mask=ps < P)
 
-    return kernel
+    return moe_align
 
 
 @functools.cache
@@ -257,9 +260,11 @@ def _gate_up_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_x, s_we, s_wn,
-               ss_e, ss_n, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    def moe_gate_up(
+        x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_x, s_we, s_wn, ss_e,
+        ss_n, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8:
+        tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr
+    ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [E, ceil(2I/128), ceil(H/128)]; else s_ptr is unused.
         expert = tl.load(slots_ptr + tl.program_id(0))
         if expert >= 0:
@@ -302,7 +307,7 @@ def _gate_up_kernel():
                 mask = live[:, None] & (ns[None, :] < INTER)
                 tl.store(h_ptr + pair.to(tl.int64)[:, None] * INTER + ns[None, :], (silu * up).to(dtype), mask=mask)
 
-    return kernel
+    return moe_gate_up
 
 
 @functools.cache
@@ -311,9 +316,11 @@ def _down_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(h_ptr, w_ptr, s_ptr, rw_ptr, y_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_we,
-               s_wn, ss_e, ss_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    def moe_down(
+        h_ptr, w_ptr, s_ptr, rw_ptr, y_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_we, s_wn, ss_e,
+        ss_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, INTERPRETED:
+        tl.constexpr, PRECISION: tl.constexpr
+    ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [E, ceil(H/128), ceil(I/128)]; else s_ptr is unused.
         expert = tl.load(slots_ptr + tl.program_id(0))
         if expert >= 0:
@@ -345,7 +352,7 @@ def _down_kernel():
                 mask = live[:, None] & (ns[None, :] < H)
                 tl.store(y_ptr + pair[:, None] * H + ns[None, :], weighted, mask=mask)
 
-    return kernel
+    return moe_down
 
 
 @functools.cache
@@ -354,7 +361,9 @@ def _combine_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(y_ptr, shared_ptr, gate_ptr, out_ptr, H, s_shared, s_gate, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    def moe_combine(
+        y_ptr, shared_ptr, gate_ptr, out_ptr, H, s_shared, s_gate, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
@@ -368,7 +377,7 @@ def _combine_kernel():
         scaled = (scale * shared).to(dtype).to(tl.float32)
         tl.store(out_ptr + token * H + cols, (acc.to(dtype).to(tl.float32) + scaled).to(dtype), mask=mask)
 
-    return kernel
+    return moe_combine
 
 
 def _scales_or(scale: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _norm_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def rms_norm_rows(
         x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps, g_heads, g_s0, g_s1,
         GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
@@ -87,7 +87,7 @@ def _norm_kernel():
                 y = x * inv * (1.0 + w.to(tl.float32))
             tl.store(out_ptr + row * N + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return kernel
+    return rms_norm_rows
 
 
 def norm_triton(

@@ -45,7 +45,7 @@ def _write_kv_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T", "sk_b", "sk_t", "sv_b", "sv_t"])
-    def kernel(
+    def write_kv_pages(
         k_ptr, v_ptr, kv_ptr, tables_ptr, pos_ptr,
         T, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr,
@@ -64,7 +64,7 @@ def _write_kv_kernel():
         tl.store(slot, k.to(kv_ptr.dtype.element_ty))
         tl.store(slot + s_half, v.to(kv_ptr.dtype.element_ty))
 
-    return kernel
+    return write_kv_pages
 
 
 def write_kv_triton(
@@ -113,7 +113,7 @@ def _paged_attention_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T", "sq_b"])  # one binary for decode (T=1) and verify (T=K+1)
-    def kernel(
+    def paged_attention_rows(
         q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
         T, GROUP, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
@@ -152,7 +152,7 @@ def _paged_attention_kernel():
             mask=gmask[:, None],
         )
 
-    return kernel
+    return paged_attention_rows
 
 
 def unsplit_attention_triton(

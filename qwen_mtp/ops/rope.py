@@ -54,7 +54,7 @@ def _qk_norm_rope_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T", "sq_b", "sq_t", "sk_b", "sk_t"])
-    def kernel(
+    def qk_norm_rope_rows(
         q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
         T, H, KV, eps,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_r,
@@ -93,7 +93,7 @@ def _qk_norm_rope_kernel():
         out = tl.where(in_rope, (first + second).to(dtype), y)
         tl.store(dst + ds, out)
 
-    return kernel
+    return qk_norm_rope_rows
 
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin):

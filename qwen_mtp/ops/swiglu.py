@@ -34,7 +34,7 @@ def _swiglu_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
+    def swiglu_rows(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < INTER
@@ -44,7 +44,7 @@ def _swiglu_kernel():
         silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
         tl.store(out_ptr + row * INTER + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
-    return kernel
+    return swiglu_rows
 
 
 def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ def _gdn_recurrent_kernel():
     # may contract `state * exp(g) + k * delta` into FMAs differently (seen on the H200: decode and verify
     # states differed).
     @triton.jit(do_not_specialize=["T", "sq_b", "sv_b", "sa_b", "so_b", "sp_r"])
-    def kernel(
+    def gdn_recurrent_rows(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, HV, GROUP, scale,
         sq_b, sq_t, sq_h, sv_b, sv_t, sv_h, sa_b, sa_t,
@@ -93,7 +93,7 @@ def _gdn_recurrent_kernel():
             state = state.to(pool_ptr.dtype.element_ty).to(tl.float32)  # the pool's precision, every token
             tl.store(base + t * sp_s + tile, state.to(pool_ptr.dtype.element_ty), mask=vmask[None, :])
 
-    return kernel
+    return gdn_recurrent_rows
 
 
 def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803

@@ -5,9 +5,9 @@ one [1, N] forward. `PackedChunks` holds the step's tensors and its layout (host
 Exactness: a request's numbers must not depend on what it is packed with. The linears, norms and the MLP run
 once over all N tokens, batch-invariant (`batch_invariant`: each row computed as it is alone, whatever N; on CUDA
 with the prefill plans, `ops.linear.prefill_rows`); the
-ops with a sequence axis run per chunk, on the chunk's own state and pages: the GDN's conv (`sequences`, the layer
-loops) and the prefill attention (`attend` loops here) with the kernels an unpacked chunk runs, the GDN's delta
-rule as one varlen call over all chunks (`cu_seqlens`), whose kernels compute each sequence as alone. So a chunk
+ops with a sequence axis run on each chunk's own state and pages: the prefill attention per chunk (`attend` loops
+here) with the kernel an unpacked chunk runs; the GDN's conv, gates and delta rule as one varlen call each over
+all chunks (`cu_seqlens`), whose kernels compute each sequence as alone. So a chunk
 computes the same whether 0 or 31 other chunks share its forward.
 """
 
@@ -51,13 +51,14 @@ class PackedChunks:
 
 
 class PackedStepCache:
-    """The `ForwardCache` of a packed prefill step over the shared pools. It has no GDN state methods of its
-    own: the GDN layers reach each chunk's state through `sequences()` (`cache_api.packed_gdn_states`)."""
+    """The `ForwardCache` of a packed prefill step over the shared pools. The GDN layers read each chunk's state
+    through `sequences()` (`cache_api.packed_gdn_states`: a fresh chunk has none) and write all chunks' states at
+    once (`set_gdn_state`)."""
 
     batch_invariant = True  # the linears see N rows of several requests: each row must be computed on its own
 
     def __init__(self, batch: PackedChunks, pages: PagePool, states: StatePool):
-        self.batch = batch
+        self.batch, self.states = batch, states
         self.parts = batch.slices()
         self.chunks = [
             PagedStepCache(batch.chunk(i, part), pages, states) for i, part in enumerate(self.parts)
@@ -71,6 +72,11 @@ class PackedStepCache:
 
     def cu_seqlens(self) -> torch.Tensor:
         return self.batch.cu_seqlens
+
+    def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Every chunk's state after the step (window [S, C, kernel-1], ssm [S, Hv, dk, dv], in `sequences()`
+        order) into its row: one write for all S, as each chunk's own cache would write its row."""
+        self.states.write(layer, self.batch.state_rows, window, ssm)
 
     def gdn_recurrent(self, num_tokens: int) -> bool:
         return False  # prompt chunks: the chunked delta rule over the packed chunks

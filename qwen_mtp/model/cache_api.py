@@ -41,7 +41,8 @@ class ForwardCache(Protocol):
         """(conv window [B, C, kernel-1], SSM state [B, Hv, dk, dv]) of GDN layer `layer`; None before prefill."""
 
     def set_gdn_state(self, layer: str, window: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Record the state after a chunk: its last kernel-1 conv inputs and its final SSM state."""
+        """Record the state after a chunk: its last kernel-1 conv inputs and its final SSM state (one per batch row;
+        a packed step's cache takes one per sequence, in `sequences()` order)."""
 
     # -- token-by-token path (decode, verify): the cache runs the stateful ops on its memory -----------------
     def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

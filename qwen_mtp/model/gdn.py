@@ -9,8 +9,8 @@ from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, packed_gdn_s
 from qwen_mtp.model.layers import GatedRMSNorm
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
-from qwen_mtp.ops.conv import conv_prefill
-from qwen_mtp.ops.gdn import gate_values
+from qwen_mtp.ops.conv import conv_prefill, conv_prefill_varlen
+from qwen_mtp.ops.gdn import gate_values, gate_values_varlen
 from qwen_mtp.ops.gdn.chunked import gdn_chunked, gdn_chunked_varlen
 
 
@@ -68,22 +68,16 @@ class GatedDeltaNet(nn.Module):
 
     def _packed(self, raw, a, b, weight, cache: ForwardCache) -> torch.Tensor:
         """The chunked path over a packed step ([1, N]: S sequences end to end), each continuing its own cached
-        state: [1, N, Hv, dv]. The conv and the gates run per sequence, as `_chunked` runs them on it alone (on CPU
-        an elementwise op's rounding depends on its tensor's size); the delta rule runs once over all S
-        (`gdn_chunked_varlen`: each sequence's numbers bitwise those of `gdn_chunked` on it alone)."""
+        state: [1, N, Hv, dv]. The conv, the gates and the delta rule each run once over all S, each sequence's
+        numbers bitwise those of `_chunked` on it alone (`conv_prefill_varlen`, `gate_values_varlen`,
+        `gdn_chunked_varlen`: on CPU the first two run per sequence, where an elementwise op's rounding depends on
+        its tensor's size)."""
         cu_seqlens, windows, ssm = packed_gdn_states(cache, self.name)
-        entries = cache.sequences()
-        mixed, next_windows, gates = [], [], []
-        for (s, _), window in zip(entries, windows, strict=True):
-            out, next_window = conv_prefill(raw[:, s], weight, window)
-            mixed.append(out)  # [1, T_i, C]
-            next_windows.append(next_window)
-            gates.append(gate_values(a[:, s], b[:, s], self.A_log, self.dt_bias))
-        q, k, v = self._split(torch.cat(mixed, dim=1))
-        g, beta = (torch.cat(parts, dim=1) for parts in zip(*gates, strict=True))
+        mixed, next_windows = conv_prefill_varlen(raw, weight, cu_seqlens, windows)
+        q, k, v = self._split(mixed)
+        g, beta = gate_values_varlen(a, b, self.A_log, self.dt_bias, cu_seqlens)
         out, finals = gdn_chunked_varlen(q, k, v, g, beta, cu_seqlens, ssm)
-        for i, ((_, seq), next_window) in enumerate(zip(entries, next_windows, strict=True)):
-            seq.set_gdn_state(self.name, next_window, finals[i : i + 1])
+        cache.set_gdn_state(self.name, next_windows, finals)  # every sequence's row at once
         return out
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

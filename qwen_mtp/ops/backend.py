@@ -13,13 +13,16 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# The custom ops `qwen_mtp::<name>` that have a Triton kernel on CUDA (tests/ops/test_backend.py checks the list).
+# The custom ops `qwen_mtp::<name>` with a CUDA implementation of their own, nearly all Triton kernels
+# (tests/ops/test_backend.py checks the list).
 OPS = frozenset(
     {
         "add_rms_norm",
         "conv_prefill",
+        "conv_prefill_varlen",
         "conv_update",
         "filter_threshold",
+        "gate_values_varlen",
         "gated_rms_norm",
         "gdn_chunked",
         "gdn_chunked_varlen",

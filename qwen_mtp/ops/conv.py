@@ -7,6 +7,7 @@ what one pass over the whole sequence computes: zeros stand before position 0.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,36 +67,43 @@ def _conv_prefill_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T"])
+    @triton.jit(do_not_specialize=["N", "S"])
     def conv_prefill(
-        x_ptr, w_ptr, window_ptr, out_ptr, T, C, s_xb, s_xt, s_ob, s_ot,
+        x_ptr, w_ptr, cu_ptr, window_ptr, out_ptr, N, S, C, s_xt, s_ot,
         KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        # One program: BLOCK_T tokens x BLOCK_C channels of one sequence. Tap j of token t reads input t - K+1 + j,
-        # from x, or for the first K-1 tokens from the window (zeros without one). Each output's arithmetic is
-        # the same whatever T and B: taps in order, fp32, rounded to the weight's dtype as the conv's output.
+        # One program: BLOCK_T of the N packed tokens x BLOCK_C channels. A token's sequence (and its first token)
+        # comes from cu_seqlens; tap j of token t reads input t - K+1 + j from x, or before its sequence's first
+        # token from that sequence's window (zeros without one). Each output's arithmetic is the same whatever
+        # the packing, the chunking or N: taps in order, fp32, rounded to the weight's dtype as the conv's output.
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        b = tl.program_id(2).to(tl.int64)
         cmask = cs < C
+        seq = ts * 0
+        start = ts * 0 + tl.load(cu_ptr)
+        for s in range(1, S):  # a token at or past sequence s's first token belongs to it or a later one
+            bound = tl.load(cu_ptr + s)
+            later = ts >= bound
+            seq = tl.where(later, s, seq)
+            start = tl.where(later, bound, start)
         w_type = w_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(KERNEL):
             w = tl.load(w_ptr + cs * KERNEL + j, mask=cmask, other=0.0).to(tl.float32)
             p = ts - (KERNEL - 1) + j
-            inside = ((p >= 0) & (p < T))[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + b * s_xb + p.to(tl.int64)[:, None] * s_xt + cs[None, :], mask=inside, other=0.0)
+            inside = ((p >= start) & (ts < N))[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + p.to(tl.int64)[:, None] * s_xt + cs[None, :], mask=inside, other=0.0)
             tap = x.to(w_type).to(tl.float32)
             if HAS_WINDOW:
-                before = ((p < 0) & (ts < T))[:, None] & cmask[None, :]
-                offsets = (b * C + cs[None, :]) * (KERNEL - 1) + (p + KERNEL - 1)[:, None]
+                before = ((p < start) & (ts < N))[:, None] & cmask[None, :]
+                tap_in_window = p - start + KERNEL - 1
+                offsets = (seq.to(tl.int64)[:, None] * C + cs[None, :]) * (KERNEL - 1) + tap_in_window[:, None]
                 tap += tl.load(window_ptr + offsets, mask=before, other=0.0).to(w_type).to(tl.float32)
             acc += w[None, :] * tap
         conv = acc.to(w_type).to(tl.float32)
         out = (conv * tl.sigmoid(conv)).to(w_type)
-        keep = (ts < T)[:, None] & cmask[None, :]
-        tl.store(out_ptr + b * s_ob + ts.to(tl.int64)[:, None] * s_ot + cs[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=keep)  # fmt: skip
+        keep = (ts < N)[:, None] & cmask[None, :]
+        tl.store(out_ptr + ts.to(tl.int64)[:, None] * s_ot + cs[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
     return conv_prefill
 
@@ -103,25 +111,75 @@ def _conv_prefill_kernel():
 CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS = 32, 128, 4
 
 
+def _launch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, windows: torch.Tensor | None):
+    """The kernel over x [N, C] (channels contiguous; S sequences packed back to back, bounds cu_seqlens [S + 1]
+    on the device), windows [S, C, K-1] or None: silu(conv) [N, C] in x's dtype."""
+    import triton
+
+    length, channels = x.shape
+    out = torch.empty(length, channels, dtype=x.dtype, device=x.device)
+    window_arg = windows.contiguous() if windows is not None else out  # (not read without windows)
+    grid = (triton.cdiv(length, CONV_BLOCK_T), triton.cdiv(channels, CONV_BLOCK_C))
+    _conv_prefill_kernel()[grid](
+        x, weight.contiguous(), cu_seqlens, window_arg, out, length, cu_seqlens.shape[0] - 1, channels, x.stride(0),
+        out.stride(0), KERNEL=weight.shape[1], HAS_WINDOW=windows is not None, BLOCK_T=CONV_BLOCK_T,
+        BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS,
+    )  # fmt: skip
+    return out
+
+
 def conv_prefill_triton(
     x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `conv_prefill_reference`: reads x in place (a strided slice whose channels are
-    contiguous), writes the token-major output once: no transposes, no concatenated copy of window and input."""
-    import triton
-
+    """Triton version of `conv_prefill_reference`: the B sequences as B packed ones (the kernel
+    `conv_prefill_varlen_triton` runs), x read in place when its rows can be flattened (the input projection's
+    strided qkv slice can), the token-major output written once: no transposes, no window concatenated."""
     batch, length, channels = x.shape
     x = x if x.stride(2) == 1 else x.contiguous()
-    weight = weight.contiguous()
-    out = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device)
-    windows = window.contiguous() if window is not None else out  # (not read without a window)
-    grid = (triton.cdiv(length, CONV_BLOCK_T), triton.cdiv(channels, CONV_BLOCK_C), batch)
-    _conv_prefill_kernel()[grid](
-        x, weight, windows, out, length, channels, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        KERNEL=weight.shape[1], HAS_WINDOW=window is not None, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C,
-        num_warps=CONV_WARPS,
-    )  # fmt: skip
-    return out, next_window(x, weight, window)
+    flat = batch == 1 or x.stride(0) == length * x.stride(1)
+    rows = x.view(batch * length, channels) if flat else x.reshape(batch * length, channels)
+    cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=x.device)
+    out = _launch(rows, weight, cu, window)
+    return out.view(batch, length, channels), next_window(x, weight, window)
+
+
+def conv_prefill_varlen_reference(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, windows: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, N, C]: S sequences packed back to back (bounds cu_seqlens [S + 1]), windows: each one's [1, C, K-1]
+    or None. `conv_prefill_reference` on each: (silu(conv) [1, N, C], next windows [S, C, K-1])."""
+    bounds = cu_seqlens.tolist()
+    parts = [
+        conv_prefill_reference(x[:, first:end], weight, window)
+        for first, end, window in zip(bounds[:-1], bounds[1:], windows, strict=True)
+    ]
+    return torch.cat([out for out, _ in parts], dim=1), torch.cat([nxt for _, nxt in parts])
+
+
+def conv_prefill_varlen_triton(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, windows: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `conv_prefill_varlen_reference`: one launch for all S sequences, each token's output
+    bitwise what `conv_prefill_triton` gives its sequence alone; reads nothing back to the host. A missing window
+    is zeros (the kernel's arithmetic is then the same as without one)."""
+    x = x if x.stride(2) == 1 else x.contiguous()
+    keep = weight.shape[1] - 1
+    stacked = None
+    if any(w is not None for w in windows):
+        zeros = x.new_zeros(1, x.shape[2], keep, dtype=weight.dtype)
+        stacked = torch.cat([w if w is not None else zeros for w in windows])
+    cu = cu_seqlens.to(torch.int32)
+    out = _launch(x[0], weight, cu, stacked)
+    # each sequence's last K-1 inputs: from x, or (a sequence shorter than K-1) from its window
+    positions = cu[1:, None].long() - keep + torch.arange(keep, device=x.device)  # [S, K-1]
+    starts = cu[:-1, None].long()
+    from_x = x[0, positions.clamp(min=0)].transpose(1, 2).to(weight.dtype)  # [S, C, K-1]
+    if stacked is None:
+        from_window = torch.zeros_like(from_x)
+    else:
+        index = (positions - starts + keep).clamp(0, keep - 1)[:, None, :].expand(-1, x.shape[2], -1)
+        from_window = torch.gather(stacked.to(weight.dtype), 2, index)
+    return out[None], torch.where((positions >= starts)[:, None, :], from_x, from_window).contiguous()
 
 
 @torch.library.custom_op("qwen_mtp::conv_prefill", mutates_args=())
@@ -149,6 +207,27 @@ def _(x, weight, window):
 from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)
 
 register_reference_autograd(conv_prefill, conv_prefill_reference)
+
+
+@torch.library.custom_op("qwen_mtp::conv_prefill_varlen", mutates_args=())
+def conv_prefill_varlen(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, windows: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom op: `conv_prefill_varlen_reference` on CPU (each sequence as `conv_prefill` alone), one Triton
+    launch over all the packed sequences on CUDA (each bitwise as `conv_prefill` alone)."""
+    return conv_prefill_varlen_reference(x, weight, cu_seqlens, list(windows))
+
+
+@conv_prefill_varlen.register_kernel("cuda")
+def _(x, weight, cu_seqlens, windows):
+    if reference_forced("conv_prefill_varlen"):
+        return conv_prefill_varlen_reference(x, weight, cu_seqlens, list(windows))
+    return conv_prefill_varlen_triton(x, weight, cu_seqlens, list(windows))
+
+
+@conv_prefill_varlen.register_fake
+def _(x, weight, cu_seqlens, windows):
+    return x.new_empty(x.shape), weight.new_empty(cu_seqlens.shape[0] - 1, x.shape[2], weight.shape[1] - 1)
 
 
 # ---- decode / verify: the conv over T = 1..K+1 new tokens, reading and writing a request's pooled window ----

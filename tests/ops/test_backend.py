@@ -12,7 +12,7 @@ from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_atte
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
 from qwen_mtp.ops import backend, conv, linear, moe, norm, paged_attention, rope, sampling, swiglu
 from qwen_mtp.ops.backend import reference_ops
-from qwen_mtp.ops.gdn import chunked, recurrent
+from qwen_mtp.ops.gdn import chunked, gates, recurrent
 
 
 def norm_args(extra: int):
@@ -28,6 +28,16 @@ def rope_args():
 def conv_args():
     rows, committed = torch.tensor([4, 0, 2], device=DEVICE), torch.tensor([1, 0, 3, 0, 2], device=DEVICE)
     return (rand(3, 2, 40, seed=2), rand(40, 4, seed=3), rand(5, 40, 7, seed=1), rows, committed)
+
+
+def conv_varlen_args():
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    return (fused_projection(1, 7, [8, 40])[1], rand(40, 4, seed=3), cu, [None, rand(1, 40, 3, seed=4)])
+
+
+def gates_varlen_args():
+    cu = torch.tensor([0, 2, 9], dtype=torch.int32, device=DEVICE)
+    return (rand(1, 9, 4, seed=1), rand(1, 9, 4, seed=2), rand(4, seed=3).abs(), rand(4, seed=4), cu)
 
 
 def gdn_recurrent_args():
@@ -89,6 +99,8 @@ CUDA_PATHS = {
         "conv_prefill_triton",
         lambda: (fused_projection(2, 5, [8, 40])[1], rand(40, 4, seed=3), rand(2, 40, 3, seed=4)),
     ),
+    "conv_prefill_varlen": (conv, "conv_prefill_varlen_triton", conv_varlen_args),
+    "gate_values_varlen": (gates, "gate_values_at_once", gates_varlen_args),
     "gdn_recurrent": (recurrent, "gdn_recurrent_triton", gdn_recurrent_args),
     "gdn_chunked": (chunked, "gdn_chunked_triton", gdn_chunked_args),
     "gdn_chunked_varlen": (chunked, "gdn_chunked_varlen_triton", gdn_chunked_varlen_args),
@@ -184,3 +196,22 @@ def test_custom_ops_registered_and_dispatch_to_reference_on_cpu():
     torch.library.opcheck(
         torch.ops.qwen_mtp.paged_attention.default, (q, k, v, kv.clone(), tables, lens, positions, 0.1)
     )
+
+
+def test_packed_gates_run_per_sequence_on_cpu_and_at_once_on_cuda():
+    """`gate_values_varlen`: on CPU each sequence's gates as `gate_values` alone, bit for bit; the CUDA
+    implementation (run here on CPU tensors) is `gate_values` over the packed tensor. That it equals each sequence
+    alone on the GPU is tests/gpu/test_mixed_steps_cuda.py's packed == alone."""
+    from qwen_mtp.ops.gdn import gate_values
+
+    a, b = rand(1, 9, 4, seed=1), rand(1, 9, 4, seed=2, dtype=torch.bfloat16)
+    a_log, dt_bias = rand(4, seed=3).abs(), rand(4, seed=4)
+    cu = torch.tensor([0, 2, 9], dtype=torch.int32)
+    args = (a, b, a_log, dt_bias, cu)
+    per_sequence = [gate_values(a[:, i:j], b[:, i:j], a_log, dt_bias) for i, j in ((0, 2), (2, 9))]
+    for mine, theirs in zip(on_key(torch._C.DispatchKey.CPU, "gate_values_varlen", args),
+                            zip(*per_sequence, strict=True), strict=True):  # fmt: skip
+        assert torch.equal(mine, torch.cat(theirs, dim=1))
+    at_once = gate_values(a, b, a_log, dt_bias)
+    for mine, theirs in zip(on_key(torch._C.DispatchKey.CUDA, "gate_values_varlen", args), at_once, strict=True):
+        assert torch.equal(mine, theirs)

@@ -9,6 +9,8 @@ from qwen_mtp.ops.conv import (
     causal_conv1d,
     conv_prefill_reference,
     conv_prefill_triton,
+    conv_prefill_varlen_reference,
+    conv_prefill_varlen_triton,
     conv_update_reference,
     conv_update_triton,
 )
@@ -56,6 +58,29 @@ def test_conv_prefill_chunks_equal_the_whole_prompt_bitwise():
     assert torch.equal(torch.cat(parts, dim=1), whole) and torch.equal(window, last)
     alone = conv_prefill_triton(x[1:2], weight, None)[0]
     assert torch.equal(alone, whole[1:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_prefill_varlen_equals_each_sequence_alone(dtype):
+    """Sequences packed back to back (lengths 1, 2 and longer than a token block; some continuing a window, some
+    fresh) in one launch: each one's output bitwise `conv_prefill_triton` on it alone, the next windows bitwise
+    the reference's (a 1- or 2-token sequence's come partly from its window)."""
+    lengths, fresh = [1, 37, 2, 5, 40], [False, True, True, False, False]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    _, qkv, _ = fused_projection(1, bounds[-1], [24, 40, 8], dtype=dtype, seed=7)
+    weight = rand(40, 4, dtype=dtype, seed=8)
+    windows = [None if f else rand(1, 40, 3, seed=20 + i) for i, f in enumerate(fresh)]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    out, next_windows = conv_prefill_varlen_triton(qkv, weight, cu, windows)
+    ref_out, ref_windows = conv_prefill_varlen_reference(qkv, weight, cu.cpu(), windows)
+    close(out, ref_out, dtype)
+    assert torch.equal(next_windows, ref_windows)
+    for i, window in enumerate(windows):
+        alone, alone_window = conv_prefill_triton(qkv[:, bounds[i] : bounds[i + 1]], weight, window)
+        assert torch.equal(out[:, bounds[i] : bounds[i + 1]], alone), i
+        assert torch.equal(next_windows[i : i + 1], alone_window), i
 
 
 @pytest.mark.parametrize("length", [1, 2, 5])

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
-# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|verifybench|ttft runs one part
-# (compile, sweep, family, fp8family, longprefill, verify, verifybench and ttft only when asked: minutes each; verify,
-# verifybench and ttft are one device call each: the exactness subset after decode- or prefill-path changes, the
-# 27B rows of the sixth session's open claims, and where TTFT goes at 32 x 128 packed and at one 32k prompt).
+# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|context|verifybench|ttft
+# runs one part (all but tests, kernels, profile and bench only when asked: minutes each; verify, prefill, context,
+# verifybench and ttft are one device call each: the exactness subset after decode-path changes, the checks after
+# prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off, the packed TTFT with the fastest
+# prefill plans), the context sweep 128..128k with B8 at 32k, the 27B rows of the sixth session's open claims, and
+# where TTFT goes at 32 x 128 packed and at one 32k prompt).
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -71,6 +73,37 @@ if [[ "$STAGE" == verify ]]; then  # one device call (~7 min): the GPU exactness
   run 60 verify-draft-head.log python3 -m pytest -q -rA tests/gpu/test_draft_lm_head_cuda.py
   run 60 verify-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py -k "varlen or depend_on_packing"
   run 45 verify-conv.log python3 -m pytest -q -rA tests/ops/test_conv.py
+fi
+if [[ "$STAGE" == prefill ]]; then  # one device call (~8 min): the GPU checks after prefill-path changes
+  run() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
+          echo "[rc $? at ${SECONDS}s] $log: $(grep -c "^PASSED" "$OUT/$log") passed"; grep -E "^(FAILED|ERROR)" "$OUT/$log"; }
+  run 150 prefill-ops.log python3 -m pytest -q -rA tests/ops/test_prefill_attention.py tests/ops/test_conv.py \
+    tests/ops/test_backend.py tests/ops/test_linear.py::test_grouped_launch_order_never_changes_a_row \
+    tests/ops/test_linear.py::test_prefill_plan_rows_never_depend_on_m
+  run 240 prefill-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py \
+    tests/gpu/test_cuda_exactness.py::test_prefill_kernels_as_accurate_as_hf
+  run 150 prefill-long.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[1]" \
+    "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[4]"
+  timeout 130 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \
+    --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --apply-best-prefill-plans --out "$OUT/mixed-steps.json" \
+    >"$OUT/mixed-steps.log" 2>&1
+  grep -E "^(TTFT|ITL|prefill plan|gemm M)|^ +M=" "$OUT/mixed-steps.log"
+fi
+if [[ "$STAGE" == context ]]; then  # one device call (~8 min): issue #24's context sweep, 27B bf16, K=3 at oracle 0.8
+  common=(recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false --set bench.output_len=64
+          --set 'bench.ks=[3]')
+  # (a device call brings back few files: the tables are printed, the JSONs kept, a log only when its run failed)
+  ctx_bench() { local limit=$1 name=$2 rc; shift 2; timeout "$limit" python3 -m qwen_mtp.cli bench "${common[@]}" "$@" \
+                  --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
+                cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
+                rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
+  ctx_bench 220 bench-context --set 'bench.prompt_len=[128,2048,8192,32768]' --set mtp.draft_vocab_file=first \
+    --set 'bench.draft_vocabs=[0,32768]'
+  ctx_bench 130 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
+  ctx_bench 150 bench-128k --set 'bench.prompt_len=[131072]'
+  rm -f "$OUT"/bench-32k-b8/bench.png "$OUT"/bench-128k/bench.png  # one point each
+  timeout 90 python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[2]" \
+    >"$OUT/context-exact.log" 2>&1; echo "[rc $? at ${SECONDS}s]"; grep -E "^(PASSED|FAILED|ERROR)" "$OUT/context-exact.log"
 fi
 if [[ "$STAGE" == ttft ]]; then  # one device call (~3 min): TTFT of the packed bursts (with a profile), and at 32k
   timeout 120 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \

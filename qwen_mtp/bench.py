@@ -169,7 +169,7 @@ def _variant(
         num_state_rows=batch,
         # a request's reservation: its tokens, and 2K positions a verify and its draft chain may write beyond
         num_pages=batch * pages_for(prompt_len + bench.output_len + 2 * spec, recipe.cache.page_size),
-        prefill_chunk=max(recipe.cache.prefill_chunk, prompt_len),
+        prefill_chunk=max(recipe.cache.prefill_chunk, min(prompt_len, bench.max_prefill_chunk)),
     )
     mtp = dataclasses.replace(
         recipe.mtp, enabled=k is not None, k=k or recipe.mtp.k, draft=draft, oracle_accept=accept,
@@ -192,17 +192,18 @@ def _run(
     first: dict[int, float] = {}
     _sync(device)
     start = time.perf_counter()
-    steps = 0
+    steps = decode_steps = 0  # decode steps: those after every request had its first token
     engine.timer.reset()
     while engine.has_unfinished():
+        prefilled = len(first) == len(ids)
         for update in engine.step():
             first.setdefault(update.request_id, time.perf_counter())
         steps += 1
+        decode_steps += prefilled
     _sync(device)
     end = time.perf_counter()
     results = [engine.result(i) for i in ids]
     decode_start = max(first.values())
-    decode_steps = steps - 1  # the first step prefills every request (prefill_chunk >= prompt_len)
     specs = [r.spec for r in results if r.spec is not None]
     verify_steps = sum(s.verify_steps for s in specs)
     drafted = sum(s.drafted for s in specs)

@@ -103,6 +103,9 @@ class BenchSection:
     accept_rates: list[float] = field(default_factory=lambda: [1.0, 0.8, 0.6])
     head: bool = True  # also run the real MTP head's drafts
     prompt_len: int | list[int] = 128  # several: a sweep over context lengths
+    # a prompt prefills in one chunk up to this length, in chunks of it beyond (a 128k chunk's MLP activation
+    # alone is 4.6e9 elements); TTFT then counts every chunk's step
+    max_prefill_chunk: int = 32768
     output_len: int = 128
     out_dir: str = "bench-results"
     temperature: float = 0.0  # > 0: every row samples (prompt i seeded with i), to compare step cost with greedy

@@ -140,3 +140,23 @@ def test_draft_lm_heads_run_the_mtp_rows_once_per_head(tmp_path):
     ]
     assert all(r["exact"] for r in report["rows"])
     assert "fp8" in (tmp_path / "bench.txt").read_text()
+
+
+def test_a_prompt_past_max_prefill_chunk_prefills_in_chunks(tmp_path, monkeypatch):
+    """A 20-token prompt with `bench.max_prefill_chunk` 8 (above `cache.prefill_chunk`): three prefill steps, then
+    the decode steps alone are counted as decode (output_len 4: three after the first token); the MTP row is still
+    exact."""
+    recipe = bench_recipe(tmp_path)
+    recipe.bench.prompt_len, recipe.bench.max_prefill_chunk, recipe.cache.prefill_chunk = 20, 8, 4
+    chunks, runs, run = [], [], bench._run
+
+    def recording_run(engine, prompts, output_len, oracles, sampled):
+        chunks.append(engine.scheduler.prefill_chunk)
+        runs.append(run(engine, prompts, output_len, oracles, sampled))
+        return runs[-1]
+
+    monkeypatch.setattr(bench, "_run", recording_run)
+    report = bench.run_bench(recipe, progress=False, log=lambda _: None)
+    assert set(chunks) == {8}
+    assert runs[1]["decode_steps"] == 3  # the plain row's timed run: one token a step
+    assert [(r["mode"], r["exact"]) for r in report["rows"]] == [("plain", True), ("mtp", True)]

@@ -65,7 +65,7 @@ def plan_text(plan: GemmPlan) -> str:
     defaults (the grid family's 16-row tiles)."""
     default = GemmPlan(plan.block_n, plan.block_k, plan.k_per_split, plan.num_warps, plan.num_stages)
     head = [str(getattr(plan, f)) for f in ("block_n", "block_k", "k_per_split", "num_warps", "num_stages")]
-    options = ("family", "block_m", "row_tiles", "swap_ab", "wide_stages", "tail_tiles", "tail_splits", "group_m")
+    options = ("family", "block_m", "row_tiles", "swap_ab", "wide_stages", "tail_tiles", "tail_splits")
     extra = [f"{f}={getattr(plan, f)!r}" for f in options if getattr(plan, f) != getattr(default, f)]
     return f"GemmPlan({', '.join(head + extra)})".replace("'", '"')
 

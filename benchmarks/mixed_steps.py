@@ -9,8 +9,7 @@
           requests' gaps between token updates;
 4. exact: packed tokens == each prompt's tokens alone (packing on: must hold), packed == packing off (reported:
           the prefill GEMM differs, so bf16 near-ties may flip), and with --k MTP-on == MTP-off (packing on).
-With --profile, also the GPU time of one more packed 32 x 128 burst by kind of kernel, and its top kernels. With
---apply-best-prefill-plans, the packed runs take each shape's fastest candidate prefill plan from part 1.
+With --profile, also the GPU time of one more packed 32 x 128 burst by kind of kernel, and its top kernels.
 Writes JSON to --out (default $OUT/mixed-steps.json) and prints a summary.
 Usage (GPU box): python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml [--k 2] [--set cache.max_step_tokens=16384]
 CPU smoke run:   python3 benchmarks/mixed_steps.py recipes/bench-tiny.yaml --scale 0.0625 --arrivals 2
@@ -31,7 +30,6 @@ from bench_common import free_memory, gpu_split, sync, tokens  # (a sibling modu
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.model.linear import Linear, MergedLinear
-from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan
 from qwen_mtp.recipe import load_recipe
 
@@ -69,33 +67,15 @@ def linears(model) -> dict[tuple[int, int], list]:
 
 def prefill_plans(n: int, k: int) -> dict[str, GemmPlan]:
     """Candidate batch-invariant plans for prefill row counts (a function of (N, K) only, like every plan): the
-    plan packed prefills run now (`prefill_gemm_plan`: "grid", 128 x 128 tiles, no K split, 8 row tiles walked
-    together) and other "grid" tilings without a K split, as a dense GEMM library tiles a large M: the launch
-    order (`group_m`) and the pipeline depth change no row's numbers, the tile shape may. The decode plans
-    (`gemm_plan`: "stream", 16-32-row MMAs, one program per weight slice walking every row) are built for
-    M = 1..64."""
+    plan packed prefills run now (`prefill_gemm_plan`: "grid", 128 x 128 tiles, no K split) and two other "grid"
+    tilings without a K split, as a dense GEMM library tiles a large M. The decode plans (`gemm_plan`: "stream",
+    16-32-row MMAs, one program per weight slice walking every row) are built for M = 1..64."""
     blocks = -(-k // 64)
     return {
         "prefill_gemm_plan": prefill_gemm_plan(n, k),
-        "grid128 g1": GemmPlan(128, 64, blocks, 8, 3, block_m=128),
-        "grid128 g8 s4": GemmPlan(128, 64, blocks, 8, 4, block_m=128, group_m=8),
-        "grid128 g16": GemmPlan(128, 64, blocks, 8, 3, block_m=128, group_m=16),
-        "grid128x256 g8": GemmPlan(256, 64, blocks, 8, 3, block_m=128, group_m=8),
+        "grid128x256": GemmPlan(256, 64, blocks, 8, 3, block_m=128),
+        "grid64x128": GemmPlan(128, 64, blocks, 4, 4, block_m=64),
     }
-
-
-def apply_best_prefill_plans(gemm_report: dict) -> dict[str, str]:
-    """Each shape's fastest `prefill_plans` candidate at the largest row count measured, into
-    `linear.PREFILL_TUNED` for the rest of this process (what the table would hold if it were committed)."""
-    largest = max(entry["m"] for entry in gemm_report["shapes"])
-    applied = {}
-    for entry in gemm_report["shapes"]:
-        if entry["m"] == largest:
-            n, k = entry["n"], entry["k"]
-            linear.PREFILL_TUNED[n, k] = prefill_plans(n, k)[entry["best_plan"]]
-            applied[f"{n}x{k}"] = f"{entry['best_plan']}: {linear.PREFILL_TUNED[n, k]!r}"
-            print(f"prefill plan for {n}x{k}: {applied[f'{n}x{k}']}")
-    return applied
 
 
 @torch.inference_mode()
@@ -210,11 +190,6 @@ def main() -> None:
     parser.add_argument("--solo", type=int, default=4, help="prompts of each burst also run alone (exactness)")
     parser.add_argument("--gemm-rows", default="128,512,2048,4096,8192")
     parser.add_argument("--profile", action="store_true", help="GPU time split of one more packed 32 x 128 burst")
-    parser.add_argument(
-        "--apply-best-prefill-plans",
-        action="store_true",
-        help="the packed runs take each shape's fastest `prefill_plans` at the last --gemm-rows",
-    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mixed-steps.json"))
     args = parser.parse_args()
     args.short, args.long = max(1, int(128 * args.scale)), max(1, int(2048 * args.scale))
@@ -225,8 +200,6 @@ def main() -> None:
     report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if loaded.device.type == "cuda":
         report["gemm"] = gemm(model, [int(m) for m in args.gemm_rows.split(",")])
-        if args.apply_best_prefill_plans:
-            report["applied_prefill_plans"] = apply_best_prefill_plans(report["gemm"])
         with open(args.out, "w") as f:  # the GEMM part survives a failure later in the run
             json.dump(report, f, indent=1)
 

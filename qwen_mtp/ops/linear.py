@@ -82,7 +82,6 @@ class GemmPlan:
     wide_stages: int = 0  # "stream": pipeline depth of the K loops of 2+ live row tiles (0: num_stages)
     tail_tiles: int = 0  # "stream", one K split: the last tail_tiles N tiles split K tail_splits ways (a short
     tail_splits: int = 1  # last wave: its tiles spread over more SMs; `stream_tail`)
-    group_m: int = 1  # "grid": row tiles walked together over the N tiles (launch order; see `_matmul_kernel`)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -99,8 +98,6 @@ class GemmPlan:
             self.family != "stream" or self.tail_tiles < 1 or self.tail_splits < 2
         ):
             raise ValueError("GemmPlan.tail_tiles / tail_splits are a 'stream' option: >= 1 tiles in >= 2 splits")
-        if self.group_m != 1 and (self.family != "grid" or self.group_m < 1):
-            raise ValueError("GemmPlan.group_m is a 'grid' option: >= 1 row tiles")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -219,9 +216,8 @@ _PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=Fa
 def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
     """The invariant plan for prefill row counts (`prefill_rows`): tuned, else "grid" with 128 x 128 tiles and the
     whole K loop in one program (no split: at prefill M there are tiles enough to fill the GPU, and no partial
-    sums to park), 8 row tiles (1024 rows) walked together over the weight (`_matmul_kernel`: the rows stay in
-    L2)."""
-    return PREFILL_TUNED.get((n, k)) or GemmPlan(128, 64, -(-k // 64), 8, 3, block_m=128, group_m=8)
+    sums to park)."""
+    return PREFILL_TUNED.get((n, k)) or GemmPlan(128, 64, -(-k // 64), num_warps=8, num_stages=3, block_m=128)
 
 
 @contextmanager
@@ -244,14 +240,7 @@ def _invariant_plan(n: int, k: int) -> GemmPlan | None:
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
 def _matmul_kernel():
-    """The "grid" family: a program per (row tile, N tile, K split).
-
-    Launch order: with GROUP_M = 1, the row tiles of one weight tile are neighbours, so a weight tile read from HBM
-    serves every row tile from L2; at prefill row counts the rows are the bigger operand (4096 x 5120 bf16 is
-    42 MB, most of the L2), so each wave of programs would stream all of them again. GROUP_M > 1 walks GROUP_M
-    row tiles over every N tile before the next GROUP_M (the grouped order of Triton's matmul tutorial): the rows
-    of a group stay in L2 and each weight tile is read once per group. Only the order of programs changes; a
-    tile's arithmetic, so every row's result, is the same for every GROUP_M."""
+    """The "grid" family: a program per (row tile, N tile, K split)."""
     import triton
     import triton.language as tl
 
@@ -261,19 +250,12 @@ def _matmul_kernel():
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
-        GROUP_M: tl.constexpr = 1,
     ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
+        # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
+        # every row tile from L2.
         pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if GROUP_M > 1:  # the launch's (row tile, N tile) order, grouped: see the docstring
-            row_tiles, n_tiles = tl.num_programs(0), tl.num_programs(1)
-            order = pid_n * row_tiles + pid_m
-            group_first = (order // (GROUP_M * n_tiles)) * GROUP_M
-            group_rows = tl.minimum(row_tiles - group_first, GROUP_M)
-            in_group = order % (GROUP_M * n_tiles)
-            pid_m = group_first + in_group % group_rows
-            pid_n = in_group // group_rows
         ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -503,8 +485,7 @@ def invariant_matmul_triton(
         return out
     n_tiles = triton.cdiv(n, plan.block_n)
     if plan.family == "grid":
-        extra = {"GROUP_M": plan.group_m} if plan.group_m > 1 else {}
-        kernel, grid = _matmul_kernel(), (triton.cdiv(m, plan.block_m), n_tiles, splits)
+        kernel, grid, extra = _matmul_kernel(), (triton.cdiv(m, plan.block_m), n_tiles, splits), {}
         sums = grid[0] * n_tiles  # one split counter per output tile
     else:
         tail = stream_tail(plan, n, k)

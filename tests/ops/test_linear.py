@@ -50,7 +50,6 @@ def test_gemm_rows_invariant_real_shapes():
 VARIANTS = {
     "grid 16-row tiles": GemmPlan(16, 32, 3),
     "grid 64-row tiles": GemmPlan(16, 32, 3, family="grid", block_m=64),
-    "grid 16-row tiles, grouped 3": GemmPlan(8, 32, 3, group_m=3),  # 3 N tiles; the last group one row tile
     "stream 64-row tile": GemmPlan(16, 32, 3, family="stream", block_m=64),
     "stream 3 x 16-row tiles": GemmPlan(16, 32, 3, family="stream", block_m=16, row_tiles=3),
     "stream 2 x 64-row tiles": GemmPlan(32, 32, 3, family="stream", block_m=64, row_tiles=2),
@@ -108,22 +107,6 @@ def test_pipeline_depths_never_change_a_row():
         assert torch.equal(invariant_matmul_triton(x[:m], weight, deep), invariant_matmul_triton(x[:m], weight, plan))
 
 
-def test_grouped_launch_order_never_changes_a_row():
-    """`group_m` only reorders the grid family's programs: every row's bytes equal the ungrouped plan's, at row
-    counts that leave the last group short, with and without a K split."""
-    for splits in (1, 3):
-        k_blocks = -(-K_TEST // 32)
-        plan = GemmPlan(8, 32, -(-k_blocks // splits))
-        weight, x = rand(N_TEST, K_TEST, dtype=VERIFY_DTYPE, seed=5), rand(200, K_TEST, dtype=VERIFY_DTYPE, seed=6)
-        for group in (2, 5):
-            grouped = dataclasses.replace(plan, group_m=group)
-            for m in (1, 17, 90, 200):
-                assert torch.equal(
-                    invariant_matmul_triton(x[:m], weight, grouped), invariant_matmul_triton(x[:m], weight, plan)
-                )
-    assert not linear._COUNTERS[x.device].any()
-
-
 @pytest.mark.parametrize("tail_tiles", [1, 2])
 def test_split_tail_matches_and_rows_never_depend_on_m(tail_tiles):
     """`tail_tiles`: the last N tiles split their K loop (the partial last tile among them): the product is right
@@ -149,8 +132,6 @@ def test_split_tail_matches_and_rows_never_depend_on_m(tail_tiles):
         dict(wide_stages=2),
         dict(family="stream", wide_stages=-1),
         dict(tail_tiles=2, tail_splits=2),
-        dict(family="stream", group_m=2),
-        dict(group_m=0),
         dict(family="stream", tail_tiles=2),
         dict(family="stream", tail_splits=4),
     ],

@@ -15,7 +15,7 @@ batch; a shuffled batch; the engine-wide table == the tight one; a captured grap
 lengths == eager; and the largest difference from the reference and from the unsplit kernel.
 
 Usage (GPU box, from the repo root; about 2 minutes on an H200):
-    PYTHONPATH=. python3 benchmarks/decode_attention.py [--out PATH] [--contexts 128 2048 ...]
+    PYTHONPATH=. python3 benchmarks/decode_attention.py [--out PATH] [--contexts 128 2048 ...] [--engine-plan-only]
 Writes JSON to PATH, else $OUT/decode_attention.json, else ./decode_attention.json; exits 1 if a bitwise check
 failed.
 """
@@ -225,7 +225,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON path (default: $OUT/decode_attention.json or ./decode_attention.json)")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    parser.add_argument("--engine-plan-only", action="store_true", help="time the unsplit kernel and the engine's plan")
     args = parser.parse_args()
+    if args.engine_plan_only:
+        PLANS[:] = [SPLIT_KV_PLAN]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     started = time.perf_counter()
     exact = checks()

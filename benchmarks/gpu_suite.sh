@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
-# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|context|verifybench|ttft
-# runs one part (all but tests, kernels, profile and bench only when asked: minutes each; verify, prefill, context,
-# verifybench and ttft are one device call each: the exactness subset after decode-path changes, the checks after
-# prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off, the packed TTFT), the context sweep 128..128k with B8 at 32k, the 27B rows of the sixth session's open claims, and
-# where TTFT goes at 32 x 128 packed and at one 32k prompt).
+# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
+# verifybench|ttft runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# one device call each:
+#   verify       the exactness subset after decode-path changes;
+#   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
+#                the packed TTFT);
+#   attention    the checks after decode / verify attention changes (kernel tests and times, a K=3 exactness
+#                subset, B8 at 32k);
+#   context      the context sweep 128..128k, with B8 at 32k;
+#   verifybench  the 27B rows of the sixth session's open claims;
+#   ttft         where TTFT goes at 32 x 128 packed and at one 32k prompt.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -86,6 +92,19 @@ if [[ "$STAGE" == prefill ]]; then  # one device call (~8 min): the GPU checks a
     --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --out "$OUT/mixed-steps.json" \
     >"$OUT/mixed-steps.log" 2>&1
   grep -E "^(TTFT|ITL|gemm M)|^ +M=" "$OUT/mixed-steps.log"
+fi
+if [[ "$STAGE" == attention ]]; then  # one device call (~6 min): after decode / verify attention kernel changes
+  run() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
+          echo "[rc $? at ${SECONDS}s] $log: $(grep -c "^PASSED" "$OUT/$log") passed"; grep -E "^(FAILED|ERROR)" "$OUT/$log"; }
+  run 90 attention-ops.log python3 -m pytest -q -rA tests/ops/test_split_kv_attention.py tests/ops/test_paged_attention.py
+  timeout 90 python3 benchmarks/decode_attention.py --engine-plan-only --contexts 8192 32768 131072 \
+    --out "$OUT/decode-attention.json" 2>&1 | sed -n '/^ B /,$p'
+  run 220 attention-exact.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_bf16_batch_1_8_32[3-graphs-batches6]" \
+    "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[3]" \
+    "tests/gpu/test_cuda_exactness.py::test_stress_changing_batch_mix[2-graphs]"
+  timeout 120 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false \
+    --set bench.output_len=64 --set 'bench.ks=[3]' --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]' \
+    --set "bench.out_dir=$OUT/bench-32k-b8" >/dev/null 2>&1; echo "[rc $? at ${SECONDS}s] bench"; cat "$OUT/bench-32k-b8/bench.txt"
 fi
 if [[ "$STAGE" == context ]]; then  # one device call (~8 min): issue #24's context sweep, 27B bf16, K=3 at oracle 0.8
   common=(recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false --set bench.output_len=64

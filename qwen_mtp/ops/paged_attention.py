@@ -11,7 +11,12 @@ Two CUDA kernels compute that, `SPLIT_KV` picks the op's:
   `SplitKvPlan.split` positions counted from position 0, so a chunk's keys depend on the position alone, never
   on the batch, T or the launch. Programs compute chunk partials (running max, sum of exponentials, weighted
   values; same block loop as unsplit), then a second kernel merges each position's partials in a fixed order.
-  A few programs per key head would leave most of a GPU idle at batch 1; chunks fill it.
+  A few programs per key head would leave most of a GPU idle at batch 1; chunks fill it. The T positions x
+  GROUP query heads of a (request, KV head) share one tile of `SplitKvPlan.rows` pairs, so a verify reads each
+  key block once for all its positions, not T times (at 128k context a K=3 verify read 4 x 8.6 GB of KV). A
+  pair masks the keys past its own position; the tile's shape is the same constant for decode and verify, so a
+  pair's products run the same MMAs wherever it sits (rows of a `tl.dot` never depend on each other), and the
+  blocks past a pair's last key add exactly nothing to it (weight 0, rescale by exp(0) = 1).
 Cache layout per layer: kv [2, pages, page_size, KV, D]; block_tables [B, max_pages] (int32).
 """
 
@@ -186,6 +191,7 @@ class SplitKvPlan:
 
     split: int = 512  # keys per chunk, counted from position 0; a multiple of block_n
     block_n: int = 32  # keys per block inside a chunk, in position order
+    rows: int = 32  # (query position, query head) pairs per tile: a request's positions x its KV head's group
     warps: int = 4
     programs: int = 264  # chunk programs per launch, about 2 per SM of a 132-SM H200
     merge: int = 16  # partials the merge loads at once (its lanes; its warps follow from merge x head dim)
@@ -193,6 +199,8 @@ class SplitKvPlan:
     def __post_init__(self):
         if self.split % self.block_n:
             raise ValueError(f"SplitKvPlan: split ({self.split}) must be a multiple of block_n ({self.block_n})")
+        if self.rows < 16 or self.rows & (self.rows - 1):
+            raise ValueError(f"SplitKvPlan: rows ({self.rows}) must be a power of two >= 16 (tl.dot's minimum)")
 
     def chunks(self, width: int, page_size: int) -> int:
         """The most chunks a row of a `width`-page table can have: the partials' shape, from shapes only."""
@@ -212,41 +220,50 @@ def _split_kv_kernels():
         q_ptr, kv_ptr, tables_ptr, lens_ptr, m_ptr, denom_ptr, acc_ptr,
         T, GROUP, H, CHUNKS, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
-        D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One program: chunks first, first + stride, ... of one (row, query position, KV head) with its GROUP
-        # query heads. Chunk c holds keys [c * SPLIT, (c + 1) * SPLIT) of the visible ones, in blocks of BLOCK_N;
-        # which program computes a chunk does not change its numbers.
-        pid = tl.program_id(0)
-        bi = pid // T
-        t = pid % T
+        # One program: chunks first, first + stride, ... of ROWS (query position, query head) pairs of one
+        # (request, KV head): its T positions x GROUP heads, flattened, cut into tiles of ROWS. Chunk c holds
+        # keys [c * SPLIT, (c + 1) * SPLIT), in blocks of BLOCK_N, each block loaded once for the tile; a pair
+        # sees the keys before its own position only. Which program computes a chunk does not change its numbers.
+        tiles = tl.cdiv(T * GROUP, ROWS)
+        bi = tl.program_id(0) // tiles
+        tile = tl.program_id(0) % tiles
         kvh = tl.program_id(1)
-        gs = tl.arange(0, BLOCK_G)
+        pairs = tile * ROWS + tl.arange(0, ROWS)
+        live = pairs < T * GROUP
+        t = tl.where(live, pairs // GROUP, 0)
+        heads = kvh * GROUP + pairs % GROUP
         ds = tl.arange(0, D)
         ns = tl.arange(0, BLOCK_N)
-        gmask = gs < GROUP
-        heads = kvh * GROUP + gs
-        q = tl.load(q_ptr + bi * sq_b + t * sq_t + heads[:, None] * sq_h + ds[None, :], mask=gmask[:, None], other=0.0)
-        visible = tl.load(lens_ptr + bi) - T + t + 1
-        parts = (pid.to(tl.int64) * H + heads) * CHUNKS  # [BLOCK_G]: where each head's partials start
-        for chunk in range(tl.program_id(2), tl.cdiv(visible, SPLIT), tl.num_programs(2)):
-            end = tl.minimum(chunk * SPLIT + SPLIT, visible)
-            m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-            denom = tl.zeros([BLOCK_G], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-            for first in range(chunk * SPLIT, end, BLOCK_N):
+        q_rows = bi * sq_b + t * sq_t + heads * sq_h
+        q = tl.load(q_ptr + q_rows[:, None] + ds[None, :], mask=live[:, None], other=0.0)
+        context = tl.load(lens_ptr + bi)
+        visible = context - T + t + 1  # [ROWS]: each pair sees keys [0, visible)
+        reach = context - T + tl.minimum((tile * ROWS + ROWS - 1) // GROUP, T - 1) + 1  # the tile's furthest
+        parts = ((bi * T + t).to(tl.int64) * H + heads) * CHUNKS  # [ROWS]: where each pair's partials start
+        for chunk in range(tl.program_id(2), tl.cdiv(reach, SPLIT), tl.num_programs(2)):
+            start = chunk * SPLIT
+            end = tl.minimum(start + SPLIT, reach)
+            ends = tl.minimum(start + SPLIT, visible)  # [ROWS]: each pair's end in this chunk
+            m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+            denom = tl.zeros([ROWS], dtype=tl.float32)
+            acc = tl.zeros([ROWS, D], dtype=tl.float32)
+            for first in range(start, end, BLOCK_N):
                 pos = first + ns
-                smask = pos < end
                 k, v = triton_utils.load_kv_block(
-                    kv_ptr, tables_ptr + bi * s_table, pos, smask, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+                    kv_ptr, tables_ptr + bi * s_table, pos, pos < end, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
                 )
                 m, denom, acc = triton_utils.attend_block(
-                    q, k, v, smask[None, :], scale, m, denom, acc, INTERPRETED, PRECISION
+                    q, k, v, pos[None, :] < ends[:, None], scale, m, denom, acc, INTERPRETED, PRECISION
                 )
-            tl.store(m_ptr + parts + chunk, m, mask=gmask)
-            tl.store(denom_ptr + parts + chunk, denom, mask=gmask)
-            tl.store(acc_ptr + (parts + chunk)[:, None] * D + ds[None, :], acc, mask=gmask[:, None])
+            # Stored only where the chunk is one of the pair's: the merge reads no other, and a pair whose keys end
+            # before `start` saw none here (its running max stayed -inf, its partials are NaN).
+            mine = live & (start < visible)
+            tl.store(m_ptr + parts + chunk, m, mask=mine)
+            tl.store(denom_ptr + parts + chunk, denom, mask=mine)
+            tl.store(acc_ptr + (parts + chunk)[:, None] * D + ds[None, :], acc, mask=mine[:, None])
 
     @triton.jit(do_not_specialize=["T", "CHUNKS", "sq_b"])
     def merge(
@@ -305,14 +322,15 @@ def split_kv_attention_triton(
     m = torch.empty(rows, heads, chunks, dtype=torch.float32, device=q.device)  # [row, head, chunk]
     denom = torch.empty_like(m)
     acc = torch.empty(rows, heads, chunks, dim, dtype=torch.float32, device=q.device)
-    programs = max(1, min(chunks, -(-plan.programs // (rows * kv_heads))))  # per (row, KV head)
+    tiles = batch * triton.cdiv(length * group, plan.rows)  # pair tiles: the programs' first grid axis
+    programs = max(1, min(chunks, -(-plan.programs // (tiles * kv_heads))))  # per (tile, KV head)
     partials, merge = _split_kv_kernels()
-    partials[(rows, kv_heads, programs)](
+    partials[(tiles, kv_heads, programs)](
         q, kv, block_tables, context_lens, m, denom, acc,
         length, group, heads, chunks, scale,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         block_tables.stride(0),
-        D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n,
+        D=dim, PAGE=page_size, ROWS=plan.rows, BLOCK_N=plan.block_n,
         SPLIT=plan.split, INTERPRETED=triton_utils.INTERPRET,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=plan.warps,
     )  # fmt: skip

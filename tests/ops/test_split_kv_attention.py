@@ -9,7 +9,9 @@ from op_helpers import DEVICE, DTYPES, REAL, VERIFY_DTYPE, close, rand
 
 from qwen_mtp.ops.paged_attention import SplitKvPlan, paged_attention_reference, split_kv_attention_triton
 
-SMALL = SplitKvPlan(split=32, block_n=16, merge=2)  # 2 blocks a chunk; 3+ chunks take 2+ merge steps
+# 2 blocks a chunk; 3+ chunks take 2+ merge steps; tiles of 16 pairs: a verify's 5 x 6 pairs take two, cutting
+# a position's heads apart
+SMALL = SplitKvPlan(split=32, block_n=16, rows=16, merge=2)
 WIDE = SplitKvPlan(split=64, block_n=32)
 # Contexts around SMALL's chunk boundaries (64 = 2 x 32: ends on one, 65: one past, 63: one short, 33 / 31) and
 # WIDE's (64, 65, 63, 127), with a short and a long one.
@@ -117,3 +119,8 @@ def test_split_kv_graph_replay_follows_new_context_lengths():
 def test_split_kv_plan_refuses_chunks_that_cut_a_block():
     with pytest.raises(ValueError, match="multiple of block_n"):
         SplitKvPlan(split=48, block_n=32)
+
+
+def test_split_kv_plan_refuses_tiles_no_dot_runs():
+    with pytest.raises(ValueError, match="power of two"):
+        SplitKvPlan(rows=24)

@@ -51,6 +51,7 @@ PLANS = [
     SplitKvPlan(split=512, block_n=64, warps=8),
     SplitKvPlan(split=256, programs=528),
     SplitKvPlan(split=256, merge=64),
+    SplitKvPlan(rows=16),  # decode's tile before the positions shared it; a K=3 verify then takes two tiles
 ]
 COLD_BYTES = 256 * 2**20  # KV one timed replay walks through: ~5x the H200's L2
 CHECK_CONTEXTS = [511, 512, 513, 1027, 4096, 8191, 100, 20001]
@@ -68,7 +69,7 @@ def name(plan: SplitKvPlan | None) -> str:
     if plan is None:
         return "unsplit"
     mark = "*" if plan == SPLIT_KV_PLAN else ""
-    return f"split {plan.split}/{plan.block_n}/w{plan.warps}/p{plan.programs}/m{plan.merge}{mark}"
+    return f"split {plan.split}/{plan.block_n}/r{plan.rows}/w{plan.warps}/p{plan.programs}/m{plan.merge}{mark}"
 
 
 def attend(plan: SplitKvPlan | None, q, kv, tables, lens):

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from qwen_mtp import Engine, RecipeError, RequestError, SamplingParams
+from qwen_mtp.engine.sizing import check_forward_rows
+from qwen_mtp.model.linear import Linear, MergedLinear
+from qwen_mtp.recipe import CacheSection
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +194,27 @@ def test_decode_path_is_reported(engine):
         log=lambda _: None,
     )
     assert compiled.decode_path == "torch.compile"
+
+
+def test_a_forward_past_the_kernels_32_bit_offsets_is_refused():
+    """At 27B the widest activation row is the MLP's gate_up (34816 elements): a 61680-token forward fits the CUDA
+    kernels' 32-bit offsets, 61681 tokens would not."""
+    check_forward_rows(61680, 34816, "cache.prefill_chunk")
+    with pytest.raises(RecipeError, match=r"cache.prefill_chunk \(61681\).*34816.*use at most 61680"):
+        check_forward_rows(61681, 34816, "cache.prefill_chunk")
+
+
+def test_the_engine_checks_its_chunk_against_its_widest_projection_on_cuda(engine, monkeypatch):
+    """The check reads the model's widest projection (the lm_head aside) and runs where the kernels do (CUDA);
+    on CPU the references index in 64 bits."""
+    widest = max(
+        m.weight.shape[0]
+        for m in engine.model.modules()
+        if isinstance(m, Linear | MergedLinear) and m is not engine.model.lm_head
+    )
+    huge = CacheSection(prefill_chunk=2**31 // widest + 1)
+    engine._check_forward_rows(huge)  # CPU: nothing to check
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+    with pytest.raises(RecipeError, match=rf"cache.prefill_chunk .*\({widest} elements\)"):
+        engine._check_forward_rows(huge)
+    engine._check_forward_rows(CacheSection(prefill_chunk=2**31 // widest))

@@ -38,7 +38,7 @@ from qwen_mtp.engine.request import Request, SpecStats
 from qwen_mtp.engine.runner import Runner
 from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
-from qwen_mtp.engine.sizing import PoolSizes, size_pools
+from qwen_mtp.engine.sizing import PoolSizes, check_forward_rows, size_pools
 from qwen_mtp.engine.speculative import Speculator
 from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
@@ -99,6 +99,7 @@ class Engine:
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
         self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
+        self._check_forward_rows(cache)
         # before the pools are sized from the free memory, so that they leave room for its copy
         draft_head = self._draft_head(mtp) if mtp.enabled else None
         dtype = self.model.lm_head_weight.dtype
@@ -145,6 +146,23 @@ class Engine:
         self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # held for a whole step: steps never overlap
         log(sizes.describe(self.pages.bytes, self.states.bytes, self.snapshots.bytes if self.snapshots else 0))
+
+    def _check_forward_rows(self, cache: CacheSection) -> None:
+        """On CUDA, the most tokens one prefill forward carries (a chunk, or a mixed step's budget) must fit the
+        kernels' 32-bit offsets over the widest projection output (the lm_head aside: prefill runs it on the
+        positions whose logits are asked for only)."""
+        from qwen_mtp.model.linear import Linear, MergedLinear
+
+        if self.device.type != "cuda":
+            return
+        widest = max(
+            (m.weight.shape[0] for m in self.model.modules() if isinstance(m, Linear | MergedLinear)
+             and m is not self.model.lm_head),
+            default=self.config.hidden_size,
+        )  # fmt: skip
+        if cache.mixed_steps:
+            check_forward_rows(cache.max_step_tokens, widest, "cache.max_step_tokens")
+        check_forward_rows(cache.prefill_chunk, widest, "cache.prefill_chunk")
 
     def _step_budget(self, cache: CacheSection) -> int | None:
         """Mixed steps' token budget, checked to hold every decode/verify row and one full prefill chunk (so

@@ -17,6 +17,7 @@ from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.recipe import CacheSection
 
 CPU_DEFAULT_TOKENS = 4096
+KERNEL_INDEX_LIMIT = 2**31  # the CUDA kernels address an activation with 32-bit element offsets
 # Share of the GPU cache budget (after state rows) given to GDN state snapshots when prefix caching sizes them:
 # at 27B a snapshot (~147 MiB fp32) is ~4x a 512-token chunk's KV, so pages still get most of the memory.
 PREFIX_SNAPSHOT_SHARE = 0.2
@@ -97,3 +98,16 @@ def size_pools(
     if cache.prefix_caching and not snapshots:  # one snapshot per chunk the page pool can hold
         snapshots = max(1, pages * cache.page_size // cache.prefill_chunk)
     return PoolSizes(pages, cache.page_size, rows, spec_tokens, state_dtype, snapshots)
+
+
+def check_forward_rows(tokens: int, widest: int, setting: str) -> None:
+    """One prefill forward carries `tokens` tokens (`setting` names where that number comes from); its widest
+    activation row has `widest` elements (the largest projection output: at 27B the MLP's gate_up, 34816). On CUDA
+    the Triton kernels address activations with 32-bit element offsets, so tokens x widest must stay below 2^31:
+    past it a kernel would read and write the wrong rows. A RecipeError says the most tokens that fit."""
+    if tokens * widest >= KERNEL_INDEX_LIMIT:
+        most = (KERNEL_INDEX_LIMIT - 1) // widest
+        raise RecipeError(
+            f"{setting} ({tokens}) tokens in one forward x its widest activation row ({widest} elements) is "
+            f"{tokens * widest}, past the 2^31 elements the CUDA kernels index: use at most {most}"
+        )

@@ -19,6 +19,18 @@ OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 STAGE="${STAGE:-all}"
+# The prefill, attention and context stages' helpers. counted LIMIT LOG CMD...: CMD's output into $OUT/LOG, then
+# its rc, how many tests passed and any FAILED / ERROR line. bench_27b LIMIT NAME SETS...: `qwen-mtp bench` at 27B
+# bf16, K=3 at oracle 0.8, 64 new tokens, into $OUT/NAME; its table printed (a device call brings back few files:
+# the JSON is kept, the log only when the run failed).
+counted() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
+            echo "[rc $? at ${SECONDS}s] $log: $(grep -c "^PASSED" "$OUT/$log") passed"; grep -E "^(FAILED|ERROR)" "$OUT/$log"; }
+bench_27b() { local limit=$1 name=$2 rc; shift 2
+              timeout "$limit" python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' \
+                --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[3]' "$@" \
+                --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
+              cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
+              rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
   # -rA: the summary line (pyproject's -q plus this -q would hide it)
   python3 -m pytest -q -rA tests/ops tests/gpu -k "not compiled" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
@@ -80,13 +92,11 @@ if [[ "$STAGE" == verify ]]; then  # one device call (~7 min): the GPU exactness
   run 45 verify-conv.log python3 -m pytest -q -rA tests/ops/test_conv.py
 fi
 if [[ "$STAGE" == prefill ]]; then  # one device call (~8 min): the GPU checks after prefill-path changes
-  run() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
-          echo "[rc $? at ${SECONDS}s] $log: $(grep -c "^PASSED" "$OUT/$log") passed"; grep -E "^(FAILED|ERROR)" "$OUT/$log"; }
-  run 150 prefill-ops.log python3 -m pytest -q -rA tests/ops/test_prefill_attention.py tests/ops/test_conv.py \
+  counted 150 prefill-ops.log python3 -m pytest -q -rA tests/ops/test_prefill_attention.py tests/ops/test_conv.py \
     tests/ops/test_backend.py tests/ops/test_linear.py::test_prefill_plan_rows_never_depend_on_m
-  run 240 prefill-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py \
+  counted 240 prefill-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py \
     tests/gpu/test_cuda_exactness.py::test_prefill_kernels_as_accurate_as_hf
-  run 150 prefill-long.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[1]" \
+  counted 150 prefill-long.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[1]" \
     "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[4]"
   timeout 130 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \
     --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --out "$OUT/mixed-steps.json" \
@@ -94,33 +104,22 @@ if [[ "$STAGE" == prefill ]]; then  # one device call (~8 min): the GPU checks a
   grep -E "^(TTFT|ITL|gemm M)|^ +M=" "$OUT/mixed-steps.log"
 fi
 if [[ "$STAGE" == attention ]]; then  # one device call (~6 min): after decode / verify attention kernel changes
-  run() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
-          echo "[rc $? at ${SECONDS}s] $log: $(grep -c "^PASSED" "$OUT/$log") passed"; grep -E "^(FAILED|ERROR)" "$OUT/$log"; }
-  run 90 attention-ops.log python3 -m pytest -q -rA tests/ops/test_split_kv_attention.py tests/ops/test_paged_attention.py
+  counted 90 attention-ops.log python3 -m pytest -q -rA tests/ops/test_split_kv_attention.py tests/ops/test_paged_attention.py
   timeout 90 python3 benchmarks/decode_attention.py --engine-plan-only --contexts 8192 32768 131072 \
     --out "$OUT/decode-attention.json" 2>&1 | sed -n '/^ B /,$p'
-  run 220 attention-exact.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_bf16_batch_1_8_32[3-graphs-batches6]" \
+  counted 220 attention-exact.log python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_bf16_batch_1_8_32[3-graphs-batches6]" \
     "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[3]" \
     "tests/gpu/test_cuda_exactness.py::test_stress_changing_batch_mix[2-graphs]"
-  timeout 120 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false \
-    --set bench.output_len=64 --set 'bench.ks=[3]' --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]' \
-    --set "bench.out_dir=$OUT/bench-32k-b8" >/dev/null 2>&1; echo "[rc $? at ${SECONDS}s] bench"; cat "$OUT/bench-32k-b8/bench.txt"
+  bench_27b 120 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
 fi
 if [[ "$STAGE" == context ]]; then  # one device call (~8 min): issue #24's context sweep, 27B bf16, K=3 at oracle 0.8
-  common=(recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false --set bench.output_len=64
-          --set 'bench.ks=[3]')
-  # (a device call brings back few files: the tables are printed, the JSONs kept, a log only when its run failed)
-  ctx_bench() { local limit=$1 name=$2 rc; shift 2; timeout "$limit" python3 -m qwen_mtp.cli bench "${common[@]}" "$@" \
-                  --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
-                cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
-                rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
-  ctx_bench 220 bench-context --set 'bench.prompt_len=[128,2048,8192,32768]' --set mtp.draft_vocab_file=first \
+  bench_27b 220 bench-context --set 'bench.prompt_len=[128,2048,8192,32768]' --set mtp.draft_vocab_file=first \
     --set 'bench.draft_vocabs=[0,32768]'
-  ctx_bench 130 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
-  ctx_bench 150 bench-128k --set 'bench.prompt_len=[131072]'
+  bench_27b 130 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
+  bench_27b 150 bench-128k --set 'bench.prompt_len=[131072]'
   rm -f "$OUT"/bench-32k-b8/bench.png "$OUT"/bench-128k/bench.png  # one point each
-  timeout 90 python3 -m pytest -q -rA "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[2]" \
-    >"$OUT/context-exact.log" 2>&1; echo "[rc $? at ${SECONDS}s]"; grep -E "^(PASSED|FAILED|ERROR)" "$OUT/context-exact.log"
+  counted 90 context-exact.log python3 -m pytest -q -rA \
+    "tests/gpu/test_cuda_exactness.py::test_mtp_equals_plain_long_context_graphs[2]"
 fi
 if [[ "$STAGE" == ttft ]]; then  # one device call (~3 min): TTFT of the packed bursts (with a profile), and at 32k
   timeout 120 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \

@@ -49,14 +49,21 @@ def inputs(length: int):
     return q, k, v, g, beta, randn(1, HV, DK, DV) * 0.1
 
 
-def attention(length: int) -> list[dict]:
-    """The last chunk (<= 512 tokens) of a `length`-token prompt over shuffled pages."""
-    gen = torch.Generator(device="cuda").manual_seed(length)
-    chunk, pages = min(CHUNK, length), -(-length // PAGE)
+def paged_chunk(chunk: int, context: int):
+    """Queries of the last `chunk` positions of a `context`-token prompt and its KV on shuffled pages:
+    (q [1, chunk, H, D], kv, tables [1, pages], lens [1], scale)."""
+    gen = torch.Generator(device="cuda").manual_seed(context)
+    pages = -(-context // PAGE)
     tables = torch.randperm(pages, device="cuda", generator=gen).int()[None]
     kv = torch.randn(2, pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
     q = torch.randn(1, chunk, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    lens, scale = torch.tensor([length], device="cuda", dtype=torch.int32), HEAD_DIM**-0.5
+    return q, kv, tables, torch.tensor([context], device="cuda", dtype=torch.int32), HEAD_DIM**-0.5
+
+
+def attention(length: int) -> list[dict]:
+    """The last chunk (<= 512 tokens) of a `length`-token prompt over shuffled pages."""
+    chunk = min(CHUNK, length)
+    q, kv, tables, lens, scale = paged_chunk(chunk, length)
     ref = prefill_attention_reference(q, kv, tables, lens, scale)
     t_ref = triton.testing.do_bench(lambda: prefill_attention_reference(q, kv, tables, lens, scale)) * 1e3
     report = []
@@ -101,12 +108,7 @@ def sdpa_flash_us(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
 
 def long_attention(chunk: int, context: int) -> list[dict]:
     """The last `chunk` positions of a `context`-token prompt over shuffled pages, every tile of `LONG_TILES`."""
-    gen = torch.Generator(device="cuda").manual_seed(context)
-    pages = -(-context // PAGE)
-    tables = torch.randperm(pages, device="cuda", generator=gen).int()[None]
-    kv = torch.randn(2, pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    q = torch.randn(1, chunk, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    lens, scale = torch.tensor([context], device="cuda", dtype=torch.int32), HEAD_DIM**-0.5
+    q, kv, tables, lens, scale = paged_chunk(chunk, context)
     keys, values = (kv[half][tables[0].long()].flatten(0, 1)[None, :context] for half in (0, 1))
     flops = causal_flops(chunk, context)
     t_flash = sdpa_flash_us(q, keys, values, scale)

@@ -44,6 +44,7 @@ from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
 from qwen_mtp.errors import RecipeError, RequestError
+from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.mtp import DraftLmHead
 from qwen_mtp.recipe import CacheSection, CompileSection, MTPSection, Recipe, StateSection, load_recipe
 
@@ -151,8 +152,6 @@ class Engine:
         """On CUDA, the most tokens one prefill forward carries (a chunk, or a mixed step's budget) must fit the
         kernels' 32-bit offsets over the widest projection output (the lm_head aside: prefill runs it on the
         positions whose logits are asked for only)."""
-        from qwen_mtp.model.linear import Linear, MergedLinear
-
         if self.device.type != "cuda":
             return
         widest = max(

@@ -15,9 +15,9 @@ Tiling: the chunk's (query position, query head) pairs of one KV head are flatte
 KV head share its key loads) and cut into tiles of ROWS pairs; a program walks its tile's visible keys in
 blocks of BLOCK_N positions (online softmax, in base 2: `triton_helpers.attend_block_log2`), skipping blocks that
 no query of the tile can see. At long context nearly every block is visible to every pair of the tile: those run
-without the causal select, and only the blocks on the tile's diagonal are masked (at head size 256 a block's
-softmax costs about half its two products on an H200: per-score work is what is left to cut). Programs start
-with the last tiles of the chunk, which see the most keys, so the short first tiles fill the last wave.
+without the causal select, and only the blocks on the tile's diagonal are masked: beside the two products, the
+per-score work (select, exponent, running sums) is what a block's time is made of. Programs start with the last
+tiles of the chunk, which see the most keys, so the short first tiles fill the last wave.
 """
 
 from __future__ import annotations

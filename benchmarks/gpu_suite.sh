@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -11,7 +11,10 @@
 #                subset, B8 at 32k);
 #   context      the context sweep 128..128k, with B8 at 32k;
 #   verifybench  the 27B rows of the sixth session's open claims;
-#   ttft         where TTFT goes at 32 x 128 packed and at one 32k prompt.
+#   ttft         where TTFT goes at 32 x 128 packed and at one 32k prompt;
+#   probe        the GEMM's row-tile variants (gemm_buckets.py, BUCKET_SET), graphed step splits at B1 / B32,
+#                decode attention plans;
+#   buckets      tune and apply the GEMM row buckets (27B, 0.8B), their GPU tests, the 27B batch bench.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -140,6 +143,29 @@ if [[ "$STAGE" == verifybench ]]; then  # one device call (~5 min): the 27B rows
   timeout 120 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml "${common[@]}" --set 'bench.prompt_len=[8192,32768]' \
     --set 'bench.ks=[3]' --set bench.output_len=32 --set "bench.out_dir=$OUT/bench-long" >"$OUT/bench-long.log" 2>&1
   cat "$OUT/bench-long/bench.txt"
+fi
+if [[ "$STAGE" == probe ]]; then  # one device call (~8 min): row-tile buckets of the GEMM, graphed step splits
+  timeout 330 python3 benchmarks/gemm_buckets.py qwen3.5-27b --set "${BUCKET_SET:-tiles}" --out "$OUT/gemm-buckets.json" \
+    >"$OUT/gemm-buckets.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] gemm_buckets"; grep -v "^ *$" "$OUT/gemm-buckets.log" | cut -c1-170
+  [[ -n "${BUCKETS_ONLY:-}" ]] && exit 0
+  timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
+    --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"
+  timeout 100 python3 benchmarks/decode_attention.py --contexts 8192 32768 --out "$OUT/decode-attention.json" 2>&1 \
+    | sed -n '/^ B /,$p' | head -40
+fi
+if [[ "$STAGE" == buckets ]]; then  # one device call (~8 min): tune and apply the GEMM row buckets, then the batch bench
+  for preset in ${BUCKET_PRESETS:-qwen3.5-27b qwen3.5-0.8b}; do
+    log="$OUT/gemm-buckets-${preset#qwen3.5-}"
+    timeout 200 python3 benchmarks/gemm_buckets.py "$preset" --set buckets --apply --out "$log.json" >"$log.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] gemm_buckets $preset"; sed -n '/^Row buckets chosen/,$p' "$log.log" | cut -c1-200
+  done
+  cp qwen_mtp/ops/linear.py "$OUT/linear.py"  # the applied table, back for the commit
+  counted 120 bucket-test.log python3 -m pytest -q -rA tests/ops/test_linear.py -k "bucket or sums or row_plan"
+  timeout 420 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false \
+    --set bench.output_len=64 --set 'bench.ks=[2,3]' --set "bench.batch_sizes=[${BATCHES:-1,8,32,64}]" \
+    --set "bench.out_dir=$OUT/bench-batch" >"$OUT/bench-batch.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] bench"; cat "$OUT/bench-batch/bench.txt" 2>/dev/null || tail -20 "$OUT/bench-batch.log"
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

@@ -1,7 +1,11 @@
 """Where a decode step's GPU time goes: runs a few eager plain-decode (or verify) steps of a recipe's model under
 `torch.profiler` and prints the kernels by total GPU time per step, next to the step's wall time eagerly and
 under CUDA graphs; with `--prefill N`, one N-token prefill instead (wall time and kernels).
+`--graphed B [B ...]`: instead, B requests at once under CUDA graphs (as the bench runs them), plain and with
+`--k K` drafts a step (the random head's drafts are rejected, but a verify costs what it costs), each step's
+kernels split by kind (GEMM, GDN, attention, other) with the top kernels.
 Usage (GPU box): python3 benchmarks/profile_step.py recipes/bench-27b.yaml [--prefill 2048]
+                 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 [--out PATH]
 """
 
 from __future__ import annotations
@@ -68,13 +72,73 @@ def profile_prefill(loaded, recipe, length: int, top: int) -> None:
     print_kernels(prof, 1, top)
 
 
+def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, out: str | None) -> None:
+    """B requests decoding together under CUDA graphs (one engine per batch size and mode, sized as the bench sizes
+    them), plain and (k > 0) MTP with k drafts: wall ms per engine step and the profiled kernels of `steps` steps
+    split by kind, per step."""
+    import json
+
+    from bench_common import gpu_split
+
+    loaded, report = None, {}
+    for mode_k in [0] + ([k] if k else []):
+        for batch in batches:
+            budget = batch + 8 + 3 * steps  # tokens a request may make: its batch's prefill steps, warm-up, timed
+            pages = batch * (-(-(128 + budget + 2 * mode_k) // 64) + 1)
+            settings = [
+                "compile.cuda_graphs=true", f"compile.batch_sizes=[{batch}]", f"cache.max_batch={batch}",
+                f"cache.num_state_rows={batch}", f"cache.num_pages={pages}",
+                f"mtp.enabled={'true' if mode_k else 'false'}", f"mtp.k={mode_k or 1}",
+            ]  # fmt: skip
+            recipe = load_recipe(recipe_path, settings)
+            loaded = loaded or load_from_recipe(recipe)
+            engine = Engine.from_recipe(recipe, loaded=loaded, log=lambda *_: None)
+            engine.warmup()
+            prompts = [[100 + (7 * i + j) % 1000 for j in range(128)] for i in range(batch)]
+            for p in prompts:
+                engine.submit(p, SamplingParams(budget, ignore_eos=True))
+            for _ in range(batch + 4):  # every prompt prefilled (a chunk a step at most), then decoding
+                engine.step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = 1e3 * (time.perf_counter() - start) / steps
+
+            def run_steps(engine=engine):
+                for _ in range(steps):
+                    engine.step()
+
+            split = gpu_split(run_steps, top=10)
+            per_step = {key: (v / steps if not isinstance(v, dict) else {n: t / steps for n, t in v.items()})
+                        for key, v in split.items()}  # fmt: skip
+            label = f"B{batch} " + (f"K={mode_k} verify+draft" if mode_k else "plain")
+            report[label] = dict(wall_ms=wall, gpu_ms=per_step)
+            kinds = "  ".join(f"{kind} {ms:.2f}" for kind, ms in per_step.items() if not isinstance(ms, dict))
+            print(f"{label}: {wall:.2f} ms a step (wall); GPU ms a step: {kinds}", flush=True)
+            for name, ms in per_step["top kernels"].items():
+                print(f"    {ms * 1e3:8.1f} us  {name}")
+            del engine
+            torch.cuda.empty_cache()
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("recipe")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
+    parser.add_argument("--graphed", type=int, nargs="*", default=None, help="batch sizes to profile under graphs")
+    parser.add_argument("--k", type=int, default=0, help="with --graphed: also MTP with this many drafts")
+    parser.add_argument("--out", default=None, help="with --graphed: write the split here as JSON")
     args = parser.parse_args()
+    if args.graphed:
+        profile_graphed(args.recipe, args.graphed, args.k, args.steps, args.out)
+        return
     chunk = (f"cache.prefill_chunk={args.prefill}",) if args.prefill else ()
     eager_settings = ("compile.cuda_graphs=false", "compile.enabled=false", "cache.num_pages=64", *chunk)
     recipe = load_recipe(args.recipe, eager_settings)

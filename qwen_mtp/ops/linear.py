@@ -14,6 +14,11 @@ else shares its batch, so on that path every row's reduction order must not depe
   SMs idle. Two kernel families, picked by the plan: "grid" (the default today: a program per 16-row tile, so
   the weight is read again for every 16 rows) and "stream" (a program per weight slice that runs up to
   `row_tiles x block_m` rows through each weight block it loads; see `_stream_kernel`).
+Row buckets. A plan's row tile suits some row counts: 32-row MMAs serve one request's decode at the copy
+bandwidth, but a 128-row verify then runs four of them per weight block (1.3-1.6x cuBLAS). On Hopper an element's
+bits depend only on the K split points (and mma.sync against wgmma), not on the tile shapes (`sum_order`,
+measured), so a shape may list plans for larger launches (`ROW_BUCKETS`, `row_plan`): every launch picks its
+plan from M, and every plan of a shape sums as its `gemm_plan` does, so a row's result is still the same at any M.
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
 
@@ -206,6 +211,59 @@ def gemm_plan(n: int, k: int) -> GemmPlan:
         return GemmPlan(block_n, block_k, min(2, k_blocks))
     splits = max(1, min(4, k_blocks, TARGET_PROGRAMS // tiles))
     return GemmPlan(block_n, block_k, -(-k_blocks // splits))
+
+
+# Wider row tiles for launches of more rows (issue #13): (N, K) -> ((fewest rows, plan), ...) by rising bound. A
+# launch of M rows runs the last plan whose bound is <= M, and the shape's `gemm_plan` below the first bound. Every
+# plan of a shape makes its `gemm_plan`'s sums (`same_sums`, checked at import), so a row's bits never depend on
+# the bucket its launch fell in. `benchmarks/gemm_buckets.py --set buckets --apply` times the candidates on the GPU
+# and writes this table; a shape not here runs its one plan at every M.
+# BEGIN ROW_BUCKETS (written by benchmarks/gemm_buckets.py --apply)
+ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
+# END ROW_BUCKETS
+
+
+def sum_order(plan: GemmPlan, n: int, k: int) -> tuple:
+    """What fixes the value of every output element of an [N, K] weight's product, measured on the H200
+    (benchmarks/gemm_buckets.py: 27B shapes, rows bitwise equal at M = 256 across plans): the K split points (in K
+    elements), the split tail's first column and K split points, and the MMA: among wgmma plans neither the row
+    tile (the MMA's N when swapped), the weight tile, swapping, the warps, the K block nor the pipeline depth changes
+    a bit (each element's K blocks go into the same fp32 accumulator in the same k16 steps, in order). mma.sync
+    groups K inside an MMA by its operand layout (docs/gpu-findings.md), which was not measured across tiles: an
+    mma.sync plan sums as another only with the same tiles."""
+    tail = stream_tail(plan, n, k) if plan.family == "stream" else {}
+    tail_start = (-(-n // plan.block_n) - tail["TAIL_TILES"]) * plan.block_n if tail else n
+    tail_k = tail.get("TAIL_K_PER_SPLIT", 0) * plan.block_k
+    mma = "wgmma"
+    if feeds_mma_sync(plan, 9):
+        mma = ("mma.sync", plan.block_m, plan.block_n, plan.block_k, plan.num_warps, plan.swap_ab)
+    return plan.k_per_split * plan.block_k, tail_start, tail_k, mma
+
+
+def same_sums(a: GemmPlan, b: GemmPlan, n: int, k: int) -> bool:
+    """Whether two plans give every element of an [N, K] weight's product the same bits (`sum_order`)."""
+    return sum_order(a, n, k) == sum_order(b, n, k)
+
+
+def row_plan(n: int, k: int, m: int, hopper: bool = True) -> GemmPlan:
+    """The decode plan a launch of `m` rows of an [N, K] bf16 weight runs: its row bucket's, else `gemm_plan`. Only
+    on Hopper (`hopper`), where `sum_order` was measured; elsewhere the one plan serves every M."""
+    plan = gemm_plan(n, k)
+    for fewest, bucket in ROW_BUCKETS.get((n, k), ()) if hopper else ():
+        if m >= fewest:
+            plan = bucket
+    return plan
+
+
+def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]]) -> None:
+    """Every bucket plan sums as its shape's `gemm_plan` does, and the bounds rise: else a ValueError."""
+    for (n, k), entries in buckets.items():
+        bounds = [fewest for fewest, _ in entries]
+        if bounds != sorted(set(bounds)) or bounds[0] < 2:
+            raise ValueError(f"ROW_BUCKETS[{n}, {k}]: row bounds must rise from 2 or more, got {bounds}")
+        for fewest, plan in entries:
+            if not same_sums(plan, gemm_plan(n, k), n, k):
+                raise ValueError(f"ROW_BUCKETS[{n}, {k}] from {fewest} rows: {plan} sums otherwise than gemm_plan")
 
 
 # Prefill plans measured on the H200 (benchmarks/mixed_steps.py, gemm part); a shape not here takes the default.
@@ -466,8 +524,8 @@ def invariant_matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with a fixed, M-independent reduction order (fp32 accumulation), by the plan's
-    kernel family (default: the shape's `gemm_plan`, or `gemm_plan_fp8` with a `scale`). With `scale`, weight is
-    e4m3 and `scale` its 128x128 block scales (W8A16)."""
+    kernel family (default: the shape's `row_plan` for M rows, or `gemm_plan_fp8` with a `scale`). With `scale`,
+    weight is e4m3 and `scale` its 128x128 block scales (W8A16)."""
     import triton
 
     m, k = x.shape
@@ -478,7 +536,10 @@ def invariant_matmul_triton(
     if fp8:
         assert weight.dtype == torch.float8_e4m3fn and scale.stride(1) == 1
         assert tuple(scale.shape) == (-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1])), "scale grid of 128x128 blocks"
-    plan = plan or (gemm_plan_fp8(n, k) if fp8 else gemm_plan(n, k))
+    if plan is None and fp8:
+        plan = gemm_plan_fp8(n, k)
+    elif plan is None:
+        plan = row_plan(n, k, m, hopper=INTERPRET or torch.cuda.get_device_capability(x.device)[0] == 9)
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -984,3 +1045,6 @@ def linear_fp8_w8a8_triton(
     (`quantize_activation_rows_triton`) and `w8a8_matmul_triton`, in x's dtype."""
     q, q_scale = quantize_activation_rows_triton(x)
     return w8a8_matmul_triton(q, q_scale, weight, scale, plan, x.dtype)
+
+
+check_row_buckets(ROW_BUCKETS)

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from op_helpers import DTYPES, REAL, VERIFY_DTYPE, check_op, rand
+from op_helpers import DEVICE, DTYPES, REAL, VERIFY_DTYPE, check_op, rand
 
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan, prefill_rows
@@ -168,3 +168,106 @@ def test_prefill_rows_selects_the_prefill_plans_only_inside_the_block():
             pass
         assert linear._invariant_plan(256, 512) is not None  # an inner block leaves the outer one on
     assert linear._invariant_plan(256, 512) is None
+
+
+# ---- row buckets: plans picked by the launch's row count, all summing as the shape's plan does ----------------
+
+WGMMA_BASE = GemmPlan(64, 32, 2, 4, 3, family="stream", block_m=32, row_tiles=4, swap_ab=True)  # K split every 64
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(block_m=128, row_tiles=1),  # the row tile: the MMA's N
+        dict(block_k=16, k_per_split=4, num_stages=6),  # the K block, same split points
+        dict(block_n=128, num_warps=8),  # the weight tile
+        dict(swap_ab=False, block_m=64, row_tiles=1),  # unswapped 64-row wgmma
+        dict(family="grid", swap_ab=False, block_m=64, row_tiles=1),
+    ],
+)
+def test_tiles_of_wgmma_plans_never_change_the_sums(fields):
+    assert linear.same_sums(WGMMA_BASE, dataclasses.replace(WGMMA_BASE, **fields), 512, 1024)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(k_per_split=1),  # other split points
+        dict(block_k=16, k_per_split=2),  # a K block of other split points
+        dict(block_n=32),  # 32 weight rows on the MMA's row side: mma.sync
+        dict(num_warps=2),  # under a warpgroup: mma.sync
+    ],
+)
+def test_split_points_and_mma_sync_change_the_sums(fields):
+    assert not linear.same_sums(WGMMA_BASE, dataclasses.replace(WGMMA_BASE, **fields), 512, 1024)
+
+
+def test_a_split_tail_sums_alike_over_the_same_columns_only():
+    n, k = 512, 1280  # 8 tiles of 64 columns, 10 K blocks of 128
+    base = GemmPlan(64, 128, 10, 4, 3, "stream", 32, 4, True, tail_tiles=2, tail_splits=5)
+    wide = dataclasses.replace(base, block_n=128, num_warps=8, block_m=128, row_tiles=1)
+    assert linear.same_sums(base, dataclasses.replace(wide, tail_tiles=1), n, k)  # columns 384.. both
+    assert not linear.same_sums(base, wide, n, k)  # 2 tiles of 128: columns 256..
+    assert not linear.same_sums(base, dataclasses.replace(base, tail_splits=2), n, k)
+
+
+def test_check_row_buckets_rejects_other_sums_and_unsorted_bounds(monkeypatch):
+    monkeypatch.setitem(linear.TUNED, (512, 1024), WGMMA_BASE)
+    wide = dataclasses.replace(WGMMA_BASE, block_m=128, row_tiles=1)
+    linear.check_row_buckets({(512, 1024): ((33, wide),)})
+    with pytest.raises(ValueError, match="sums otherwise"):
+        linear.check_row_buckets({(512, 1024): ((33, dataclasses.replace(wide, k_per_split=1)),)})
+    with pytest.raises(ValueError, match="rise"):
+        linear.check_row_buckets({(512, 1024): ((65, wide), (33, wide))})
+
+
+def _bucket_table(n: int, k: int):
+    """A row-bucket table for one test shape: the wgmma base plan, then three other tilings from 3, 9 and 20 rows."""
+    return {
+        (n, k): (
+            (3, dataclasses.replace(WGMMA_BASE, block_m=16, row_tiles=1, block_k=16, k_per_split=4)),
+            (9, dataclasses.replace(WGMMA_BASE, swap_ab=False, block_m=64, block_n=16, row_tiles=1)),
+            (20, dataclasses.replace(WGMMA_BASE, family="grid", swap_ab=False, block_m=64, row_tiles=1)),
+        )
+    }
+
+
+def test_row_plan_picks_the_bucket_of_the_launch(monkeypatch):
+    table = _bucket_table(24, 192)
+    monkeypatch.setitem(linear.TUNED, (24, 192), WGMMA_BASE)
+    monkeypatch.setattr(linear, "ROW_BUCKETS", table)
+    plans = [linear.row_plan(24, 192, m) for m in (1, 2, 3, 8, 9, 19, 20, 300)]
+    (_, a), (_, b), (_, c) = table[24, 192]
+    assert plans == [WGMMA_BASE, WGMMA_BASE, a, a, b, b, c, c]
+    assert linear.row_plan(24, 192, 300, hopper=False) == WGMMA_BASE  # measured on Hopper only
+
+
+@pytest.mark.skipif(REAL, reason="integer-valued inputs test the dispatch; on CUDA: the bf16 test below")
+def test_bucketed_launches_are_right_at_every_row_count(monkeypatch):
+    """Each bucket's kernel launch (swapped, unswapped, grid, other K block) over integer-valued inputs, exact in
+    any summation order: right products and the same rows at the bucket edges. Which bits a rounding sum gives
+    across tilings is the GPU's property (sum_order; checked on the H200 by gemm_buckets.py and the test below)."""
+    n, k = 24, 192
+    monkeypatch.setitem(linear.TUNED, (n, k), WGMMA_BASE)
+    monkeypatch.setattr(linear, "ROW_BUCKETS", _bucket_table(n, k))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-3, 4, (n, k), generator=gen).float().to(DEVICE)
+    x = torch.randint(-3, 4, (40, k), generator=gen).float().to(DEVICE)
+    full = invariant_matmul_triton(x, weight)
+    assert torch.equal(full, x @ weight.T)
+    for m in (1, 2, 3, 8, 9, 19, 20, 33):
+        assert torch.equal(invariant_matmul_triton(x[:m], weight), full[:m]), f"M={m}"
+    assert not linear._COUNTERS[x.device].any()
+
+
+@pytest.mark.skipif(not REAL, reason="the bits of rounding sums across tilings are the GPU's (sum_order)")
+def test_row_buckets_rows_never_depend_on_m():
+    """Every shape with row buckets: a row's bf16 result is the same at every M, across each bucket's edges."""
+    if not linear.ROW_BUCKETS:
+        pytest.skip("no row buckets tuned")
+    for (n, k), entries in linear.ROW_BUCKETS.items():
+        weight, x = rand(n, k, dtype=torch.bfloat16, seed=1), rand(300, k, dtype=torch.bfloat16, seed=2)
+        full = invariant_matmul_triton(x, weight)
+        edges = sorted({1, 2, 300, *(f + d for f, _ in entries for d in (-1, 0, 1))})
+        for m in edges:
+            assert torch.equal(invariant_matmul_triton(x[:m], weight), full[:m]), f"{n}x{k}: rows differ at M={m}"

@@ -1,0 +1,291 @@
+"""Does a row's result depend on the MMA's width? If not, the invariant GEMM can take its row tile from M.
+
+The invariant GEMM (ops/linear.py) fixes one plan per weight shape, so a 128-row verify runs four 32-row
+`tl.dot`s per weight block (the swapped plans' MMA is [weight rows, 32 rows]) and is 1.2-1.7x cuBLAS there. On
+Hopper a swapped plan's `tl.dot` is a wgmma whose N (the row side) can be 8..256: if every output element's
+value is the same whatever that N (same K blocks, same K order, same splits), a launch may pick the row tile
+from M (32 rows for M <= 32, 64, 128, 256 above) and each row still gets the same bits.
+
+For each decode weight shape of a preset (lm_head included) this script computes M = 256 rows with the shape's
+current plan and with plans that differ from it only in what should not change an element's sums (the row
+tile, the weight tile's width, the warps, the pipeline depth, swapped or not), and says which are bitwise equal
+to it; then times them at M = 1 .. 256 against cuBLAS, with each plan's own invariance across M.
+
+Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_buckets.py [qwen3.5-27b] [name filter]
+[--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from gemm_family import DECODE_M, ROTATION_BYTES, _cdiv, _error, graph_us, invariance_failures, precompile, shapes
+
+from qwen_mtp.ops import linear
+from qwen_mtp.ops.linear import GemmPlan, gemm_plan, invariant_matmul_triton, same_sums
+
+SMEM_BYTES = 220 << 10
+
+
+def stages_for(block_n: int, block_m: int, block_k: int, most: int = 4) -> int:
+    """The deepest pipeline (2..most) whose buffers fit in an SM's shared memory."""
+    per_stage = (block_n + block_m) * block_k * 2
+    return max(2, min(most, SMEM_BYTES // per_stage))
+
+
+def variants(base: GemmPlan) -> dict[str, GemmPlan]:
+    """Plans whose elements should equal `base`'s: the same block_k and K splits (and split tail), other tiles."""
+    one = dataclasses.replace(base, family="stream", row_tiles=1, wide_stages=0)
+    plain = dataclasses.replace(one, tail_tiles=0, tail_splits=1)  # the tail changes the tail tiles' sums
+    out = {"now": base, "rt1": one}
+    for bm in (64, 128, 256):
+        out[f"swap bm{bm}"] = dataclasses.replace(one, block_m=bm, num_stages=stages_for(one.block_n, bm, one.block_k))
+    for bn, bm, warps in ((128, 64, 8), (128, 128, 8), (128, 256, 8), (256, 128, 8), (256, 64, 8)):
+        stages = stages_for(bn, bm, plain.block_k)
+        out[f"swap bn{bn} bm{bm} w{warps}"] = dataclasses.replace(
+            plain, block_n=bn, block_m=bm, num_warps=warps, num_stages=stages, swap_ab=True
+        )
+    for bn, bm in ((128, 64), (128, 128), (256, 128)):
+        out[f"noswap bn{bn} bm{bm}"] = dataclasses.replace(
+            plain, block_n=bn, block_m=bm, num_warps=8, num_stages=stages_for(bn, bm, plain.block_k), swap_ab=False
+        )
+    if base.tail_tiles:
+        out["no tail"] = dataclasses.replace(plain, num_stages=base.num_stages)
+    return out
+
+
+def with_block_k(plan: GemmPlan, block_k: int) -> GemmPlan:
+    """The plan with another K block but the same K split points (k_per_split and the tail's in K elements)."""
+    scale = plan.block_k // block_k
+    return dataclasses.replace(plan, block_k=block_k, k_per_split=plan.k_per_split * scale)
+
+
+def deep_variants(base: GemmPlan) -> dict[str, GemmPlan]:
+    """Wide row tiles with 64-deep K blocks (more pipeline stages in the same shared memory), and the 128x256 tile
+    a dense GEMM library takes, swapped and not; do 64-deep K blocks keep the 128-deep plan's sums?"""
+    one = dataclasses.replace(base, family="stream", row_tiles=1, wide_stages=0)
+    plain = dataclasses.replace(one, tail_tiles=0, tail_splits=1)
+    out = {
+        "now": base,
+        "swap bm128": dataclasses.replace(one, block_m=128, num_stages=stages_for(one.block_n, 128, 128)),
+    }
+    if base.tail_tiles:
+        out["no tail"] = dataclasses.replace(plain, num_stages=base.num_stages)
+    for bm, bk in ((64, 64), (128, 64)):
+        for stages in (4, 6):
+            out[f"swap bm{bm} k{bk} s{stages}"] = with_block_k(
+                dataclasses.replace(one, block_m=bm, num_stages=stages), bk
+            )
+    for swap, bn, bm, warps, stages in (
+        (True, 128, 128, 8, 4), (True, 128, 128, 4, 4), (True, 256, 128, 8, 3), (True, 256, 128, 8, 4),
+        (False, 256, 128, 8, 3), (False, 256, 128, 8, 4), (False, 128, 128, 8, 5), (True, 128, 256, 8, 3),
+        (True, 64, 256, 4, 3),
+    ):  # fmt: skip
+        label = f"{'swap' if swap else 'noswap'} bn{bn} bm{bm} k64 w{warps} s{stages}"
+        tile = dataclasses.replace(plain, block_n=bn, block_m=bm, num_warps=warps, num_stages=stages, swap_ab=swap)
+        out[label] = with_block_k(tile, 64)
+    return out
+
+
+def retile(base: GemmPlan, n: int, k: int, **fields) -> GemmPlan | None:
+    """`base` with other tiles (fields), its K split points kept (k_per_split in K elements; a split tail over the
+    same columns): the plan, or None where no such plan sums as `base` does."""
+    plan = dataclasses.replace(base, family="stream", row_tiles=1, wide_stages=0, **fields)
+    plan = dataclasses.replace(plan, k_per_split=base.k_per_split * base.block_k // plan.block_k)
+    if base.tail_tiles:
+        columns = base.tail_tiles * base.block_n - (-n % base.block_n)  # the tail's columns that exist
+        tiles = -(-(columns + (-n % plan.block_n)) // plan.block_n)
+        plan = dataclasses.replace(plan, tail_tiles=tiles)
+    return plan if same_sums(plan, base, n, k) else None
+
+
+# Bucket candidates: label -> fields replaced in the shape's plan (one row tile a pass, its K split points kept).
+BUCKET_TILES: dict[str, dict] = {
+    "bm64": dict(block_m=64, num_stages=4),
+    "bm64 k64 s6": dict(block_m=64, block_k=64, num_stages=6),
+    "bm64 k64 s8": dict(block_m=64, block_k=64, num_stages=8),
+    "bm128": dict(block_m=128, num_stages=3),
+    "bm128 k64 s5": dict(block_m=128, block_k=64, num_stages=5),
+    "bm128 k64 s6": dict(block_m=128, block_k=64, num_stages=6),
+    "bn128 bm128 k64 w8 s6": dict(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=6),
+    "bn256 bm128 k64 w8 s4": dict(block_n=256, block_m=128, block_k=64, num_warps=8, num_stages=4),
+    "noswap bn128 bm128 k64 w8 s5": dict(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=5, swap_ab=0),
+    "noswap bn256 bm128 k64 w8 s4": dict(block_n=256, block_m=128, block_k=64, num_warps=8, num_stages=4, swap_ab=0),
+    "bm256 k64 s4": dict(block_m=256, block_k=64, num_stages=4),
+    "bn128 bm256 k64 w8 s3": dict(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3),
+    "bn128 bm256 k64 w8 s4": dict(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=4),
+}  # fmt: skip
+# A bucket's first row count -> the row counts its plan is chosen by (the sum of their times).
+BUCKETS = {33: (64,), 65: (96, 128), 129: (256,)}
+
+
+def bucket_variants(base: GemmPlan, n: int, k: int) -> dict[str, GemmPlan]:
+    """The shape's plan and every bucket candidate that sums as it does."""
+    out = {"now": base}
+    for label, fields in BUCKET_TILES.items():
+        plan = retile(base, n, k, **fields)
+        if plan is not None and SMEM_BYTES >= plan.num_stages * (plan.block_n + plan.block_m) * plan.block_k * 2:
+            out[label] = plan
+    return out
+
+
+def pick_buckets(entry: dict, base: GemmPlan) -> tuple[tuple[int, GemmPlan], ...]:
+    """The fastest invariant plan equal to the shape's plan per bucket (the shape's plan itself where it wins);
+    empty when it wins every bucket."""
+    ok = {label: r for label, r in entry["plans"].items() if r["equal"] and not r["invariance_failures"]}
+    chosen = []
+    for fewest, rows in BUCKETS.items():
+        label = min(ok, key=lambda lb: sum(ok[lb]["us"][m] for m in rows))
+        chosen.append((fewest, GemmPlan(**ok[label]["plan"]) if label != "now" else base))
+    return () if all(plan == base for _, plan in chosen) else tuple(chosen)
+
+
+def plan_literal(plan: GemmPlan) -> str:
+    """`GemmPlan(...)` with its fields positional (a table row fits a line)."""
+    return f"GemmPlan({', '.join(json.dumps(v) if isinstance(v, str) else repr(v) for v in dataclasses.astuple(plan))})"
+
+
+def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], path: str) -> None:
+    """Replace the ROW_BUCKETS table between its markers in ops/linear.py."""
+    lines = ["ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {"]
+    for (n, k), entries in sorted(table.items()):
+        lines.append(f"    ({n}, {k}): (")
+        lines += [f"        ({fewest}, {plan_literal(plan)})," for fewest, plan in entries]
+        lines.append("    ),")
+    lines.append("}")
+    text = open(path).read()
+    start = text.index("\n", text.index("# BEGIN ROW_BUCKETS")) + 1
+    end = text.index("# END ROW_BUCKETS")
+    with open(path, "w") as f:
+        f.write(text[:start] + "\n".join(lines) + "\n" + text[end:])
+
+
+BUCKET_CHECK_M = (1, 8, 16, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 200, 255)
+
+
+def dispatch_entry(n: int, k: int) -> dict:
+    """The launch as the engine makes it (plan from M): us per call against cuBLAS at every decode M, and whether a
+    row's bits are the same at every M, across the bucket edges, and alone."""
+    copies = max(1, _cdiv(ROTATION_BYTES, n * k * 2))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    full = invariant_matmul_triton(x, ws[0])
+    fails = [f"M={m}" for m in BUCKET_CHECK_M if not torch.equal(invariant_matmul_triton(x[:m], ws[0]), full[:m])]
+    fails += [
+        f"row {i} alone"
+        for i in (0, 40, 100, 255)
+        if not torch.equal(invariant_matmul_triton(x[i : i + 1], ws[0]), full[i : i + 1])
+    ]
+    entry = dict(
+        cublas_us={m: graph_us(F.linear, x[:m], ws) for m in DECODE_M},
+        us={m: graph_us(invariant_matmul_triton, x[:m], ws) for m in DECODE_M}, invariance_failures=fails,
+        plans={m: dataclasses.asdict(linear.row_plan(n, k, m)) for m in DECODE_M},
+    )  # fmt: skip
+    del ws, x
+    torch.cuda.empty_cache()
+    return entry
+
+
+VARIANT_SETS = {"tiles": variants, "deep": deep_variants}
+
+
+def measure(n: int, k: int, plans: dict[str, GemmPlan]) -> dict:
+    copies = max(1, _cdiv(ROTATION_BYTES, n * k * 2))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    entry = dict(n=n, k=k, cublas_us={m: graph_us(F.linear, x[:m], ws) for m in DECODE_M}, plans={}, skipped={})
+    reference = {}
+    for label, plan in plans.items():
+
+        def fn(a, w, p=plan):
+            return invariant_matmul_triton(a, w, p)
+
+        try:
+            rows = fn(x, ws[0])
+            has_tail = bool(plan.tail_tiles)
+            key = ("tail" if has_tail else "plain", plan.splits(k))  # a K block size of its own still compared
+            reference.setdefault(key, (label, rows))
+            ref_label, ref_rows = reference[key]
+            fails = invariance_failures(fn, x, ws[0])
+            us = {m: graph_us(fn, x[:m], ws) for m in DECODE_M}
+        except Exception as err:
+            entry["skipped"][label] = _error(err)
+            continue
+        entry["plans"][label] = dict(
+            plan=dataclasses.asdict(plan), us=us, invariance_failures=fails, equals=ref_label,
+            equal=bool(torch.equal(rows, ref_rows)), max_diff=float((rows.float() - ref_rows.float()).abs().max()),
+        )  # fmt: skip
+    del ws, x
+    torch.cuda.empty_cache()
+    return entry
+
+
+def print_entry(name: str, e: dict) -> None:
+    cb = e["cublas_us"]
+    print(f"\n{name} {e['n']}x{e['k']}: us per call (x cuBLAS); '= plan' means bitwise equal to that plan at M=256")
+    print(f"  {'cuBLAS':26s} " + " ".join(f"{cb[m]:6.1f}" for m in DECODE_M))
+    for label, r in e["plans"].items():
+        cells = " ".join(f"{r['us'][m] / cb[m]:6.2f}" for m in DECODE_M)
+        inv = "inv" if not r["invariance_failures"] else "NOT-INV " + ",".join(r["invariance_failures"][:3])
+        eq = f"= {r['equals']}" if r["equal"] else f"DIFFERS from {r['equals']} by {r['max_diff']:.3g}"
+        print(f"  {label:26s} {cells}  m1={r['us'][1]:.1f} m128={r['us'][128]:.1f}  {inv}  {eq}")
+    for label, err in e["skipped"].items():
+        print(f"  {label:26s} skipped: {err}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("preset", nargs="?", default="qwen3.5-27b")
+    parser.add_argument("only", nargs="?", default="")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--set", default="tiles", choices=[*VARIANT_SETS, "buckets"], help="which plans to compare")
+    parser.add_argument("--apply", action="store_true", help="with --set buckets: write the winners to ops/linear.py")
+    parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    todo = {}
+    for name, (n, k) in shapes(args.preset, args.only).items():
+        if "draft vocab" in name:
+            continue
+        base = gemm_plan(n, k)
+        todo[name] = (n, k, bucket_variants(base, n, k) if args.set == "buckets" else VARIANT_SETS[args.set](base))
+    errors = precompile([(n, k, p) for n, k, plans in todo.values() for p in plans.values()], args.jobs)
+    print(f"compiled in {time.time() - t0:.0f} s, {len(errors)} errors: {sorted(set(errors))[:3]}", flush=True)
+    report = {}
+    for name, (n, k, plans) in todo.items():
+        report[name] = measure(n, k, plans)
+        print_entry(name, report[name])
+    if args.set == "buckets":
+        picked = {(e["n"], e["k"]): pick_buckets(e, gemm_plan(e["n"], e["k"])) for e in report.values()}
+        table = {nk: entries for nk, entries in picked.items() if entries}
+        print("\nRow buckets chosen (first row count: plan):")
+        for (n, k), entries in table.items():
+            print(f"  ({n}, {k}): " + "; ".join(f"{fewest}+: {plan}" for fewest, plan in entries))
+        linear.check_row_buckets(table)
+        for nk in picked:  # this preset's shapes take their new buckets; other presets' entries stay
+            linear.ROW_BUCKETS.pop(nk, None)
+        linear.ROW_BUCKETS.update(table)
+        if args.apply:
+            write_buckets({**linear.ROW_BUCKETS}, linear.__file__)
+        print("\nThe launch as the engine makes it (row plan from M), x cuBLAS; 'inv': a row's bits at every M")
+        print(f"  {'shape':28s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M))
+        for name, (n, k, _) in todo.items():
+            d = report[name]["dispatch"] = dispatch_entry(n, k)
+            cells = " ".join(f"{d['us'][m] / d['cublas_us'][m]:6.2f}" for m in DECODE_M)
+            inv = "inv" if not d["invariance_failures"] else "NOT-INV " + ",".join(d["invariance_failures"][:4])
+            print(f"  {name:28s} {cells}  m1={d['us'][1]:.1f} us  {inv}")
+    path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm_buckets.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report), f, indent=1)
+    print(f"{time.time() - t0:.0f} s; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

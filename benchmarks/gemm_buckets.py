@@ -105,6 +105,7 @@ def retile(base: GemmPlan, n: int, k: int, **fields) -> GemmPlan | None:
     return plan if same_sums(plan, base, n, k) else None
 
 
+NOSWAP = dict(swap_ab=False)
 # Bucket candidates: label -> fields replaced in the shape's plan (one row tile a pass, its K split points kept).
 BUCKET_TILES: dict[str, dict] = {
     "bm64": dict(block_m=64, num_stages=4),
@@ -115,8 +116,8 @@ BUCKET_TILES: dict[str, dict] = {
     "bm128 k64 s6": dict(block_m=128, block_k=64, num_stages=6),
     "bn128 bm128 k64 w8 s6": dict(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=6),
     "bn256 bm128 k64 w8 s4": dict(block_n=256, block_m=128, block_k=64, num_warps=8, num_stages=4),
-    "noswap bn128 bm128 k64 w8 s5": dict(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=5, swap_ab=0),
-    "noswap bn256 bm128 k64 w8 s4": dict(block_n=256, block_m=128, block_k=64, num_warps=8, num_stages=4, swap_ab=0),
+    "noswap bn128 bm128 k64 w8 s5": dict(NOSWAP, block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=5),
+    "noswap bn256 bm128 k64 w8 s4": dict(NOSWAP, block_n=256, block_m=128, block_k=64, num_warps=8, num_stages=4),
     "bm256 k64 s4": dict(block_m=256, block_k=64, num_stages=4),
     "bn128 bm256 k64 w8 s3": dict(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3),
     "bn128 bm256 k64 w8 s4": dict(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=4),

@@ -219,7 +219,68 @@ def gemm_plan(n: int, k: int) -> GemmPlan:
 # the bucket its launch fell in. `benchmarks/gemm_buckets.py --set buckets --apply` times the candidates on the GPU
 # and writes this table; a shape not here runs its one plan at every M.
 # BEGIN ROW_BUCKETS (written by benchmarks/gemm_buckets.py --apply)
-ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
+ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {
+    (1024, 3584): (
+        (33, GemmPlan(64, 128, 4, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(64, 128, 4, 4, 3, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(64, 64, 8, 4, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (5120, 1024): (
+        (33, GemmPlan(128, 64, 6, 8, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 64, 6, 8, 3, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 6, 8, 3, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (5120, 6144): (
+        (33, GemmPlan(128, 64, 32, 8, 6, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 64, 32, 8, 6, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 32, 8, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (5120, 10240): (
+        (33, GemmPlan(128, 64, 54, 8, 6, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 64, 54, 8, 6, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 54, 8, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (5120, 17408): (
+        (33, GemmPlan(128, 128, 46, 8, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 64, 92, 8, 6, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 92, 8, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (7168, 1024): (
+        (33, GemmPlan(64, 128, 8, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(64, 128, 8, 4, 3, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(64, 64, 16, 4, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (8224, 1024): (
+        (33, GemmPlan(64, 128, 8, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(64, 128, 8, 4, 3, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(64, 64, 16, 4, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (14336, 5120): (
+        (33, GemmPlan(128, 64, 80, 8, 6, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 64, 80, 8, 5, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 80, 8, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (16480, 5120): (
+        (33, GemmPlan(128, 128, 40, 8, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 64, 80, 8, 6, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 80, 8, 4, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+    (34816, 5120): (
+        (33, GemmPlan(64, 64, 80, 4, 6, "stream", 64, 1, True, 0, 16, 8)),
+        (65, GemmPlan(128, 64, 80, 8, 5, "stream", 128, 1, False, 0, 8, 8)),
+        (129, GemmPlan(128, 64, 80, 8, 4, "stream", 256, 1, True, 0, 8, 8)),
+    ),
+    (248320, 1024): (
+        (33, GemmPlan(128, 64, 16, 4, 4, "grid", 64, 1, False, 0, 0, 1)),
+        (65, GemmPlan(256, 64, 16, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 16, 8, 4, "stream", 256, 1, False, 0, 0, 1)),
+    ),
+    (248320, 5120): (
+        (33, GemmPlan(128, 128, 40, 8, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(256, 64, 80, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 64, 80, 8, 3, "stream", 256, 1, True, 0, 0, 1)),
+    ),
+}
 # END ROW_BUCKETS
 
 

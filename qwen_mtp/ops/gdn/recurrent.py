@@ -96,8 +96,10 @@ def _gdn_recurrent_kernel():
     return gdn_recurrent_rows
 
 
-def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803
-    """Triton version of `gdn_recurrent_reference` (same arguments, same in-place pool update)."""
+def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed, block_v=None, num_warps=4):  # noqa: N803
+    """Triton version of `gdn_recurrent_reference` (same arguments, same in-place pool update). `block_v` and
+    `num_warps` (value columns a program, its warps) are for benchmarks/gdn_recurrent.py: they change how the
+    dk sums are laid out, hence their rounding, so the engine always runs the defaults."""
     import triton
 
     batch, length, hk, dk = q.shape
@@ -111,13 +113,13 @@ def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed): 
         a, b = a.contiguous(), b.contiguous()
     assert pool.is_contiguous()
     out = v.new_empty(v.shape)  # contiguous, whatever v's strides
-    block_v = min(32, triton.next_power_of_2(dv))
+    block_v = block_v or min(32, triton.next_power_of_2(dv))
     _gdn_recurrent_kernel()[(batch * hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, pool, rows, committed, out,
         length, hv, hv // hk, dk**-0.5,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        DK=dk, DV=dv, BLOCK_V=block_v,
+        DK=dk, DV=dv, BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     return out
 

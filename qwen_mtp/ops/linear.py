@@ -7,18 +7,21 @@ depend on the other rows. A GEMM library picks its kernel by the number of rows:
 cuBLAS likewise picks kernels (and split-K) by M. Greedy decoding must give a request the same tokens whatever
 else shares its batch, so on that path every row's reduction order must not depend on the row count:
 - CPU (and CUDA with `ops.backend.reference_ops()`): every row is its own 1-row product (`rowwise_products`);
-- CUDA: our Triton GEMM. Its tiles and its split of the K loop are a function of (N, K) only (a `GemmPlan`),
-  the split partial sums are added in one fixed order (never accumulated with atomics), and one binary serves
-  every M, so a row's result is the same for M = 1 and M = 160. Splitting K keeps the GPU busy on shapes with few
+- CUDA: our Triton GEMM. Its split of the K loop is a function of (N, K) only (a `GemmPlan`), the split partial
+  sums are added in one fixed order (never accumulated with atomics), and M is never specialised, so a row's
+  result is the same for M = 1 and M = 160 (its tiles may also depend on M's row bucket, which changes no bit:
+  "Row buckets" below). Splitting K keeps the GPU busy on shapes with few
   output tiles (tall K like `down_proj`, tiny N like `in_proj_a`), where one program per tile would leave most
   SMs idle. Two kernel families, picked by the plan: "grid" (the default today: a program per 16-row tile, so
   the weight is read again for every 16 rows) and "stream" (a program per weight slice that runs up to
   `row_tiles x block_m` rows through each weight block it loads; see `_stream_kernel`).
+
 Row buckets. A plan's row tile suits some row counts: 32-row MMAs serve one request's decode at the copy
 bandwidth, but a 128-row verify then runs four of them per weight block (1.3-1.6x cuBLAS). On Hopper an element's
 bits depend only on the K split points (and mma.sync against wgmma), not on the tile shapes (`sum_order`,
 measured), so a shape may list plans for larger launches (`ROW_BUCKETS`, `row_plan`): every launch picks its
 plan from M, and every plan of a shape sums as its `gemm_plan` does, so a row's result is still the same at any M.
+
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
 

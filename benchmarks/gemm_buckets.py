@@ -11,8 +11,13 @@ current plan and with plans that differ from it only in what should not change a
 tile, the weight tile's width, the warps, the pipeline depth, swapped or not), and says which are bitwise equal
 to it; then times them at M = 1 .. 256 against cuBLAS, with each plan's own invariance across M.
 
+`--set buckets` times bucket candidates (plans for 33+, 65+ and 129+ rows that sum as the shape's plan does),
+picks the fastest per bucket and, with `--apply`, writes them to ops/linear.py's table, then times the launch as
+the engine makes it against cuBLAS with a row's bits checked across the bucket edges. `--kind w8a8` does the same
+for the W8A8 kernel at the FP8 shapes (`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
+
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_buckets.py [qwen3.5-27b] [name filter]
-[--out PATH]
+[--set tiles|deep|buckets] [--apply] [--kind bf16|w8a8] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,12 +30,69 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gemm_family import DECODE_M, ROTATION_BYTES, _cdiv, _error, graph_us, invariance_failures, precompile, shapes
+from gemm_family import (
+    DECODE_M,
+    ROTATION_BYTES,
+    _cdiv,
+    _error,
+    graph_us,
+    invariance_failures,
+    named_once,
+    precompile,
+    shapes,
+)
+from gemm_fp8 import fp8_shapes, random_fp8
 
 from qwen_mtp.ops import linear
-from qwen_mtp.ops.linear import GemmPlan, gemm_plan, invariant_matmul_triton, same_sums
+from qwen_mtp.ops.linear import (
+    FP8_BLOCK,
+    GemmPlan,
+    dequantize_triton,
+    gemm_plan,
+    gemm_plan_w8a8,
+    invariant_matmul_triton,
+    linear_fp8_w8a8_triton,
+    same_sums,
+)
 
 SMEM_BYTES = 220 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What a sweep times: a kernel (`call(x, weight, plan)`, plan None: the engine's choice), its per-shape plan,
+    its table in ops/linear.py, its weight shapes, and the weights it reads (with bf16 ones for cuBLAS)."""
+
+    table: str
+    base: object  # (n, k) -> GemmPlan
+    call: object  # (x, weight, plan | None) -> out
+    shapes: object  # (preset, only) -> {name: (n, k)}
+    weights: object  # (n, k, copies) -> (ours, bf16 for cuBLAS)
+    allowed: object  # plan -> whether the kernel runs it
+    stage_bytes: int  # bytes of a weight element in a pipeline stage
+
+
+def _bf16_weights(n: int, k: int, copies: int):
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    return ws, ws
+
+
+def _fp8_weights(n: int, k: int, copies: int):
+    fp8 = [random_fp8(n, k, seed) for seed in range(copies)]
+    return fp8, [dequantize_triton(q, sc, torch.bfloat16) for q, sc in fp8[: max(1, copies // 2)]]
+
+
+KINDS = {
+    "bf16": Kind(
+        "ROW_BUCKETS", gemm_plan, lambda x, w, p: invariant_matmul_triton(x, w, p), shapes, _bf16_weights,
+        lambda p: True, 2,
+    ),
+    "w8a8": Kind(
+        "W8A8_ROW_BUCKETS", gemm_plan_w8a8, lambda x, w, p: linear_fp8_w8a8_triton(x, w[0], w[1], p),
+        lambda preset, only: named_once(fp8_shapes(preset), only), _fp8_weights,
+        lambda p: p.block_k == FP8_BLOCK[1] and not p.tail_tiles, 1,
+    ),
+}  # fmt: skip
 
 
 def stages_for(block_n: int, block_m: int, block_k: int, most: int = 4) -> int:
@@ -122,16 +184,34 @@ BUCKET_TILES: dict[str, dict] = {
     "bn128 bm256 k64 w8 s3": dict(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3),
     "bn128 bm256 k64 w8 s4": dict(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=4),
 }  # fmt: skip
+# The W8A8 kernel's candidates: its K block is one 1x128 activation group, and an e4m3 stage is half a bf16 one.
+W8A8_TILES: dict[str, dict] = {
+    "bm64": dict(block_m=64, num_stages=4),
+    "bm128": dict(block_m=128, num_stages=4),
+    "bm128 s6": dict(block_m=128, num_stages=6),
+    "bn128 bm64 w8 s6": dict(block_n=128, block_m=64, num_warps=8, num_stages=6),
+    "bn128 bm128 w8 s4": dict(block_n=128, block_m=128, num_warps=8, num_stages=4),
+    "bn128 bm128 w8 s6": dict(block_n=128, block_m=128, num_warps=8, num_stages=6),
+    "bn256 bm128 w8 s4": dict(block_n=256, block_m=128, num_warps=8, num_stages=4),
+    "noswap bn128 bm128 w8 s4": dict(NOSWAP, block_n=128, block_m=128, num_warps=8, num_stages=4),
+    "bn128 bm256 w8 s3": dict(block_n=128, block_m=256, num_warps=8, num_stages=3),
+    "bm256 s4": dict(block_m=256, num_stages=4),
+}  # fmt: skip
 # A bucket's first row count -> the row counts its plan is chosen by (the sum of their times).
 BUCKETS = {33: (64,), 65: (96, 128), 129: (256,)}
 
 
-def bucket_variants(base: GemmPlan, n: int, k: int) -> dict[str, GemmPlan]:
-    """The shape's plan and every bucket candidate that sums as it does."""
+def bucket_variants(base: GemmPlan, n: int, k: int, kind: Kind) -> dict[str, GemmPlan]:
+    """The shape's plan and every bucket candidate that sums as it does, runs on the kind's kernel and fits in
+    shared memory (the W8A8 kernel's K block is one activation group: its own candidates, `W8A8_TILES`)."""
     out = {"now": base}
-    for label, fields in BUCKET_TILES.items():
+    for label, fields in (BUCKET_TILES if kind.table == "ROW_BUCKETS" else W8A8_TILES).items():
+        if not kind.allowed(base):
+            continue
         plan = retile(base, n, k, **fields)
-        if plan is not None and SMEM_BYTES >= plan.num_stages * (plan.block_n + plan.block_m) * plan.block_k * 2:
+        if plan is None or not kind.allowed(plan):
+            continue
+        if SMEM_BYTES >= plan.num_stages * (plan.block_n + plan.block_m) * plan.block_k * kind.stage_bytes:
             out[label] = plan
     return out
 
@@ -152,17 +232,17 @@ def plan_literal(plan: GemmPlan) -> str:
     return f"GemmPlan({', '.join(json.dumps(v) if isinstance(v, str) else repr(v) for v in dataclasses.astuple(plan))})"
 
 
-def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], path: str) -> None:
-    """Replace the ROW_BUCKETS table between its markers in ops/linear.py."""
-    lines = ["ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {"]
+def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], path: str, name: str) -> None:
+    """Replace the table `name` (ROW_BUCKETS, W8A8_ROW_BUCKETS) between its markers in ops/linear.py."""
+    lines = [f"{name}: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {{"]
     for (n, k), entries in sorted(table.items()):
         lines.append(f"    ({n}, {k}): (")
         lines += [f"        ({fewest}, {plan_literal(plan)})," for fewest, plan in entries]
         lines.append("    ),")
     lines.append("}")
     text = open(path).read()
-    start = text.index("\n", text.index("# BEGIN ROW_BUCKETS")) + 1
-    end = text.index("# END ROW_BUCKETS")
+    start = text.index("\n", text.index(f"# BEGIN {name} ")) + 1
+    end = text.index(f"# END {name}\n")
     with open(path, "w") as f:
         f.write(text[:start] + "\n".join(lines) + "\n" + text[end:])
 
@@ -170,23 +250,25 @@ def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]]
 BUCKET_CHECK_M = (1, 8, 16, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 200, 255)
 
 
-def dispatch_entry(n: int, k: int) -> dict:
+def dispatch_entry(n: int, k: int, kind: Kind) -> dict:
     """The launch as the engine makes it (plan from M): us per call against cuBLAS at every decode M, and whether a
     row's bits are the same at every M, across the bucket edges, and alone."""
-    copies = max(1, _cdiv(ROTATION_BYTES, n * k * 2))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    ws, dense = kind.weights(n, k, max(1, _cdiv(ROTATION_BYTES, n * k * kind.stage_bytes)))
     x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
-    full = invariant_matmul_triton(x, ws[0])
-    fails = [f"M={m}" for m in BUCKET_CHECK_M if not torch.equal(invariant_matmul_triton(x[:m], ws[0]), full[:m])]
+
+    def engine(a, w):
+        return kind.call(a, w, None)
+
+    full = engine(x, ws[0])
+    fails = [f"M={m}" for m in BUCKET_CHECK_M if not torch.equal(engine(x[:m], ws[0]), full[:m])]
     fails += [
-        f"row {i} alone"
-        for i in (0, 40, 100, 255)
-        if not torch.equal(invariant_matmul_triton(x[i : i + 1], ws[0]), full[i : i + 1])
+        f"row {i} alone" for i in (0, 40, 100, 255) if not torch.equal(engine(x[i : i + 1], ws[0]), full[i : i + 1])
     ]
+    table = getattr(linear, kind.table)
     entry = dict(
-        cublas_us={m: graph_us(F.linear, x[:m], ws) for m in DECODE_M},
-        us={m: graph_us(invariant_matmul_triton, x[:m], ws) for m in DECODE_M}, invariance_failures=fails,
-        plans={m: dataclasses.asdict(linear.row_plan(n, k, m)) for m in DECODE_M},
+        cublas_us={m: graph_us(F.linear, x[:m], dense) for m in DECODE_M},
+        us={m: graph_us(engine, x[:m], ws) for m in DECODE_M}, invariance_failures=fails,
+        plans={m: dataclasses.asdict(linear.row_plan(n, k, m, True, table, kind.base)) for m in DECODE_M},
     )  # fmt: skip
     del ws, x
     torch.cuda.empty_cache()
@@ -196,16 +278,15 @@ def dispatch_entry(n: int, k: int) -> dict:
 VARIANT_SETS = {"tiles": variants, "deep": deep_variants}
 
 
-def measure(n: int, k: int, plans: dict[str, GemmPlan]) -> dict:
-    copies = max(1, _cdiv(ROTATION_BYTES, n * k * 2))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+def measure(n: int, k: int, plans: dict[str, GemmPlan], kind: Kind) -> dict:
+    ws, dense = kind.weights(n, k, max(1, _cdiv(ROTATION_BYTES, n * k * kind.stage_bytes)))
     x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
-    entry = dict(n=n, k=k, cublas_us={m: graph_us(F.linear, x[:m], ws) for m in DECODE_M}, plans={}, skipped={})
+    entry = dict(n=n, k=k, cublas_us={m: graph_us(F.linear, x[:m], dense) for m in DECODE_M}, plans={}, skipped={})
     reference = {}
     for label, plan in plans.items():
 
         def fn(a, w, p=plan):
-            return invariant_matmul_triton(a, w, p)
+            return kind.call(a, w, p)
 
         try:
             rows = fn(x, ws[0])
@@ -247,38 +328,45 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", default="tiles", choices=[*VARIANT_SETS, "buckets"], help="which plans to compare")
     parser.add_argument("--apply", action="store_true", help="with --set buckets: write the winners to ops/linear.py")
+    parser.add_argument("--kind", default="bf16", choices=sorted(KINDS), help="which kernel (w8a8: --set buckets)")
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
+    kind = KINDS[args.kind]
+    if args.kind != "bf16" and args.set != "buckets":
+        parser.error("--kind w8a8 takes --set buckets")
     torch.manual_seed(0)
     t0 = time.time()
     todo = {}
-    for name, (n, k) in shapes(args.preset, args.only).items():
+    for name, (n, k) in kind.shapes(args.preset, args.only).items():
         if "draft vocab" in name:
             continue
-        base = gemm_plan(n, k)
-        todo[name] = (n, k, bucket_variants(base, n, k) if args.set == "buckets" else VARIANT_SETS[args.set](base))
-    errors = precompile([(n, k, p) for n, k, plans in todo.values() for p in plans.values()], args.jobs)
+        base = kind.base(n, k)
+        variants_of = VARIANT_SETS.get(args.set)
+        todo[name] = (n, k, bucket_variants(base, n, k, kind) if variants_of is None else variants_of(base))
+    tasks = [(n, k, p) for n, k, plans in todo.values() for p in plans.values()]
+    errors = precompile(tasks, args.jobs) if args.kind == "bf16" else []  # W8A8: compiled while measuring
     print(f"compiled in {time.time() - t0:.0f} s, {len(errors)} errors: {sorted(set(errors))[:3]}", flush=True)
     report = {}
     for name, (n, k, plans) in todo.items():
-        report[name] = measure(n, k, plans)
+        report[name] = measure(n, k, plans, kind)
         print_entry(name, report[name])
     if args.set == "buckets":
-        picked = {(e["n"], e["k"]): pick_buckets(e, gemm_plan(e["n"], e["k"])) for e in report.values()}
+        picked = {(e["n"], e["k"]): pick_buckets(e, kind.base(e["n"], e["k"])) for e in report.values()}
         table = {nk: entries for nk, entries in picked.items() if entries}
         print("\nRow buckets chosen (first row count: plan):")
         for (n, k), entries in table.items():
             print(f"  ({n}, {k}): " + "; ".join(f"{fewest}+: {plan}" for fewest, plan in entries))
-        linear.check_row_buckets(table)
+        linear.check_row_buckets(table, kind.base)
+        current = getattr(linear, kind.table)
         for nk in picked:  # this preset's shapes take their new buckets; other presets' entries stay
-            linear.ROW_BUCKETS.pop(nk, None)
-        linear.ROW_BUCKETS.update(table)
+            current.pop(nk, None)
+        current.update(table)
         if args.apply:
-            write_buckets({**linear.ROW_BUCKETS}, linear.__file__)
+            write_buckets({**current}, linear.__file__, kind.table)
         print("\nThe launch as the engine makes it (row plan from M), x cuBLAS; 'inv': a row's bits at every M")
         print(f"  {'shape':28s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M))
         for name, (n, k, _) in todo.items():
-            d = report[name]["dispatch"] = dispatch_entry(n, k)
+            d = report[name]["dispatch"] = dispatch_entry(n, k, kind)
             cells = " ".join(f"{d['us'][m] / d['cublas_us'][m]:6.2f}" for m in DECODE_M)
             inv = "inv" if not d["invariance_failures"] else "NOT-INV " + ",".join(d["invariance_failures"][:4])
             print(f"  {name:28s} {cells}  m1={d['us'][1]:.1f} us  {inv}")

@@ -14,7 +14,8 @@
 #   ttft         where TTFT goes at 32 x 128 packed and at one 32k prompt;
 #   probe        the GEMM's row-tile variants (gemm_buckets.py, BUCKET_SET), graphed step splits at B1 / B32,
 #                decode attention plans;
-#   buckets      tune and apply the GEMM row buckets (27B, 0.8B), their GPU tests, the 27B batch bench.
+#   buckets      tune and apply the GEMM row buckets (27B, 0.8B; W8A8_BUCKETS=1: the W8A8 kernel's at 27B too),
+#                their GPU tests, the 27B batch bench (BENCH_SETS: extra --set arguments, e.g. an FP8 preset).
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -160,11 +161,16 @@ if [[ "$STAGE" == buckets ]]; then  # one device call (~8 min): tune and apply t
     timeout 200 python3 benchmarks/gemm_buckets.py "$preset" --set buckets --apply --out "$log.json" >"$log.log" 2>&1
     echo "[rc $? at ${SECONDS}s] gemm_buckets $preset"; sed -n '/^Row buckets chosen/,$p' "$log.log" | cut -c1-200
   done
-  cp qwen_mtp/ops/linear.py "$OUT/linear.py"  # the applied table, back for the commit
+  if [[ -n "${W8A8_BUCKETS:-}" ]]; then  # the W8A8 kernel's buckets at the 27B FP8 shapes too
+    timeout 200 python3 benchmarks/gemm_buckets.py qwen3.5-27b --kind w8a8 --set buckets --apply \
+      --out "$OUT/gemm-buckets-w8a8-27b.json" >"$OUT/gemm-buckets-w8a8-27b.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] gemm_buckets w8a8"; sed -n '/^Row buckets chosen/,$p' "$OUT/gemm-buckets-w8a8-27b.log" | cut -c1-200
+  fi
+  cp qwen_mtp/ops/linear.py "$OUT/linear.py"  # the applied tables, back for the commit
   counted 120 bucket-test.log python3 -m pytest -q -rA tests/ops/test_linear.py -k "bucket or sums or row_plan"
   timeout 420 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false \
     --set bench.output_len=64 --set 'bench.ks=[2,3]' --set "bench.batch_sizes=[${BATCHES:-1,8,32,64}]" \
-    --set "bench.out_dir=$OUT/bench-batch" >"$OUT/bench-batch.log" 2>&1
+    --set "bench.out_dir=$OUT/bench-batch" ${BENCH_SETS:-} >"$OUT/bench-batch.log" 2>&1
   echo "[rc $? at ${SECONDS}s] bench"; cat "$OUT/bench-batch/bench.txt" 2>/dev/null || tail -20 "$OUT/bench-batch.log"
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then

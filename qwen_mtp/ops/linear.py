@@ -309,25 +309,30 @@ def same_sums(a: GemmPlan, b: GemmPlan, n: int, k: int) -> bool:
     return sum_order(a, n, k) == sum_order(b, n, k)
 
 
-def row_plan(n: int, k: int, m: int, hopper: bool = True) -> GemmPlan:
+def row_plan(n: int, k: int, m: int, hopper: bool = True, buckets: dict | None = None, base=None) -> GemmPlan:
     """The decode plan a launch of `m` rows of an [N, K] bf16 weight runs: its row bucket's, else `gemm_plan`. Only
-    on Hopper (`hopper`), where `sum_order` was measured; elsewhere the one plan serves every M."""
-    plan = gemm_plan(n, k)
-    for fewest, bucket in ROW_BUCKETS.get((n, k), ()) if hopper else ():
+    on Hopper (`hopper`), where `sum_order` was measured; elsewhere the one plan serves every M. `buckets` and
+    `base`: another kernel's table and per-shape plan (W8A8: `W8A8_ROW_BUCKETS`, `gemm_plan_w8a8`)."""
+    plan = (base or gemm_plan)(n, k)
+    table = ROW_BUCKETS if buckets is None else buckets
+    for fewest, bucket in table.get((n, k), ()) if hopper else ():
         if m >= fewest:
             plan = bucket
     return plan
 
 
-def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]]) -> None:
-    """Every bucket plan sums as its shape's `gemm_plan` does, and the bounds rise: else a ValueError."""
+def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], base=None) -> None:
+    """Every bucket plan sums as its shape's `gemm_plan` (or `base`) does, and the bounds rise: else a ValueError."""
+    base = base or gemm_plan
     for (n, k), entries in buckets.items():
         bounds = [fewest for fewest, _ in entries]
         if bounds != sorted(set(bounds)) or bounds[0] < 2:
             raise ValueError(f"ROW_BUCKETS[{n}, {k}]: row bounds must rise from 2 or more, got {bounds}")
         for fewest, plan in entries:
-            if not same_sums(plan, gemm_plan(n, k), n, k):
-                raise ValueError(f"ROW_BUCKETS[{n}, {k}] from {fewest} rows: {plan} sums otherwise than gemm_plan")
+            if not same_sums(plan, base(n, k), n, k):
+                raise ValueError(
+                    f"ROW_BUCKETS[{n}, {k}] from {fewest} rows: {plan} sums otherwise than {base.__name__}"
+                )
 
 
 # Prefill plans measured on the H200 (benchmarks/mixed_steps.py, gemm part); a shape not here takes the default.
@@ -906,6 +911,14 @@ TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
 }
 
 
+# Row buckets of the W8A8 kernel, as `ROW_BUCKETS` are of the bf16 one (same rules: `sum_order`, `row_plan`), written
+# by `benchmarks/gemm_buckets.py --kind w8a8 --set buckets --apply` once a GPU run shows which W8A8 tilings are
+# bitwise equal to the shape's plan. Empty until then: every M runs `gemm_plan_w8a8`.
+# BEGIN W8A8_ROW_BUCKETS (written by benchmarks/gemm_buckets.py --apply)
+W8A8_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
+# END W8A8_ROW_BUCKETS
+
+
 def gemm_plan_w8a8(n: int, k: int) -> GemmPlan:
     """The W8A8 plan for an [N, K] fp8 weight (a function of (N, K) only): tuned, else a "stream" plan with the
     weight block as wgmma's 64-row side (swap_ab: 8 warps on 128 weight rows, or one warpgroup on 64 for narrow
@@ -1072,7 +1085,8 @@ def w8a8_matmul_triton(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """e4m3 rows q [M, K] with their 1x128 scales q_scale [M, K/128] (row-major) times the e4m3 weight [N, K] with
-    its 128x128 scales -> [M, N] in `out_dtype`, by the plan (default `gemm_plan_w8a8`): equal to
+    its 128x128 scales -> [M, N] in `out_dtype`, by the plan (default: the shape's `row_plan` for M rows among
+    `W8A8_ROW_BUCKETS` and `gemm_plan_w8a8`): equal to
     `w8a8_block_products_reference` up to the MMA's accumulation within a block and the fused scaling (see
     there), and a row's result never depends on M."""
     import triton
@@ -1082,7 +1096,9 @@ def w8a8_matmul_triton(
     assert q.dtype == weight.dtype == torch.float8_e4m3fn and q.stride(1) == 1 and weight.stride(1) == 1
     assert k % FP8_BLOCK[1] == 0 and tuple(q_scale.shape) == (m, k // FP8_BLOCK[1]) and q_scale.stride(1) == 1
     assert tuple(scale.shape) == (-(-n // FP8_BLOCK[0]), k // FP8_BLOCK[1]) and scale.stride(1) == 1, "scale grid"
-    plan = plan or gemm_plan_w8a8(n, k)
+    if plan is None:
+        hopper = INTERPRET or torch.cuda.get_device_capability(q.device)[0] == 9
+        plan = row_plan(n, k, m, hopper, W8A8_ROW_BUCKETS, gemm_plan_w8a8)
     check_w8a8_plan(plan)
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=out_dtype, device=q.device)
@@ -1112,3 +1128,6 @@ def linear_fp8_w8a8_triton(
 
 
 check_row_buckets(ROW_BUCKETS)
+check_row_buckets(W8A8_ROW_BUCKETS, gemm_plan_w8a8)
+for _plan in (plan for entries in W8A8_ROW_BUCKETS.values() for _, plan in entries):
+    check_w8a8_plan(_plan)

@@ -172,3 +172,22 @@ def test_w8a8_loop_feeds_fp8_wgmma_from_shared_memory():
     assert copies and all(op.endswith(".128") for op in copies), copies
     conversions = {op: n for op, n in ops.items() if op.startswith(("F2F", "I2F", "HADD2.F32", "PRMT", "HMUL2"))}
     assert set(conversions) <= {"F2FP.BF16.F32.PACK_AB"}, conversions
+
+
+@pytest.mark.skipif(REAL, reason="exact only without the MMA's reduced-precision accumulation (GPU: tests/gpu)")
+def test_w8a8_row_buckets_pick_the_plan_from_m_and_stay_right(monkeypatch):
+    """`W8A8_ROW_BUCKETS`: a launch of M rows takes its bucket's plan (other tiles, the same K splits), and each is
+    the reference's product on exact operands, so rows agree across the bucket edges."""
+    n, k = N_TEST, K_TEST
+    base = GemmPlan(64, 128, 1, 4, 3, family="stream", block_m=32, row_tiles=2, swap_ab=True)
+    buckets = {(n, k): ((5, GemmPlan(64, 128, 1, 4, 3, family="stream", block_m=64, swap_ab=True)),)}
+    linear.check_row_buckets(buckets, lambda *_: base)
+    monkeypatch.setitem(linear.TUNED_W8A8, (n, k), base)
+    monkeypatch.setattr(linear, "W8A8_ROW_BUCKETS", buckets)
+    assert linear.row_plan(n, k, 4, True, buckets, gemm_plan_w8a8) == base
+    assert linear.row_plan(n, k, 5, True, buckets, gemm_plan_w8a8) == buckets[n, k][0][1]
+    q, q_scale, weight, scale = exact_operands(12, n, k)
+    full = w8a8_matmul_triton(q, q_scale, weight, scale, out_dtype=torch.float32)
+    assert torch.equal(full, w8a8_block_products_reference(q, q_scale, weight, scale, base))
+    for m in (1, 4, 5, 12):
+        assert torch.equal(w8a8_matmul_triton(q[:m], q_scale[:m], weight, scale, out_dtype=torch.float32), full[:m])

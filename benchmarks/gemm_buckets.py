@@ -1,20 +1,20 @@
-"""Does a row's result depend on the MMA's width? If not, the invariant GEMM can take its row tile from M.
+"""The invariant GEMM's row buckets on the GPU: which tilings give a row the same bits, and which is fastest for
+each row count (ops/linear.py `ROW_BUCKETS`, `sum_order`).
 
-The invariant GEMM (ops/linear.py) fixes one plan per weight shape, so a 128-row verify runs four 32-row
-`tl.dot`s per weight block (the swapped plans' MMA is [weight rows, 32 rows]) and is 1.2-1.7x cuBLAS there. On
-Hopper a swapped plan's `tl.dot` is a wgmma whose N (the row side) can be 8..256: if every output element's
-value is the same whatever that N (same K blocks, same K order, same splits), a launch may pick the row tile
-from M (32 rows for M <= 32, 64, 128, 256 above) and each row still gets the same bits.
+A 128-row verify through a plan built for one request's decode runs four 32-row `tl.dot`s per weight block. On
+Hopper a swapped plan's `tl.dot` is a wgmma whose N (the row side) can be 8..256; if an output element's value is
+the same whatever the tiles around it (same K split points), a launch may take its row tile from M and each row
+still gets the same bits.
 
-For each decode weight shape of a preset (lm_head included) this script computes M = 256 rows with the shape's
-current plan and with plans that differ from it only in what should not change an element's sums (the row
-tile, the weight tile's width, the warps, the pipeline depth, swapped or not), and says which are bitwise equal
-to it; then times them at M = 1 .. 256 against cuBLAS, with each plan's own invariance across M.
+`--set tiles` / `--set deep`: for each decode weight shape of a preset (lm_head included), M = 256 rows with the
+shape's plan and with plans that change only the tiles (row tile, weight tile, warps, pipeline depth, K block,
+swapped or not); which are bitwise equal to it; their times at M = 1 .. 256 against cuBLAS, with each plan's own
+invariance across M.
 
-`--set buckets` times bucket candidates (plans for 33+, 65+ and 129+ rows that sum as the shape's plan does),
-picks the fastest per bucket and, with `--apply`, writes them to ops/linear.py's table, then times the launch as
-the engine makes it against cuBLAS with a row's bits checked across the bucket edges. `--kind w8a8` does the same
-for the W8A8 kernel at the FP8 shapes (`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
+`--set buckets`: bucket candidates (plans for 33+, 65+ and 129+ rows that sum as the shape's plan does), the fastest
+per bucket, written to ops/linear.py's table with `--apply`; then the launch as the engine makes it against cuBLAS,
+a row's bits checked across the bucket edges. `--kind w8a8` does the same for the W8A8 kernel at the FP8 shapes
+(`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
 
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_buckets.py [qwen3.5-27b] [name filter]
 [--set tiles|deep|buckets] [--apply] [--kind bf16|w8a8] [--out PATH]

@@ -327,11 +327,11 @@ def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan],
     for (n, k), entries in buckets.items():
         bounds = [fewest for fewest, _ in entries]
         if bounds != sorted(set(bounds)) or bounds[0] < 2:
-            raise ValueError(f"ROW_BUCKETS[{n}, {k}]: row bounds must rise from 2 or more, got {bounds}")
+            raise ValueError(f"row buckets of {n}x{k}: row bounds must rise from 2 or more, got {bounds}")
         for fewest, plan in entries:
             if not same_sums(plan, base(n, k), n, k):
                 raise ValueError(
-                    f"ROW_BUCKETS[{n}, {k}] from {fewest} rows: {plan} sums otherwise than {base.__name__}"
+                    f"row buckets of {n}x{k} from {fewest} rows: {plan} sums otherwise than {base.__name__}"
                 )
 
 
@@ -608,7 +608,7 @@ def invariant_matmul_triton(
     if plan is None and fp8:
         plan = gemm_plan_fp8(n, k)
     elif plan is None:
-        plan = row_plan(n, k, m, hopper=INTERPRET or torch.cuda.get_device_capability(x.device)[0] == 9)
+        plan = row_plan(n, k, m, hopper=INTERPRET or _is_hopper(x.device))
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -1097,8 +1097,7 @@ def w8a8_matmul_triton(
     assert k % FP8_BLOCK[1] == 0 and tuple(q_scale.shape) == (m, k // FP8_BLOCK[1]) and q_scale.stride(1) == 1
     assert tuple(scale.shape) == (-(-n // FP8_BLOCK[0]), k // FP8_BLOCK[1]) and scale.stride(1) == 1, "scale grid"
     if plan is None:
-        hopper = INTERPRET or torch.cuda.get_device_capability(q.device)[0] == 9
-        plan = row_plan(n, k, m, hopper, W8A8_ROW_BUCKETS, gemm_plan_w8a8)
+        plan = row_plan(n, k, m, INTERPRET or _is_hopper(q.device), W8A8_ROW_BUCKETS, gemm_plan_w8a8)
     check_w8a8_plan(plan)
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=out_dtype, device=q.device)

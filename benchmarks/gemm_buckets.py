@@ -158,8 +158,8 @@ def deep_variants(base: GemmPlan) -> dict[str, GemmPlan]:
 def retile(base: GemmPlan, n: int, k: int, **fields) -> GemmPlan | None:
     """`base` with other tiles (fields), its K split points kept (k_per_split in K elements; a split tail over the
     same columns): the plan, or None where no such plan sums as `base` does."""
-    plan = dataclasses.replace(base, family="stream", row_tiles=1, wide_stages=0, **fields)
-    plan = dataclasses.replace(plan, k_per_split=base.k_per_split * base.block_k // plan.block_k)
+    block_k = fields.pop("block_k", base.block_k)
+    plan = with_block_k(dataclasses.replace(base, family="stream", row_tiles=1, wide_stages=0, **fields), block_k)
     if base.tail_tiles:
         columns = base.tail_tiles * base.block_n - (-n % base.block_n)  # the tail's columns that exist
         tiles = -(-(columns + (-n % plan.block_n)) // plan.block_n)

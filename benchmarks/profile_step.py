@@ -11,6 +11,7 @@ Usage (GPU box): python3 benchmarks/profile_step.py recipes/bench-27b.yaml [--pr
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections import defaultdict
 
@@ -78,7 +79,7 @@ def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, ou
     split by kind, per step."""
     import json
 
-    from bench_common import gpu_split
+    from bench_common import free_memory, gpu_split
 
     loaded, report = None, {}
     for mode_k in [0] + ([k] if k else []):
@@ -97,20 +98,18 @@ def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, ou
             prompts = [[100 + (7 * i + j) % 1000 for j in range(128)] for i in range(batch)]
             for p in prompts:
                 engine.submit(p, SamplingParams(budget, ignore_eos=True))
-            for _ in range(batch + 4):  # every prompt prefilled (a chunk a step at most), then decoding
-                engine.step()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-            wall = 1e3 * (time.perf_counter() - start) / steps
 
-            def run_steps(engine=engine):
-                for _ in range(steps):
+            def run_steps(count: int, engine=engine) -> None:
+                for _ in range(count):
                     engine.step()
 
-            split = gpu_split(run_steps, top=10)
+            run_steps(batch + 4)  # every prompt prefilled (a chunk a step at most), then decoding
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run_steps(steps)
+            torch.cuda.synchronize()
+            wall = 1e3 * (time.perf_counter() - start) / steps
+            split = gpu_split(functools.partial(run_steps, steps), top=10)
             per_step = {key: (v / steps if not isinstance(v, dict) else {n: t / steps for n, t in v.items()})
                         for key, v in split.items()}  # fmt: skip
             label = f"B{batch} " + (f"K={mode_k} verify+draft" if mode_k else "plain")
@@ -119,8 +118,8 @@ def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, ou
             print(f"{label}: {wall:.2f} ms a step (wall); GPU ms a step: {kinds}", flush=True)
             for name, ms in per_step["top kernels"].items():
                 print(f"    {ms * 1e3:8.1f} us  {name}")
-            del engine
-            torch.cuda.empty_cache()
+            del engine, run_steps
+            free_memory()
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)

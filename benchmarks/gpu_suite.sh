@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -15,7 +15,11 @@
 #   probe        the GEMM's row-tile variants (gemm_buckets.py, BUCKET_SET), graphed step splits at B1 / B32,
 #                decode attention plans;
 #   buckets      tune and apply the GEMM row buckets (27B, 0.8B; W8A8_BUCKETS=1: the W8A8 kernel's at 27B too),
-#                their GPU tests, the 27B batch bench (BENCH_SETS: extra --set arguments, e.g. an FP8 preset).
+#                their GPU tests, the 27B batch bench (BENCH_SETS: extra --set arguments, e.g. an FP8 preset);
+#   smallkernels the step's kernels other than GEMMs: norm, rope and split-KV op tests, decode attention plans
+#                (CONTEXTS), the graphed B1 / B32 step split;
+#   stepbench    after a change to every step (e.g. a norm): the exactness subset, then the 27B bf16 bench, K=3 at
+#                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -172,6 +176,21 @@ if [[ "$STAGE" == buckets ]]; then  # one device call (~8 min): tune and apply t
     --set bench.output_len=64 --set 'bench.ks=[2,3]' --set "bench.batch_sizes=[${BATCHES:-1,8,32,64}]" \
     --set "bench.out_dir=$OUT/bench-batch" ${BENCH_SETS:-} >"$OUT/bench-batch.log" 2>&1
   echo "[rc $? at ${SECONDS}s] bench"; cat "$OUT/bench-batch/bench.txt" 2>/dev/null || tail -20 "$OUT/bench-batch.log"
+fi
+if [[ "$STAGE" == smallkernels ]]; then  # one device call (~6 min)
+  counted 150 small-ops.log python3 -m pytest -q -rA tests/ops/test_norm.py tests/ops/test_rope.py \
+    tests/ops/test_split_kv_attention.py tests/ops/test_backend.py
+  timeout 200 python3 benchmarks/decode_attention.py --contexts ${CONTEXTS:-128 8192 32768 131072} \
+    --out "$OUT/decode-attention.json" 2>&1 | sed -n '/^ B /,$p' | head -60; echo "[at ${SECONDS}s] decode attention"
+  timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
+    --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"
+fi
+if [[ "$STAGE" == stepbench ]]; then  # one device call (~9 min)
+  counted 60 step-ops.log python3 -m pytest -q -rA tests/ops/test_norm.py tests/ops/test_rope.py
+  counted 200 step-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  bench_27b 150 bench-b1-b32 --set 'bench.batch_sizes=[1,32]'
+  bench_27b 200 bench-context --set 'bench.prompt_len=[8192,32768]'
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

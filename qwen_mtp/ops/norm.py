@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from qwen_mtp.ops import elementwise
+from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
 
 
@@ -52,40 +52,49 @@ def _norm_kernel():
     @triton.jit
     def rms_norm_rows(
         x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps, g_heads, g_s0, g_s1,
-        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
+        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
     ):  # fmt: skip
-        # One program per row; the sum of squares runs over BLOCK-wide chunks in order, then one tree sum.
-        # ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and stored.
-        # GATED: row r's gate is at (r // g_heads) * g_s0 + (r % g_heads) * g_s1 (per-head rows of a strided
-        # projection slice, read in place).
+        # One program per row. WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers, one tree sum.
+        # (`_row_block` says which rows.)
+        # Otherwise the sum of squares runs over BLOCK-wide chunks in order, then one tree sum, and a second pass
+        # normalizes. ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and
+        # stored. GATED: row r's gate is at (r // g_heads) * g_s0 + (r % g_heads) * g_s1 (per-head rows of a
+        # strided projection slice, read in place).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0)
+        if WHOLE_ROW:
+            mask = cols < N
+            x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
             if ADD:
-                d = tl.load(d_ptr + row * N + start + cols, mask=mask, other=0.0)
+                d = tl.load(d_ptr + row * N + cols, mask=mask, other=0.0)
                 x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
-                tl.store(sum_ptr + row * N + start + cols, x, mask=mask)
+                tl.store(sum_ptr + row * N + cols, x, mask=mask)
             x = x.to(tl.float32)
-            acc += x * x
-        inv = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            if ADD:  # this program's own stores: the same addresses, read back in the same thread layout
-                x = tl.load(sum_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
-            if GATED:
-                y = (w.to(tl.float32) * (x * inv).to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
-                g_row = g_ptr + (row // g_heads) * g_s0 + (row % g_heads) * g_s1
-                g = tl.load(g_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-                y = y * (g * tl.sigmoid(g))
-            else:
-                y = x * inv * (1.0 + w.to(tl.float32))
-            tl.store(out_ptr + row * N + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+            inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            y = triton_utils.scale_norm_row(x, inv, w, g_ptr, row, cols, mask, g_heads, g_s0, g_s1, GATED)
+            tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, N, BLOCK):
+                mask = start + cols < N
+                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0)
+                if ADD:
+                    d = tl.load(d_ptr + row * N + start + cols, mask=mask, other=0.0)
+                    x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+                    tl.store(sum_ptr + row * N + start + cols, x, mask=mask)
+                x = x.to(tl.float32)
+                acc += x * x
+            inv = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+            for start in range(0, N, BLOCK):
+                mask = start + cols < N
+                if ADD:  # this program's own stores: the same addresses, read back in the same thread layout
+                    x = tl.load(sum_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
+                y = triton_utils.scale_norm_row(x, inv, w, g_ptr, row, start + cols, mask, g_heads, g_s0, g_s1, GATED)
+                tl.store(out_ptr + row * N + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     return rms_norm_rows
 
@@ -99,7 +108,6 @@ def norm_triton(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `rms_norm_reference` (gate None), `gated_rms_norm_reference`, or (delta given)
     `add_rms_norm_reference`, which returns (normed, x + delta)."""
-    import triton
 
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
@@ -107,14 +115,31 @@ def norm_triton(
     deltas = rows if delta is None else delta.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
     summed = out if delta is None else torch.empty_like(rows)
-    block = min(1024, triton.next_power_of_2(n))
+    block, warps, whole_row = _row_block(n)
     _norm_kernel()[(rows.shape[0],)](
         rows, gates, weight, out, deltas, summed, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
-        GATED=gate is not None, ADD=delta is not None, BLOCK=block,
+        GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, num_warps=warps,
     )  # fmt: skip
     if delta is not None:
         return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)
+
+
+def _row_block(n: int) -> tuple[int, int, bool]:
+    """(BLOCK, warps, whole row) for rows of n, from n alone (so every row count sums alike). Rows of 1025 to 8192
+    stay in registers: a 5120-wide row in one load by 16 warps, not five dependent 1024-wide passes and a second
+    read (at batch 1 a norm is all latency, ~130 of them a step). Up to 1024 wide (head dims, the GDN's gated
+    norm) the chunked loop runs once, as `qk_norm_rope` sums: the two stay bitwise equal, which the one-pass sum
+    is not in fp32 (measured on the H200: the compiler may fuse its squares into the sum as FMAs). Wider rows
+    loop over 1024-wide chunks."""
+    import triton
+
+    block = triton.next_power_of_2(n)
+    if block <= 1024:
+        return block, 4, False
+    if block <= 8192:
+        return block, min(16, block // 512), True
+    return 1024, 4, False
 
 
 def _per_head_rows(gate: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The `@triton.jit` helpers that several kernels call, written once: a dot product whose result rows never depend
 on the other rows (also under the CPU interpreter), the paged-attention key loop shared by decode/verify and
 prefill attention (int64 page-slot addresses, the online-softmax update), and the sampler's order keys and
-fixed-point masses. Kernels reach them as
-`triton_utils.<helper>` (see there why); this module needs Triton.
+fixed-point masses, and the norm kernel's row scaling (shared by its one-pass and chunked paths). Kernels reach
+them as `triton_utils.<helper>` (see there why); this module needs Triton.
 """
 
 import triton
@@ -113,6 +113,20 @@ def fp8_dequantize(w, scale_ptr, ns, k0, s_n, N, K, BLOCK_N: tl.constexpr, BLOCK
     else:
         scaled = w.to(tl.float32) * scale
     return tl.reshape(scaled, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@triton.jit
+def scale_norm_row(x, inv, w, g_ptr, row, cols, mask, g_heads, g_s0, g_s1, GATED: tl.constexpr):  # noqa: N803
+    """A norm row's output from x [fp32] and its 1/rms: x * inv * (1 + w) (Qwen's zero-centred norm), or
+    GATED (the GDN output norm) w * (x * inv) in w's dtype, times silu of the row's gate read at `cols`."""
+    if GATED:
+        y = (w.to(tl.float32) * (x * inv).to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
+        g_row = g_ptr + (row // g_heads) * g_s0 + (row % g_heads) * g_s1
+        g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * (g * tl.sigmoid(g))
+    else:
+        y = x * inv * (1.0 + w.to(tl.float32))
+    return y
 
 
 @triton.jit

@@ -20,6 +20,18 @@ def test_norm_kernels_match_reference_and_are_batch_invariant(dtype, gated):
     assert torch.equal(one, ours[2:3])
 
 
+@pytest.mark.parametrize("width", [1500, 5120, 9000])  # one 2048 block, one 8192 block, the chunked loop
+def test_norm_widths_match_reference_with_and_without_the_add(width):
+    """Rows up to 8192 wide are normalized from registers in one pass, wider rows in 1024-wide chunks: both
+    equal the reference, the fused add equals add then norm bitwise, and a row alone equals it in a batch."""
+    x, delta = rand(3, width, seed=1), rand(3, width, seed=2)
+    weight = rand(width, seed=3, scale=0.1)
+    close(norm_triton(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), torch.float32)
+    normed, summed = norm_triton(x, weight, 1e-6, delta=delta)
+    assert torch.equal(summed, x + delta) and torch.equal(normed, norm_triton(x + delta, weight, 1e-6))
+    assert torch.equal(norm_triton(x[1:2], weight, 1e-6, delta=delta[1:2])[0], normed[1:2])
+
+
 def test_norm_rows_invariant_real_shapes():
     k = 1024 if REAL else 64
     x = rand(40, k, dtype=VERIFY_DTYPE, seed=2)

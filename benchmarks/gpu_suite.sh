@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -19,7 +19,8 @@
 #   smallkernels the step's kernels other than GEMMs: norm, rope and split-KV op tests, decode attention plans
 #                (CONTEXTS), the graphed B1 / B32 step split;
 #   stepbench    after a change to every step (e.g. a norm): the exactness subset, then the 27B bf16 bench, K=3 at
-#                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k.
+#                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k;
+#   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -160,7 +161,7 @@ if [[ "$STAGE" == probe ]]; then  # one device call (~8 min): row-tile buckets o
     | sed -n '/^ B /,$p' | head -40
 fi
 if [[ "$STAGE" == buckets ]]; then  # one device call (~8 min): tune and apply the GEMM row buckets, then the batch bench
-  for preset in ${BUCKET_PRESETS:-qwen3.5-27b qwen3.5-0.8b}; do
+  for preset in ${BUCKET_PRESETS-qwen3.5-27b qwen3.5-0.8b}; do  # BUCKET_PRESETS="": none (W8A8 alone)
     log="$OUT/gemm-buckets-${preset#qwen3.5-}"
     timeout 200 python3 benchmarks/gemm_buckets.py "$preset" --set buckets --apply --out "$log.json" >"$log.log" 2>&1
     echo "[rc $? at ${SECONDS}s] gemm_buckets $preset"; sed -n '/^Row buckets chosen/,$p' "$log.log" | cut -c1-200
@@ -172,6 +173,10 @@ if [[ "$STAGE" == buckets ]]; then  # one device call (~8 min): tune and apply t
   fi
   cp qwen_mtp/ops/linear.py "$OUT/linear.py"  # the applied tables, back for the commit
   counted 120 bucket-test.log python3 -m pytest -q -rA tests/ops/test_linear.py -k "bucket or sums or row_plan"
+  if [[ -n "${W8A8_BUCKETS:-}" ]]; then  # carry .whl (torchao: the FP8 models quantize on load)
+    counted 200 bucket-fp8-test.log python3 -m pytest -q -rA tests/ops/test_linear_w8a8.py \
+      tests/gpu/test_fp8.py -k "bucket or (mtp_equals_plain and w8a8)"
+  fi
   timeout 420 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' --set bench.head=false \
     --set bench.output_len=64 --set 'bench.ks=[2,3]' --set "bench.batch_sizes=[${BATCHES:-1,8,32,64}]" \
     --set "bench.out_dir=$OUT/bench-batch" ${BENCH_SETS:-} >"$OUT/bench-batch.log" 2>&1
@@ -191,6 +196,12 @@ if [[ "$STAGE" == stepbench ]]; then  # one device call (~9 min)
     -k "(mtp_equals_plain_bf16 and graphs) or stress"
   bench_27b 150 bench-b1-b32 --set 'bench.batch_sizes=[1,32]'
   bench_27b 200 bench-context --set 'bench.prompt_len=[8192,32768]'
+fi
+if [[ "$STAGE" == longcontext ]]; then  # one device call (~10 min)
+  bench_27b 170 bench-128k --set 'bench.prompt_len=[131072]'
+  counted 330 long-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k long_context_graphs
+  bench_27b 100 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
+  rm -f "$OUT"/bench-32k-b8/bench.png "$OUT"/bench-128k/bench.png  # one point each
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

@@ -915,7 +915,33 @@ TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
 # by `benchmarks/gemm_buckets.py --kind w8a8 --set buckets --apply` once a GPU run shows which W8A8 tilings are
 # bitwise equal to the shape's plan. Empty until then: every M runs `gemm_plan_w8a8`.
 # BEGIN W8A8_ROW_BUCKETS (written by benchmarks/gemm_buckets.py --apply)
-W8A8_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
+W8A8_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {
+    (5120, 6144): (
+        (33, GemmPlan(64, 128, 16, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(64, 128, 16, 4, 4, "stream", 128, 1, True, 0, 0, 1)),
+        (129, GemmPlan(64, 128, 16, 4, 4, "stream", 128, 1, True, 0, 0, 1)),
+    ),
+    (5120, 17408): (
+        (33, GemmPlan(64, 128, 46, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 128, 46, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 128, 46, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+    ),
+    (14336, 5120): (
+        (33, GemmPlan(64, 128, 40, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 128, 40, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 128, 40, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+    ),
+    (16384, 5120): (
+        (33, GemmPlan(64, 128, 40, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 128, 40, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 128, 40, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+    ),
+    (34816, 5120): (
+        (33, GemmPlan(64, 128, 40, 4, 4, "stream", 64, 1, True, 0, 0, 1)),
+        (65, GemmPlan(128, 128, 40, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+        (129, GemmPlan(128, 128, 40, 8, 4, "stream", 128, 1, False, 0, 0, 1)),
+    ),
+}
 # END W8A8_ROW_BUCKETS
 
 

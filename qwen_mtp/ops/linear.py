@@ -912,8 +912,8 @@ TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
 
 
 # Row buckets of the W8A8 kernel, as `ROW_BUCKETS` are of the bf16 one (same rules: `sum_order`, `row_plan`), written
-# by `benchmarks/gemm_buckets.py --kind w8a8 --set buckets --apply` once a GPU run shows which W8A8 tilings are
-# bitwise equal to the shape's plan. Empty until then: every M runs `gemm_plan_w8a8`.
+# by `benchmarks/gemm_buckets.py --kind w8a8 --set buckets --apply`, which keeps only tilings measured bitwise equal
+# to the shape's plan (H200, 27B FP8 shapes). A shape without an entry runs `gemm_plan_w8a8` at every M.
 # BEGIN W8A8_ROW_BUCKETS (written by benchmarks/gemm_buckets.py --apply)
 W8A8_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {
     (5120, 6144): (

@@ -108,7 +108,6 @@ def norm_triton(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `rms_norm_reference` (gate None), `gated_rms_norm_reference`, or (delta given)
     `add_rms_norm_reference`, which returns (normed, x + delta)."""
-
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
     gates = rows[:, None] if gate is None else _per_head_rows(gate)

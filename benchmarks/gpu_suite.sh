@@ -40,6 +40,9 @@ bench_27b() { local limit=$1 name=$2 rc; shift 2
                 --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
               cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
               rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
+# graphed_profile: the 27B step's GPU time by kernel kind under CUDA graphs, B1 and B32, plain and K=3.
+graphed_profile() { timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
+                      --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"; }
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
   # -rA: the summary line (pyproject's -q plus this -q would hide it)
   python3 -m pytest -q -rA tests/ops tests/gpu -k "not compiled" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
@@ -155,8 +158,7 @@ if [[ "$STAGE" == probe ]]; then  # one device call (~8 min): row-tile buckets o
     >"$OUT/gemm-buckets.log" 2>&1
   echo "[rc $? at ${SECONDS}s] gemm_buckets"; grep -v "^ *$" "$OUT/gemm-buckets.log" | cut -c1-170
   [[ -n "${BUCKETS_ONLY:-}" ]] && exit 0
-  timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
-    --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"
+  graphed_profile
   timeout 100 python3 benchmarks/decode_attention.py --contexts 8192 32768 --out "$OUT/decode-attention.json" 2>&1 \
     | sed -n '/^ B /,$p' | head -40
 fi
@@ -187,8 +189,7 @@ if [[ "$STAGE" == smallkernels ]]; then  # one device call (~6 min)
     tests/ops/test_split_kv_attention.py tests/ops/test_backend.py
   timeout 200 python3 benchmarks/decode_attention.py --contexts ${CONTEXTS:-128 8192 32768 131072} \
     --out "$OUT/decode-attention.json" 2>&1 | sed -n '/^ B /,$p' | head -60; echo "[at ${SECONDS}s] decode attention"
-  timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
-    --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"
+  graphed_profile
 fi
 if [[ "$STAGE" == stepbench ]]; then  # one device call (~9 min)
   counted 60 step-ops.log python3 -m pytest -q -rA tests/ops/test_norm.py tests/ops/test_rope.py

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from qwen_mtp.ops import elementwise
+from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
 
 
@@ -71,11 +71,13 @@ def _conv_prefill_kernel():
     def conv_prefill(
         x_ptr, w_ptr, cu_ptr, window_ptr, out_ptr, N, S, C, s_xt, s_ot,
         KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: BLOCK_T of the N packed tokens x BLOCK_C channels. A token's sequence (and its first token)
         # comes from cu_seqlens; tap j of token t reads input t - K+1 + j from x, or before its sequence's first
         # token from that sequence's window (zeros without one). Each output's arithmetic is the same whatever
         # the packing, the chunking or N: taps in order, fp32, rounded to the weight's dtype as the conv's output.
+        triton_utils.wait_for_previous_kernel(PDL)
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cs < C
@@ -123,7 +125,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, win
     _conv_prefill_kernel()[grid](
         x, weight.contiguous(), cu_seqlens, window_arg, out, length, cu_seqlens.shape[0] - 1, channels, x.stride(0),
         out.stride(0), KERNEL=weight.shape[1], HAS_WINDOW=windows is not None, BLOCK_T=CONV_BLOCK_T,
-        BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS,
+        BLOCK_C=CONV_BLOCK_C, num_warps=CONV_WARPS, **triton_utils.launch(x.device),
     )  # fmt: skip
     return out
 
@@ -264,11 +266,12 @@ def _conv_update_kernel():
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, C, W,
         stride_xb, stride_xt, stride_ob, stride_ot, stride_pr, stride_pc,
-        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr,
+        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one request, BLOCK_C channels, all T tokens. The whole conv input (window + new
         # tokens) is loaded as one [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so
         # the window read at offset `committed` survives its overwrite at offset 0.
+        triton_utils.wait_for_previous_kernel(PDL)
         b = tl.program_id(0)
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cs < C
@@ -323,6 +326,7 @@ def conv_update_triton(
         length, channels, pool.shape[2],
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), pool.stride(0), pool.stride(1),
         KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=max_t, FULL=triton.next_power_of_2(weight.shape[1] - 1 + max_t),
+        **triton_utils.launch(x.device),
     )  # fmt: skip
     return out
 

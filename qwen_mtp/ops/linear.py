@@ -377,11 +377,13 @@ def _matmul_kernel():
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
         # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
         # every row tile from L2.
+        triton_utils.wait_for_previous_kernel(PDL)
         pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -459,8 +461,10 @@ def _stream_kernel():
         PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
         STAGES: tl.constexpr = 3, WIDE_STAGES: tl.constexpr = 3,  # K loop pipeline depths (`stream_stages`)
         TAIL_TILES: tl.constexpr = 0, TAIL_SPLITS: tl.constexpr = 1, TAIL_K_PER_SPLIT: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
+        triton_utils.wait_for_previous_kernel(PDL)
         pid_n, split = tl.program_id(0), tl.program_id(1)
         # k_blocks: this program's K blocks per split; n_splits: its tile's split count; part_n, part_n0: the
         # partial sums' row length and first column
@@ -634,7 +638,7 @@ def invariant_matmul_triton(
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
         FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         MMA_SYNC=fp8 and not INTERPRET and feeds_mma_sync(plan, torch.cuda.get_device_capability(x.device)[0]),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
     )  # fmt: skip
     return out
 
@@ -820,10 +824,12 @@ def _quantize_activations_kernel():
 
     @triton.jit(do_not_specialize=["M", "M_PAD", "ss_k"])  # ss_k: M_PAD for the prefill layout
     def quantize_activations(
-        x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, ss_k, ss_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr
+        x_ptr, q_ptr, s_ptr, M, M_PAD, K, sx_m, ss_k, ss_m, FLOOR: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # A program per (row block, 128-column group): its rows' amax, scale and e4m3 values, in one pass. A row's
         # values depend on that row alone (its group's amax; one division per element).
+        triton_utils.wait_for_previous_kernel(PDL)
         ms = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         ks = tl.program_id(1) * 128 + tl.arange(0, 128)
         x = tl.load(x_ptr + ms[:, None] * sx_m + ks[None, :], mask=ms[:, None] < M, other=0.0).to(tl.float32)
@@ -846,9 +852,10 @@ def quantize_activations_triton(x: torch.Tensor, block_rows: int = 16) -> tuple[
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(k // FP8_BLOCK[1], rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, block_rows), k // FP8_BLOCK[1])
-    _quantize_activations_kernel()[grid](
-        x, q, scale, m, rows, k, x.stride(0), rows, 1, FLOOR=SCALE_FLOOR, BLOCK_ROWS=block_rows
-    )  # scales M-major: [K/128, M_PAD] in memory
+    _quantize_activations_kernel()[grid](  # scales M-major: [K/128, M_PAD] in memory
+        x, q, scale, m, rows, k, x.stride(0), rows, 1, FLOOR=SCALE_FLOOR, BLOCK_ROWS=block_rows,
+        **triton_utils.launch(x.device),
+    )  # fmt: skip
     return q, scale.t()
 
 
@@ -859,8 +866,10 @@ def _dequantize_kernel():
 
     @triton.jit
     def dequantize_fp8_block(
-        w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr
-    ):
+        w_ptr, s_ptr, out_ptr, N, K, ss_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -883,8 +892,9 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
     _dequantize_kernel()[grid](
-        weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128, INTERPRETED=INTERPRET
-    )
+        weight, scale, out, n, k, scale.stride(0), BLOCK_N=64, BLOCK_K=128, INTERPRETED=INTERPRET,
+        **triton_utils.launch(weight.device),
+    )  # fmt: skip
     return out
 
 
@@ -983,8 +993,9 @@ def quantize_activation_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torc
         return q, scale
     grid = (triton.cdiv(m, 16), k // FP8_BLOCK[1])
     _quantize_activations_kernel()[grid](
-        x, q, scale, m, m, k, x.stride(0), 1, scale.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=16
-    )
+        x, q, scale, m, m, k, x.stride(0), 1, scale.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=16,
+        **triton_utils.launch(x.device),
+    )  # fmt: skip
     return q, scale
 
 
@@ -1038,8 +1049,9 @@ def _w8a8_kernel():
         q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sq_m, sqs_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr,
+        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         pid_n, split = tl.program_id(0), tl.program_id(1)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows, ks = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
@@ -1139,6 +1151,7 @@ def w8a8_matmul_triton(
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=plan.row_tiles,
         SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **triton_utils.launch(q.device),
     )  # fmt: skip
     return out
 

@@ -176,8 +176,10 @@ def _route_kernel():
 
     @triton.jit
     def moe_route_topk(
-        logits_ptr, weights_ptr, ids_ptr, E, s_row, TOP_K: tl.constexpr, E_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr
+        logits_ptr, weights_ptr, ids_ptr, E, s_row, TOP_K: tl.constexpr, E_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         es = tl.arange(0, E_BLOCK)
         logits = tl.load(logits_ptr + row * s_row + es, mask=es < E, other=float("-inf")).to(tl.float32)
@@ -213,6 +215,7 @@ def route_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
         _route_kernel()[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, E_BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
+            **triton_utils.launch(logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -225,8 +228,9 @@ def _align_kernel():
     @triton.jit(do_not_specialize=["P"])
     def moe_align(
         ids_ptr, counts_ptr, offsets_ptr, cursor_ptr, order_ptr, slots_ptr, P, E, SLOTS, E_BLOCK: tl.constexpr, CHUNK:
-        tl.constexpr
+        tl.constexpr, PDL: tl.constexpr = False
     ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         es = tl.arange(0, E_BLOCK)
         counts = tl.zeros([E_BLOCK], dtype=tl.int32)
         for p0 in range(0, P, CHUNK):
@@ -263,9 +267,10 @@ def _gate_up_kernel():
     def moe_gate_up(
         x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_x, s_we, s_wn, ss_e,
         ss_n, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8:
-        tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr
+        tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False
     ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [E, ceil(2I/128), ceil(H/128)]; else s_ptr is unused.
+        triton_utils.wait_for_previous_kernel(PDL)
         expert = tl.load(slots_ptr + tl.program_id(0))
         if expert >= 0:
             count = tl.load(counts_ptr + expert)
@@ -319,9 +324,10 @@ def _down_kernel():
     def moe_down(
         h_ptr, w_ptr, s_ptr, rw_ptr, y_ptr, order_ptr, counts_ptr, offsets_ptr, slots_ptr, H, INTER, s_we, s_wn, ss_e,
         ss_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, INTERPRETED:
-        tl.constexpr, PRECISION: tl.constexpr
+        tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False
     ):  # fmt: skip
         # FP8: w_ptr is e4m3 and s_ptr its block scales [E, ceil(H/128), ceil(I/128)]; else s_ptr is unused.
+        triton_utils.wait_for_previous_kernel(PDL)
         expert = tl.load(slots_ptr + tl.program_id(0))
         if expert >= 0:
             count = tl.load(counts_ptr + expert)
@@ -362,8 +368,10 @@ def _combine_kernel():
 
     @triton.jit
     def moe_combine(
-        y_ptr, shared_ptr, gate_ptr, out_ptr, H, s_shared, s_gate, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+        y_ptr, shared_ptr, gate_ptr, out_ptr, H, s_shared, s_gate, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
@@ -430,7 +438,7 @@ def moe_triton(
     e_block = triton.next_power_of_2(experts + 1)
     _align_kernel()[(1,)](
         ids.reshape(-1), counts, offsets, cursor, order, slot_experts, pairs, experts, slots,
-        E_BLOCK=e_block, CHUNK=ALIGN_CHUNK, num_warps=8 if e_block >= 512 else 4,
+        E_BLOCK=e_block, CHUNK=ALIGN_CHUNK, num_warps=8 if e_block >= 512 else 4, **triton_utils.launch(ids.device),
     )  # fmt: skip
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(pairs, inter, dtype=x.dtype, device=device)
@@ -439,7 +447,7 @@ def moe_triton(
         x, gate_up, _scales_or(gate_up_scale, gate_up), h, order, counts, offsets, slot_experts, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), *_scale_strides(gate_up_scale),
         TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, FP8=gate_up_scale is not None,
-        INTERPRETED=INTERPRET, PRECISION=precision,
+        INTERPRETED=INTERPRET, PRECISION=precision, **triton_utils.launch(x.device),
     )  # fmt: skip
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=device)
     block_n = _block_n(hidden)
@@ -447,12 +455,13 @@ def moe_triton(
         h, down, _scales_or(down_scale, down), weights.reshape(-1).contiguous(), y, order, counts, offsets,
         slot_experts, hidden, inter, down.stride(0), down.stride(1), *_scale_strides(down_scale),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, FP8=down_scale is not None,
-        INTERPRETED=INTERPRET, PRECISION=precision,
+        INTERPRETED=INTERPRET, PRECISION=precision, **triton_utils.launch(h.device),
     )  # fmt: skip
     block = 1024
     _combine_kernel()[(tokens, triton.cdiv(hidden, block))](
-        y, shared, shared_gate, out, hidden, shared.stride(0), shared_gate.stride(0), TOP_K=top_k, BLOCK=block
-    )
+        y, shared, shared_gate, out, hidden, shared.stride(0), shared_gate.stride(0), TOP_K=top_k, BLOCK=block,
+        **triton_utils.launch(y.device),
+    )  # fmt: skip
     return out
 
 

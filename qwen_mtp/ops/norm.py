@@ -52,7 +52,7 @@ def _norm_kernel():
     @triton.jit
     def rms_norm_rows(
         x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps, g_heads, g_s0, g_s1,
-        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program per row. WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers, one tree sum.
         # (`_row_block` says which rows.)
@@ -60,6 +60,7 @@ def _norm_kernel():
         # normalizes. ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and
         # stored. GATED: row r's gate is at (r // g_heads) * g_s0 + (r % g_heads) * g_s1 (per-head rows of a
         # strided projection slice, read in place).
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         if WHOLE_ROW:
@@ -118,6 +119,7 @@ def norm_triton(
     _norm_kernel()[(rows.shape[0],)](
         rows, gates, weight, out, deltas, summed, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
         GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, num_warps=warps,
+        **triton_utils.launch(rows.device),
     )  # fmt: skip
     if delta is not None:
         return out.reshape(x.shape), summed.reshape(x.shape)

@@ -53,9 +53,10 @@ def _write_kv_kernel():
     def write_kv_pages(
         k_ptr, v_ptr, kv_ptr, tables_ptr, pos_ptr,
         T, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_half, s_page, s_slot, s_head, s_table,
-        D: tl.constexpr, PAGE: tl.constexpr,
+        D: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (request, new position, KV head): a plain copy into its page slot.
+        triton_utils.wait_for_previous_kernel(PDL)
         pid = tl.program_id(0)
         b = pid // T
         t = pid % T
@@ -85,7 +86,7 @@ def write_kv_triton(
         k, v, kv, block_tables, positions,
         length, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
-        D=dim, PAGE=kv.shape[2],
+        D=dim, PAGE=kv.shape[2], **triton_utils.launch(k.device),
     )  # fmt: skip
 
 
@@ -123,10 +124,11 @@ def _paged_attention_kernel():
         T, GROUP, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (request, query position, KV head) with its GROUP query heads; keys in blocks of
         # BLOCK_N positions in position order (each position looks up its own page, so any page size works).
+        triton_utils.wait_for_previous_kernel(PDL)
         pid = tl.program_id(0)
         bi = pid // T
         t = pid % T
@@ -179,6 +181,7 @@ def unsplit_attention_triton(
         block_tables.stride(0),
         D=dim, PAGE=page_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
         INTERPRETED=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **triton_utils.launch(q.device),
     )  # fmt: skip
     return out
 
@@ -221,12 +224,13 @@ def _split_kv_kernels():
         T, GROUP, H, CHUNKS, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: chunks first, first + stride, ... of ROWS (query position, query head) pairs of one
         # (request, KV head): its T positions x GROUP heads, flattened, cut into tiles of ROWS. Chunk c holds
         # keys [c * SPLIT, (c + 1) * SPLIT), in blocks of BLOCK_N, each block loaded once for the tile; a pair
         # sees the keys before its own position only. Which program computes a chunk does not change its numbers.
+        triton_utils.wait_for_previous_kernel(PDL)
         tiles = tl.cdiv(T * GROUP, ROWS)
         bi = tl.program_id(0) // tiles
         tile = tl.program_id(0) % tiles
@@ -269,11 +273,12 @@ def _split_kv_kernels():
     def merge(
         m_ptr, denom_ptr, acc_ptr, lens_ptr, out_ptr,
         T, H, CHUNKS, sq_b, sq_t, sq_h,
-        D: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
+        D: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (row, query position, query head). Partials are rescaled to the position's maximum
         # score (a max: exact in any order); lane j sums chunks j, j + MERGE, j + 2 MERGE, ... in chunk order,
         # then the lanes are summed: the order depends on the number of chunks, hence on the position, alone.
+        triton_utils.wait_for_previous_kernel(PDL)
         pid = tl.program_id(0)
         h = tl.program_id(1)
         bi = pid // T
@@ -332,11 +337,12 @@ def split_kv_attention_triton(
         block_tables.stride(0),
         D=dim, PAGE=page_size, ROWS=plan.rows, BLOCK_N=plan.block_n,
         SPLIT=plan.split, INTERPRETED=triton_utils.INTERPRET,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=plan.warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=plan.warps, **triton_utils.launch(q.device),
     )  # fmt: skip
     merge[(rows, heads)](
         m, denom, acc, context_lens, out, length, heads, chunks, q.stride(0), q.stride(1), q.stride(2),
         D=dim, SPLIT=plan.split, MERGE=plan.merge, num_warps=min(16, max(4, plan.merge * dim // 1024)),
+        **triton_utils.launch(m.device),
     )  # fmt: skip
     return out
 

@@ -67,10 +67,11 @@ def _prefill_attention_kernel():
         T, GROUP, qk_scale,
         sq_b, sq_t, sq_h, so_b, so_t, so_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: ROWS consecutive (query position, head-in-group) pairs of one (request, KV head); the
         # last tile first.
+        triton_utils.wait_for_previous_kernel(PDL)
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
         bi = tl.program_id(2)
@@ -148,7 +149,7 @@ def prefill_attention_triton(
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         D=dim, PAGE=page_size, ROWS=rows, BLOCK_N=block_n,
         INTERPRETED=triton_utils.INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **triton_utils.launch(q.device),
     )  # fmt: skip
     return out
 

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.norm import rms_norm_reference
 
@@ -58,11 +59,12 @@ def _qk_norm_rope_kernel():
         q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
         T, H, KV, eps,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_r,
-        D: tl.constexpr, RD: tl.constexpr,
+        D: tl.constexpr, RD: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one token, one head (q heads first, then k heads). The rotate-half partner of each
         # element is normalised a second time from a permuted load: the same operations on the same inputs,
         # so the same bits as indexing the normalised row.
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         b = row // T
@@ -109,7 +111,8 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin):
         length, heads, kv_heads, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0),
         D=dim, RD=cos.shape[-1],
-        enable_fp_fusion=False,  # no mul+add -> FMA contraction: torch rounds the products before the sum
+        enable_fp_fusion=False,  # no mul+add -> FMA contraction: torch rounds the products before the sum,
+        **triton_utils.launch(q.device),
     )  # fmt: skip
     return q_out, k_out
 

@@ -185,8 +185,9 @@ def _kernels():
     def partials(
         logits_ptr, stride, vocab, inv_t_ptr, threshold_ptr, seed_ptr, position_ptr,
         best_ptr, index_ptr, max_ptr, sum_ptr, chunks,
-        FILTERED: tl.constexpr, BLOCK: tl.constexpr,
+        FILTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         row, chunk = tl.program_id(0), tl.program_id(1)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         valid = offs < vocab
@@ -216,7 +217,11 @@ def _kernels():
         tl.store(sum_ptr + out, total)
 
     @triton.jit
-    def combine(best_ptr, index_ptr, max_ptr, sum_ptr, tokens_ptr, lse_ptr, chunks, BLOCK_C: tl.constexpr):
+    def combine(
+        best_ptr, index_ptr, max_ptr, sum_ptr, tokens_ptr, lse_ptr, chunks, BLOCK_C: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_C)
         valid = offs < chunks
@@ -250,12 +255,15 @@ def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, blo
     partials[(rows, chunks)](
         logits, logits.stride(0), vocab, inv_temperature, threshold if filtered else inv_temperature,
         seed, position, best, index, top, total, chunks,
-        FILTERED=filtered, BLOCK=block,
+        FILTERED=filtered, BLOCK=block, **triton_utils.launch(logits.device),
         enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds the product first
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    combine[(rows,)](best, index, top, total, tokens, lse, chunks, BLOCK_C=max(2, triton.next_power_of_2(chunks)))
+    combine[(rows,)](
+        best, index, top, total, tokens, lse, chunks, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
+        **triton_utils.launch(best.device),
+    )  # fmt: skip
     return tokens, lse
 
 
@@ -268,9 +276,11 @@ def _radix_kernels():
     def radix_histogram(
         logits_ptr, stride, vocab, active_ptr, row_max_ptr, inv_t_ptr, floor_ptr, prefix_ptr, hist_ptr, chunks,
         SHIFT: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """Partial histograms [R, chunks, 2^BITS] (int64) of one chunk of a row: the mass (MASS) or the count of its
         tokens whose key's bits above SHIFT + BITS equal the row's prefix, binned by their next BITS bits."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row, chunk = tl.program_id(0), tl.program_id(1)
         if tl.load(active_ptr + row):
             bins = tl.arange(0, 1 << BITS)
@@ -298,11 +308,12 @@ def _radix_kernels():
     def radix_select(
         hist_ptr, chunks, active_ptr, goal_ptr, prefix_ptr, above_ptr, target_ptr, out_ptr,
         SHIFT: tl.constexpr, MASS: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-        BLOCK_C: tl.constexpr,
+        BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         """One row's radix step: the highest bin whose tokens and those above it reach the target (k tokens, or
         top_p of the set's mass); its digit joins the prefix, the mass (count) of the bins above it joins `above`.
         The last step writes the threshold: the logit whose key is the prefix (-inf for inactive rows)."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         if tl.load(active_ptr + row):
             bins = tl.arange(0, 1 << BITS)
@@ -346,11 +357,12 @@ def _count_kernels():
     @triton.jit
     def level_counts(
         logits_ptr, stride, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, levels_ptr, mass_ptr, chunks,
-        BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+        BLOCK: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         """Partial counts [R, chunks, LEVELS] (int32) of one chunk of a bf16 row's tokens by level
         (`triton_utils.mass_level`, at T = 1 for a greedy row) and, for a row with top-p and no top-k, the chunk's
         fixed-point mass [R, chunks] (int64: exact in any order)."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row, chunk = tl.program_id(0), tl.program_id(1)
         keep = tl.load(keep_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
@@ -372,7 +384,7 @@ def _count_kernels():
     def count_window(
         levels_ptr, mass_ptr, chunks, vocab, keep_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, low_ptr,
         total_ptr, counts_ptr, BLOCK_C: tl.constexpr, LEVELS: tl.constexpr, MASS_BITS: tl.constexpr,
-        ZERO: tl.constexpr,
+        ZERO: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         """One row's window: the lowest level whose tokens (with those of every level above) surely hold the
         threshold, so that only they need value counts (-1: a row without top-k or top-p). With top-k, the level
@@ -381,6 +393,7 @@ def _count_kernels():
         token of level l weighs under 2^(MASS_BITS + 1 - l)), with a margin of 2^-40 for float64's rounding,
         reaches top_p of it. Zeroes the row's counts from `low`, a value below every token of the window, up to its
         largest value (the others are never read)."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         keep = tl.load(keep_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
@@ -430,10 +443,12 @@ def _count_kernels():
 
     @triton.jit
     def value_counts(
-        logits_ptr, stride, vocab, inv_t_ptr, row_max_ptr, window_ptr, counts_ptr, BLOCK: tl.constexpr
+        logits_ptr, stride, vocab, inv_t_ptr, row_max_ptr, window_ptr, counts_ptr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """counts [R, 2^16] (int32) += how many of one chunk's tokens in the row's window hold each value (the top
         16 bits of its order key). Integer atomics: the counts are exact whatever order adds them."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row, chunk = tl.program_id(0), tl.program_id(1)
         window = tl.load(window_ptr + row)
         if window >= 0:
@@ -448,10 +463,11 @@ def _count_kernels():
     @triton.jit
     def block_sums(
         counts_ptr, inv_t_ptr, top_p_ptr, row_max_ptr, window_ptr, low_ptr, block_count_ptr, block_mass_ptr,
-        BLOCKS: tl.constexpr, BINS: tl.constexpr,
+        BLOCKS: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         """A block of BINS values of a row's counts: their count and (top-p) mass [R, BLOCKS] (int64); 0 outside
         the counted values (from the row's `low` to its largest)."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row, block = tl.program_id(0), tl.program_id(1)
         row_max = tl.load(row_max_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
@@ -473,11 +489,12 @@ def _count_kernels():
     @triton.jit
     def counted_threshold(
         counts_ptr, block_count_ptr, block_mass_ptr, low_ptr, total_ptr, vocab, keep_ptr, inv_t_ptr, top_p_ptr,
-        min_p_ptr, row_max_ptr, tau_ptr, BLOCKS: tl.constexpr, BINS: tl.constexpr,
+        min_p_ptr, row_max_ptr, tau_ptr, BLOCKS: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         """One bf16 row's tau from its counts, largest values first: top-k's value, where the count at or above it
         reaches k, then top-p's, where the mass at or above it (over the top-k set) reaches top_p of the set's;
         each found as the block where the block sums reach the target, then the value inside that block."""
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         keep = tl.load(keep_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
@@ -594,13 +611,13 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
     block_sums[(rows, blocks)](
         counts, inv_temperature, top_p, row_max, window, low, block_count, block_mass,
         BLOCKS=blocks, BINS=COUNTS_BINS,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **triton_utils.launch(device),
     )  # fmt: skip
     tau = torch.empty(rows, dtype=torch.float32, device=device)
     counted_threshold[(rows,)](
         counts, block_count, block_mass, low, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
         BLOCKS=blocks, BINS=COUNTS_BINS,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **triton_utils.launch(device),
     )  # fmt: skip
     return tau
 
@@ -619,7 +636,7 @@ def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
     chunk_mass = torch.empty(rows, chunks, dtype=torch.int64, device=device)
     level_counts[(rows, chunks)](
         logits, logits.stride(0), vocab, keep, inv_temperature, top_p, row_max, levels, chunk_mass, chunks,
-        BLOCK=block, LEVELS=MASS_LEVELS,
+        BLOCK=block, LEVELS=MASS_LEVELS, **triton_utils.launch(device),
         enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
     )  # fmt: skip
     window, low = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(2))
@@ -628,10 +645,11 @@ def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
     count_window[(rows,)](
         levels, chunk_mass, chunks, vocab, keep, inv_temperature, top_p, row_max, window, low, total, counts,
         BLOCK_C=max(2, triton.next_power_of_2(chunks)), LEVELS=MASS_LEVELS, MASS_BITS=MASS_BITS, ZERO=COUNTS_ZERO,
+        **triton_utils.launch(device),
     )  # fmt: skip
     value_counts[(rows, chunks)](
         logits, logits.stride(0), vocab, inv_temperature, row_max, window, counts, BLOCK=block,
-        enable_fp_fusion=False,  # the levels must be `level_counts`' to the bit
+        **triton_utils.launch(device), enable_fp_fusion=False,  # the levels must be `level_counts`' to the bit
     )  # fmt: skip
     return counts, window, low, total
 
@@ -661,12 +679,13 @@ def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
             histogram[(rows, chunks)](
                 logits, logits.stride(0), vocab, active, row_max, inv_temperature, floor, prefix, hist, chunks,
                 SHIFT=shift, MASS=mass, BITS=RADIX_BITS, BLOCK=block, SUB=min(RADIX_SUB, block),
+                **triton_utils.launch(logits.device),
                 enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
             )  # fmt: skip
             select[(rows,)](
                 hist, chunks, active, goal, prefix, above, target, out,
                 SHIFT=shift, MASS=mass, BITS=RADIX_BITS, FIRST=step == 0, LAST=step == steps - 1,
-                BLOCK_C=max(2, triton.next_power_of_2(chunks)),
+                BLOCK_C=max(2, triton.next_power_of_2(chunks)), **triton_utils.launch(hist.device),
             )  # fmt: skip
     return by_k, by_p
 

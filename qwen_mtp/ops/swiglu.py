@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from qwen_mtp.ops import elementwise
+from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
 
 
@@ -34,7 +34,8 @@ def _swiglu_kernel():
     import triton.language as tl
 
     @triton.jit
-    def swiglu_rows(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr):
+    def swiglu_rows(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < INTER
@@ -54,7 +55,8 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.reshape(-1, 2 * inter).contiguous()
     out = rows.new_empty(rows.shape[0], inter)
     block = 1024
-    _swiglu_kernel()[(rows.shape[0], triton.cdiv(inter, block))](rows, out, inter, BLOCK=block)
+    launch = triton_utils.launch(rows.device)
+    _swiglu_kernel()[(rows.shape[0], triton.cdiv(inter, block))](rows, out, inter, BLOCK=block, **launch)
     return out.reshape(*gate_up.shape[:-1], inter)
 
 

@@ -12,6 +12,17 @@ from qwen_mtp.ops import sampling as _sampling
 
 
 @triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):  # noqa: N803
+    """Every kernel's first statement (`triton_utils.launch` says why). With programmatic dependent launch this
+    program may start while the kernel before it in the stream still runs: wait until that kernel has finished
+    and its writes are visible (which also covers every kernel before it), then let the next kernel's programs
+    launch. Nothing before this line reads or writes memory. Without PDL both instructions are no-ops."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
     """a [M, K] @ b [K, N], accumulated in fp32.
 

@@ -8,11 +8,40 @@ Linux-only dependency). So kernel modules import this module, and the helpers lo
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Read once at import: Triton itself decides at kernel creation whether to interpret (tests on CPU set
 # TRITON_INTERPRET=1 before importing qwen_mtp).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Programmatic dependent launch (`launch`): on unless QWEN_MTP_PDL=0 (the A/B switch of the benchmarks).
+PDL_ENABLED = os.environ.get("QWEN_MTP_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_supported(device) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch(device) -> dict:
+    """The launch options every kernel of ours takes: `PDL` (its constexpr) and Triton's `launch_pdl`.
+
+    Why: a decode step is ~800 dependent kernels of a few microseconds each, and between two of them the GPU
+    drains one grid, then launches and ramps up the next. With programmatic dependent launch (Hopper on) a
+    kernel's programs are launched while the previous kernel's last ones still run; each first waits at
+    `triton_helpers.wait_for_previous_kernel` until that kernel has finished and its writes are visible, so
+    nothing it reads or writes can race, and the numbers are the same bits as without it.
+
+    Only while a CUDA graph is being captured (the decode, verify and draft steps): launched eagerly (prefill,
+    warm-up), a launch with the attribute cost the host so much more that the 27B batch-1 TTFT went from 61 to
+    115 ms on the H200 (docs/benchmarks.md, eleventh session). Off under the interpreter, on CPUs and GPUs before
+    sm_90, and with QWEN_MTP_PDL=0."""
+    import torch
+
+    on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and _pdl_supported(device)
+    return {"PDL": True, "launch_pdl": True} if on and torch.cuda.is_current_stream_capturing() else {"PDL": False}
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ import torch
 from helpers import load_hf, random_prompt
 
 from qwen_mtp import Engine, SamplingParams, load_model
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_ops
 
 MODES = {  # eager kernels, CUDA graphs of them (the default on CUDA), or torch.compile (inductor) + CUDA graphs +
@@ -115,6 +116,25 @@ def test_compiled_mtp_equals_plain_tiny():
         expected = [r.token_ids for r in plain.generate(prompts[:batch], max_new_tokens=16, ignore_eos=True)]
         got = [r.token_ids for r in spec.generate(prompts[:batch], max_new_tokens=16, ignore_eos=True)]
         assert got == expected, f"batch {batch}"
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, k):
+    """Kernels that start early under programmatic dependent launch (`triton_utils.launch`) wait for the one
+    before them, so the tokens and their log-probabilities are the same bits with it (the default) and without,
+    plain and with MTP, at batch 8 under CUDA graphs."""
+    source = {"synthetic": "qwen3.5-0.8b"}
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, 5, 7, 130, 64, 300, 2, 33)]
+    params = SamplingParams(24, ignore_eos=True, logprobs=2)
+
+    def run():
+        engine = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=8, mode="graphs")
+        results = engine.generate(prompts, params)
+        return [(r.token_ids, [(e.logprob, e.top) for e in r.logprobs]) for r in results]
+
+    with_pdl = run()
+    monkeypatch.setattr(triton_utils, "PDL_ENABLED", False)
+    assert run() == with_pdl
 
 
 @pytest.mark.parametrize("k,mode", [(2, "graphs"), (4, "graphs")])

@@ -3,8 +3,10 @@ passes, and print, as JSON, the W8A16 stream kernel's SASS instruction counts (T
 so the instructions the H200 would run can be read here), or with "kwidth" first, the dot operand layouts' kWidth
 of the plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's
 kernel on bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8"
-first, the W8A8 kernel's opcode counts and wgmma operands. Run without TRITON_INTERPRET (the interpreter replaces
-`triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py` and `test_linear_w8a8.py` run it."""
+first, the W8A8 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions
+of a kernel compiled with and without programmatic dependent launch. Run without TRITON_INTERPRET (the interpreter
+replaces `triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py` and `test_pdl.py`
+run it."""
 
 import collections
 import inspect
@@ -104,7 +106,7 @@ def compile_w8a8_sm90(plan: GemmPlan, n: int, k: int):
     pointers = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16")
     pointers |= dict(part_ptr="*fp32", count_ptr="*i32")
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
-    const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False)
+    const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False, PDL=False)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -165,8 +167,25 @@ def compile_errors(launches: dict[str, list]) -> dict[str, str]:
     return errors
 
 
+def pdl_instructions() -> dict[str, list[str]]:
+    """The grid dependency instructions in the PTX of the swiglu kernel (one of ours, small) compiled for sm_90
+    with and without programmatic dependent launch (`triton_utils.launch`'s two settings)."""
+    from qwen_mtp.ops import swiglu
+
+    kernel = swiglu._swiglu_kernel()
+    found = {}
+    for pdl in (False, True):
+        signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "INTER": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}
+        src = ASTSource(kernel, signature, constexprs={"BLOCK": 1024, "PDL": pdl})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"]
+        found[str(pdl)] = re.findall(r"griddepcontrol\.\w+", ptx)
+    return found
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "w8a8":
+    if sys.argv[1] == "pdl":
+        print(json.dumps(pdl_instructions()))
+    elif sys.argv[1] == "w8a8":
         n, k, *fields = json.loads(sys.argv[2])
         print(json.dumps(w8a8_report(GemmPlan(*fields), n, k)))
     elif sys.argv[1] == "compile":

@@ -23,7 +23,7 @@ decay_kkt, invert, wy, states, output = chunked._kernels()
 DK = DV = 128
 ints = lambda *names: {n: "i32" for n in names}
 ptrs = lambda kind, *names: {n: kind for n in names}
-common = dict(INTERPRETED=False, PRECISION=chunked.DOTS)
+common = dict(INTERPRETED=False, PRECISION=chunked.DOTS, PDL=False)
 specs = {
     "decay_kkt": (decay_kkt, {**ptrs("*bf16", "k_ptr", "beta_ptr"), **ptrs("*fp32", "g_ptr"), "cu_ptr": "*i32",
                   **ptrs("*fp32", "a_ptr", "cum_ptr", "kf_ptr"), **ints("N", "HV", "GROUP", "s_kt", "s_kh", "s_gt")},

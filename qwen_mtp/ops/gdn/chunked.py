@@ -70,9 +70,11 @@ def _kernels():
     def decay_kkt(
         k_ptr, g_ptr, beta_ptr, cu_ptr, a_ptr, cum_ptr, kf_ptr, N, HV, GROUP, s_kt, s_kh, s_gt,
         C: tl.constexpr, DK: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (value head, chunk). G (padded rows add 0: the last row holds the chunk's total), A, and
         # kf = |k|^-1 exp(G_C - G) (kn exp(G_C - G) = k * kf, what `states` folds into delta).
+        triton_utils.wait_for_previous_kernel(PDL)
         h = tl.program_id(0)
         chunk = tl.program_id(1)
         first, end = triton_utils.packed_chunk(cu_ptr, N, chunk, C)
@@ -97,9 +99,12 @@ def _kernels():
         tl.store(kf_ptr + base + rows, rk * tl.exp(last - cum))
 
     @triton.jit
-    def invert(a_ptr, t_ptr, HV, C: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
+    def invert(
+        a_ptr, t_ptr, HV, C: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False
+    ):  # fmt: skip
         # One program: one (value head, chunk): T = (I + A)^-1 by 16x16 blocks (C = 64: four diagonal blocks);
         # writes T's blocks on and below the diagonal (`wy` reads the rest as zeros).
+        triton_utils.wait_for_previous_kernel(PDL)
         h = tl.program_id(0)
         chunk = tl.program_id(1)
         base = (chunk.to(tl.int64) * HV + h) * C
@@ -158,9 +163,11 @@ def _kernels():
     def wy(
         k_ptr, v_ptr, beta_ptr, cu_ptr, t_ptr, cum_ptr, w_ptr, u_ptr, N, HV, GROUP, s_kt, s_kh, s_vt, s_vh, s_gt,
         C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (value head, chunk): W = T (beta exp(G) kn), U = T (beta v), the row factors applied to
         # T's columns.
+        triton_utils.wait_for_previous_kernel(PDL)
         h = tl.program_id(0)
         chunk = tl.program_id(1)
         first, end = triton_utils.packed_chunk(cu_ptr, N, chunk, C)
@@ -187,10 +194,11 @@ def _kernels():
     def states(
         k_ptr, cu_ptr, w_ptr, u_ptr, cum_ptr, kf_ptr, init_ptr, h_ptr, delta_ptr, final_ptr, N, HV, GROUP, s_kt,
         s_kh, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (sequence, value head, BLOCK_V value columns), its chunks in order; the state tile
         # [DK, BLOCK_V] stays in registers. Per chunk: store S; delta = U - W S; S = exp(G_C) S + k^T (kf delta).
+        triton_utils.wait_for_previous_kernel(PDL)
         pid = tl.program_id(0)
         n = pid // HV
         h = pid % HV
@@ -233,10 +241,11 @@ def _kernels():
     def output(
         q_ptr, k_ptr, cu_ptr, cum_ptr, h_ptr, delta_ptr, out_ptr, N, HV, GROUP, scale, s_qt, s_qh, s_ot, s_oh,
         C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRETED: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (value head, chunk, BLOCK_V value columns): o = exp(G) qn S + (causal qn kn^T decay) delta.
         # q and k share strides (slices of one conv output).
+        triton_utils.wait_for_previous_kernel(PDL)
         h = tl.program_id(0)
         chunk = tl.program_id(1)
         first, end = triton_utils.packed_chunk(cu_ptr, N, chunk, C)
@@ -299,7 +308,7 @@ def _launch(q, k, v, g, beta, cu_seqlens, chunks, initial_state):
     out = torch.empty(length, hv, dv, dtype=q.dtype, device=q.device)
     final = torch.empty(sequences, hv, dk, dv, dtype=torch.float32, device=q.device)
     init = final if initial_state is None else initial_state.float().contiguous()
-    common = dict(INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS)
+    common = dict(INTERPRETED=triton_utils.INTERPRET, PRECISION=DOTS, **triton_utils.launch(q.device))
     decay_kkt[(hv, chunks)](
         k, g, beta, cu_seqlens, a, cum, kf, sequences, hv, group, k.stride(0), k.stride(1), g.stride(0),
         C=CHUNK, DK=dk, num_warps=PREPARE_WARPS, **common,

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.gdn.naive import gate_values, recurrent_gated_delta_rule
 
@@ -53,11 +54,12 @@ def _gdn_recurrent_kernel():
         T, HV, GROUP, scale,
         sq_b, sq_t, sq_h, sv_b, sv_t, sv_h, sa_b, sa_t,
         sp_r, sp_s, sp_h, so_b, so_t, so_h,
-        DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+        DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one request, one value head, BLOCK_V value columns, all T tokens in order. The state
         # tile [DK, BLOCK_V] lives in registers (read from the start slot before any slot is written; other
         # programs touch other heads/columns); nothing in it depends on other requests or on T.
+        triton_utils.wait_for_previous_kernel(PDL)
         pid = tl.program_id(0)
         bi = pid // HV
         h = pid % HV
@@ -119,7 +121,7 @@ def gdn_recurrent_triton(q, k, v, a, b, A_log, dt_bias, pool, rows, committed, b
         length, hv, hv // hk, dk**-0.5,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        DK=dk, DV=dv, BLOCK_V=block_v, num_warps=num_warps,
+        DK=dk, DV=dv, BLOCK_V=block_v, num_warps=num_warps, **triton_utils.launch(q.device),
     )  # fmt: skip
     return out
 

@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -20,7 +20,8 @@
 #                (CONTEXTS), the graphed B1 / B32 step split;
 #   stepbench    after a change to every step (e.g. a norm): the exactness subset, then the 27B bf16 bench, K=3 at
 #                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k;
-#   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k.
+#   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k;
+#   lookahead    cache.lookahead: the host-sync tests, the exactness subset, plain B1 / B8 / B32 with and without.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -203,6 +204,17 @@ if [[ "$STAGE" == longcontext ]]; then  # one device call (~10 min)
   counted 330 long-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k long_context_graphs
   bench_27b 100 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
   rm -f "$OUT"/bench-32k-b8/bench.png "$OUT"/bench-128k/bench.png  # one point each
+fi
+if [[ "$STAGE" == lookahead ]]; then  # one device call (~8 min)
+  counted 200 lookahead-syncs.log python3 -m pytest -q -rA tests/gpu/test_host_syncs.py
+  counted 200 lookahead-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  for on in false true; do
+    timeout 150 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' \
+      --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[]' --set 'bench.batch_sizes=[1,8,32]' \
+      --set cache.lookahead=$on --set "bench.out_dir=$OUT/bench-lookahead-$on" >"$OUT/bench-lookahead-$on.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] lookahead $on"; cat "$OUT/bench-lookahead-$on/bench.txt" 2>/dev/null
+  done
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

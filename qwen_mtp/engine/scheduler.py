@@ -14,6 +14,9 @@ The scheduler decides and allocates; it never touches tensors.
   budget every request in prefill runs its next chunk.
 - Before the step runs, the scheduler grows each request's pages to cover every position the step may write
   (`Schedule.reach`), from the reservation: the runner never allocates.
+- Lookahead (`schedule_ahead`): a plain decode step for the requests of the step in flight, launched before that
+  step's tokens are read, so each request decodes one position past what it has computed. Only when those
+  requests are all that runs and none can end before it (room for another token), and nothing waits.
 - Prefix caching (`prefix` given): admission looks up the longest cached prefix of the prompt that ends on a
   state snapshot; the request's page table starts with its shared pages, its reservation counts only the pages
   it will own, its prefill starts after the prefix (`num_computed`, set at admission) and the engine restores
@@ -147,6 +150,24 @@ class Scheduler:
         if not self.prefix.wants_snapshot(request.id, tuple(request.prompt[start:end])):
             return None
         return self.prefix.snapshot_slot()
+
+    def schedule_ahead(self, requests: list[Request]) -> Schedule | None:
+        """The next decode step of `requests`, whose current step is still in flight (its tokens not yet
+        applied): each decodes at position num_computed + 1, its pages grown for it. None unless they are every
+        running request, all plain decodes with room for that position (a request's last decode is at
+        max_len - 2), and no request or cache fill waits."""
+        if self.waiting or self.fills or len(requests) != len(self.running):
+            return None
+        running = {r.id for r in self.running}
+        for request in requests:
+            plain = request.spec is None and request.fill_end is None and not request.in_prefill
+            if request.done or request.id not in running or not plain or request.num_computed + 3 > request.max_len:
+                return None
+        plan = Schedule(decodes=list(requests))
+        for request in requests:
+            plan.reach[request.id] = request.num_computed + 2
+            self.pages.grow(request.id, plan.reach[request.id])
+        return plan
 
     def schedule(self) -> Schedule:
         plan = Schedule()

@@ -21,7 +21,8 @@
 #   stepbench    after a change to every step (e.g. a norm): the exactness subset, then the 27B bf16 bench, K=3 at
 #                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k;
 #   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k;
-#   lookahead    cache.lookahead: the host-sync tests, the exactness subset, plain B1 / B8 / B32 with and without.
+#   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
+#                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -207,11 +208,11 @@ if [[ "$STAGE" == longcontext ]]; then  # one device call (~10 min)
 fi
 if [[ "$STAGE" == lookahead ]]; then  # one device call (~8 min)
   counted 200 lookahead-syncs.log python3 -m pytest -q -rA tests/gpu/test_host_syncs.py
-  counted 200 lookahead-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
-    -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  counted 300 lookahead-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress or lookahead"
   for on in false true; do
-    timeout 150 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' \
-      --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[]' --set 'bench.batch_sizes=[1,8,32]' \
+    timeout 170 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' \
+      --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[3]' --set 'bench.batch_sizes=[1,8,32]' \
       --set cache.lookahead=$on --set "bench.out_dir=$OUT/bench-lookahead-$on" >"$OUT/bench-lookahead-$on.log" 2>&1
     echo "[rc $? at ${SECONDS}s] lookahead $on"; cat "$OUT/bench-lookahead-$on/bench.txt" 2>/dev/null
   done

@@ -1,6 +1,7 @@
-"""Lookahead (`cache.lookahead`): a plain decode step launched before the previous one's tokens are read changes
-no token, logprob or finish reason, whatever ends a request (length, a stop token, a cancel) and whoever arrives
-meanwhile; the chain stops and resumes around other work, and every page and state row comes back."""
+"""Lookahead (`cache.lookahead`): a plain decode or MTP verify step launched before the previous one's tokens are
+read changes no token, logprob or finish reason, whatever ends a request (length, a stop token, a cancel) and
+whoever arrives meanwhile; the chain stops and resumes around other work, and every page and state row comes
+back."""
 
 import random
 
@@ -12,11 +13,11 @@ from qwen_mtp import Engine, SamplingParams
 PROMPTS = [random_prompt(n, seed=40 + n) for n in (5, 12, 3, 20)]
 
 
-def make_engine(path, lookahead, k=None, **cache):
+def make_engine(path, lookahead, k=None, draft="head", **cache):
     cache = {"page_size": 8, "prefill_chunk": 16, "max_batch": 4, "lookahead": lookahead, **cache}
     recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": cache}
     if k is not None:
-        recipe["mtp"] = {"enabled": True, "k": k}
+        recipe["mtp"] = {"enabled": True, "k": k, "draft": draft, "oracle_accept": 0.6}
     return Engine.from_recipe(recipe, log=lambda _: None)
 
 
@@ -122,9 +123,47 @@ def test_lookahead_randomized_arrivals_cancels_and_lengths(path):
             assert engine.result(rid).token_ids == expected, rid
 
 
-def test_lookahead_leaves_speculative_steps_alone(path):
-    """MTP verify steps are not chained (their positions depend on what the verify accepts); tokens as without."""
-    params = [SamplingParams(8, ignore_eos=True) for _ in PROMPTS]
+@pytest.mark.parametrize("draft", ["oracle", "head"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_lookahead_verifies_equal_plain(path, k, draft):
+    """MTP with lookahead: a verify launched before the one in flight is read starts where that one accepts up
+    to (on the device) and drafts from its chain; the tokens are plain decoding's, stop tokens included."""
+    plain = make_engine(path, lookahead=False)
+    lengths = [2, 9, 14, 20]
+    reference = run(plain, [SamplingParams(n, ignore_eos=True) for n in lengths])
+    stop = reference[2].token_ids[8]
+    # logprobs: a verify at a wrong position may still pick the tiny model's greedy tokens, not their logprobs
+    params = [
+        SamplingParams(n, ignore_eos=True, stop_token_ids=[stop] if i == 2 else [], logprobs=1)
+        for i, n in enumerate(lengths)
+    ]
+    expected = run(plain, params)
+    engine = make_engine(path, lookahead=True, k=k, draft=draft)
+    if draft == "oracle":
+        ids = [engine.submit_with_oracle(p, r.token_ids, q) for p, r, q in zip(PROMPTS, reference, params, strict=True)]
+        while engine.has_unfinished():
+            engine.step()
+        got = [engine.result(i) for i in ids]
+    else:
+        got = run(engine, params)
+    assert summary(got) == summary(expected)
+    assert engine.lookahead_steps > 0
+    if draft == "oracle":  # the oracle's drafts were accepted: the staged windows followed the device's j
+        assert engine.stats()["acceptance_length"] > 1.5
+    assert_all_reclaimed(engine)
+
+
+def test_lookahead_sampled_verifies_keep_tokens_and_logprobs(path):
+    params = [SamplingParams(12, ignore_eos=True, temperature=0.8, seed=i, logprobs=1) for i in range(4)]
+    expected = run(make_engine(path, lookahead=False), params)
     engine = make_engine(path, lookahead=True, k=2)
+    assert summary(run(engine, params)) == summary(expected)
+    assert engine.lookahead_steps > 0
+
+
+def test_k_auto_verifies_are_not_chained(path):
+    """`mtp.k: auto` picks K from acceptance the host has not read yet: no lookahead; tokens as plain."""
+    params = [SamplingParams(8, ignore_eos=True) for _ in PROMPTS]
+    engine = make_engine(path, lookahead=True, k="auto")
     assert summary(run(engine, params)) == summary(run(make_engine(path, lookahead=False), params))
     assert engine.lookahead_steps == 0

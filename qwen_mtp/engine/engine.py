@@ -39,7 +39,7 @@ from qwen_mtp.engine.runner import PendingRead, Runner
 from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, check_forward_rows, size_pools
-from qwen_mtp.engine.speculative import Speculator
+from qwen_mtp.engine.speculative import Ahead, Speculator
 from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
@@ -81,6 +81,7 @@ class _Launched:
     parts: list[torch.Tensor] = dataclasses.field(default_factory=list)
     outcomes: Callable[[list[list[int]]], list[Outcome]] | None = None
     error: BaseException | None = None
+    verified: Ahead | None = None  # a verify batch's device results, which a lookahead verify starts from
 
 
 class Engine:
@@ -493,7 +494,7 @@ class Engine:
         if plan.verifies:
             launched.append(self._guard(plan.verifies, self._launch_verify, plan.verifies))
         read = self._start_read(launched)
-        if plan.decodes and not (plan.prefills or plan.verifies or plan.restores):
+        if bool(plan.decodes) != bool(plan.verifies) and not (plan.prefills or plan.restores):
             self._launch_ahead(launched[-1])
         return self._finish(launched, read, plan.prefills)
 
@@ -504,14 +505,21 @@ class Engine:
         self._launch_ahead(ahead.launched)
         return self._finish([ahead.launched], ahead.read)
 
-    def _launch_ahead(self, decode: _Launched) -> None:
-        """`cache.lookahead`: launch the next plain decode step of `decode`'s requests now, its tokens the ones
-        `decode` chose (still on the device), before `decode`'s results are read. Every request then has one
-        step in flight beyond what it has applied; the scheduler allows it only when that step surely runs."""
-        if not self.lookahead or decode.error is not None or self.scheduler.schedule_ahead(decode.requests) is None:
+    def _launch_ahead(self, step: _Launched) -> None:
+        """`cache.lookahead`: launch the next step of `step`'s requests now, from what `step` chose (still on the
+        device), before `step`'s results are read: a plain decode of its tokens, or a verify of its last accepted
+        token and its drafts. Every request then has one step in flight beyond what it has applied; the
+        scheduler allows it only when that step surely runs."""
+        verify = step.verified is not None
+        if not self.lookahead or step.error is not None or (verify and not self.speculator.can_look_ahead()):
             return
-        tokens = decode.parts[0].reshape(len(decode.requests), 1)
-        launched = self._guard(decode.requests, self._launch_decode, decode.requests, tokens)
+        if self.scheduler.schedule_ahead(step.requests) is None:
+            return
+        if verify:
+            launched = self._guard(step.requests, self._launch_verify, step.requests, step.verified)
+        else:
+            tokens = step.parts[0].reshape(len(step.requests), 1)
+            launched = self._guard(step.requests, self._launch_decode, step.requests, tokens)
         self._ahead = _Ahead(launched, self._start_read([launched]) if launched.error is None else None)
         self.lookahead_steps += 1
 
@@ -711,12 +719,13 @@ class Engine:
 
         return _Launched(requests, [chosen] + logprob_parts, outcomes)
 
-    def _launch_verify(self, requests: list[Request]) -> _Launched:
+    def _launch_verify(self, requests: list[Request], after: Ahead | None = None) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
-        next drafts with the rest of the step."""
+        next drafts with the rest of the step. `after` (a lookahead verify): the verify in flight, which this one
+        continues from on the device."""
         k = self.speculator.step_k(len(requests))  # mtp.k, or the K policy's choice for this step
         with self.timer("verify"):
-            verified = self.speculator.verify(requests, k)
+            verified = self.speculator.verify(requests, k, after)
         with self.timer("draft"):
             drafts = self.speculator.propose(requests, verified)
 
@@ -735,7 +744,8 @@ class Engine:
                 result.append(Outcome(request, j + 1, emitted, drafts=drafts, accepted=j, logprobs=entries))
             return result
 
-        return _Launched(requests, [verified.accepted, verified.chosen, drafts] + logprob_parts, outcomes)
+        parts = [verified.accepted, verified.chosen, drafts] + logprob_parts
+        return _Launched(requests, parts, outcomes, verified=Ahead(verified, drafts))
 
     # ---- whole generations -----------------------------------------------------------------------------------
     def generate(

@@ -91,19 +91,29 @@ class Runner:
         return sampling.rows_of([r.params for r in requests], self.tensor)
 
     def batch(
-        self, kind: StepKind, requests: list[Request], tokens: list[list[int]] | torch.Tensor, starts: list[int]
+        self,
+        kind: StepKind,
+        requests: list[Request],
+        tokens: list[list[int]] | torch.Tensor,
+        starts: list[int],
+        shift: torch.Tensor | None = None,
     ) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` (host ids, or a [B, T] device tensor) at
-        positions starting at `starts[b]`. Their pages must already cover those positions. Decode-kind steps
-        carry the requests' sampler inputs."""
+        positions starting at `starts[b]`, plus `shift[b]` when given (a device tensor [B]: a lookahead verify
+        starts where the verify in flight will have accepted up to). Their pages must already cover those
+        positions. Decode-kind steps carry the requests' sampler inputs."""
         length = tokens.shape[1] if isinstance(tokens, torch.Tensor) else len(tokens[0])
+        positions = self.tensor([list(range(first, first + length)) for first in starts])
+        lens = self.tensor([first + length for first in starts], torch.int32)
+        if shift is not None:
+            positions, lens = positions + shift[:, None], lens + shift.to(torch.int32)
         return StepBatch(
             kind=kind,
             token_ids=tokens if isinstance(tokens, torch.Tensor) else self.tensor(tokens),
-            positions=self.tensor([list(range(first, first + length)) for first in starts]),
+            positions=positions,
             state_rows=self.tensor([self.states.rows[r.id] for r in requests]),
             block_tables=self.tensor(self.pages.block_rows([r.id for r in requests]), torch.int32),
-            context_lens=self.tensor([first + length for first in starts], torch.int32),
+            context_lens=lens,
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
             sampling=self.sampling(requests) if kind is StepKind.DECODE else None,
         )

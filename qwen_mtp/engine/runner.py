@@ -133,7 +133,8 @@ class Runner:
         flat = torch.cat([part.reshape(-1).to(dtype) for part in parts])
         if flat.device.type != "cuda":
             return PendingRead(flat, [part.numel() for part in parts], floating)
-        host = flat.to("cpu", non_blocking=True)  # into pinned memory
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)  # pinned: the copy does not block
+        host.copy_(flat, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         return PendingRead(host, [part.numel() for part in parts], floating, copied)

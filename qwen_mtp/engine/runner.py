@@ -7,8 +7,8 @@ compiled for any chunk length (`compile.enabled` + `compile.prefill`); with mixe
 in one packed forward (`prefill_packed`, eager). Decode-path steps (plain decode, verify,
 MTP draft) through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the engine turns that on.
 Host inputs reach the device through pinned memory with non-blocking copies (`to_device`), and a step's results
-come back in one copy (`read_back`): the step's one device->host synchronisation (`start_read` queues that copy
-and leaves the wait for later, so the lookahead can launch the next step first).
+come back in one copy (`start_read`, then its `values()`): the step's one device->host synchronisation, queued
+behind the step and waited for later, so the lookahead can launch the next step in between.
 """
 
 from __future__ import annotations
@@ -118,14 +118,11 @@ class Runner:
             sampling=self.sampling(requests) if kind is StepKind.DECODE else None,
         )
 
-    def read_back(self, parts: Sequence[torch.Tensor]) -> list[list]:
-        """A step's results on the host, in one device->host copy: each part flattened to a list (of ints; of
-        floats for floating parts, which travel as float64 with the integers, exact for both)."""
-        return self.start_read(parts).values()
-
     def start_read(self, parts: Sequence[torch.Tensor]) -> PendingRead:
-        """`read_back` in two halves: the copy is queued now, behind the work that computes `parts`, and
-        `values()` waits for it alone; work launched in between (the lookahead's next step) runs on meanwhile."""
+        """A step's results on their way to the host, in one device->host copy queued now, behind the work that
+        computes `parts`; `values()` waits for it alone and gives each part flattened to a list (of ints; of floats
+        for floating parts, which travel as float64 with the integers, exact for both). Work launched in between
+        (the lookahead's next step) runs on meanwhile."""
         if not parts:
             return PendingRead(None, [], [])
         floating = [part.is_floating_point() for part in parts]

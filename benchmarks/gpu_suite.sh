@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|pdl runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -23,7 +23,9 @@
 #   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k;
 #   pdl          programmatic dependent launch: its tests, the exactness subset with it, the 27B bf16 bench B1 and
 #                B32 (K=3 at oracle 0.8) without it (QWEN_MTP_PDL=0) and with it; FP8=1 adds the 27B FP8 B1 pair
-#                (carry torchao).
+#                (carry torchao); with LOOKAHEAD=1 also the host-sync tests and the bench with cache.lookahead;
+#   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
+#                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -207,12 +209,31 @@ if [[ "$STAGE" == longcontext ]]; then  # one device call (~10 min)
   bench_27b 100 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
   rm -f "$OUT"/bench-32k-b8/bench.png "$OUT"/bench-128k/bench.png  # one point each
 fi
+if [[ "$STAGE" == lookahead ]]; then  # one device call (~8 min)
+  counted 200 lookahead-syncs.log python3 -m pytest -q -rA tests/gpu/test_host_syncs.py
+  counted 300 lookahead-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress or lookahead"
+  for on in false true; do
+    timeout 170 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' \
+      --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[3]' --set 'bench.batch_sizes=[1,8,32]' \
+      --set cache.lookahead=$on --set "bench.out_dir=$OUT/bench-lookahead-$on" >"$OUT/bench-lookahead-$on.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] lookahead $on"; cat "$OUT/bench-lookahead-$on/bench.txt" 2>/dev/null
+  done
+fi
 if [[ "$STAGE" == pdl ]]; then  # one device call (~9 min)
-  counted 120 pdl-ops.log python3 -m pytest -q -rA tests/ops/test_pdl.py tests/ops/test_norm.py tests/ops/test_swiglu.py
-  counted 260 pdl-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
-    -k "(mtp_equals_plain_bf16 and graphs) or stress or programmatic"
+  counted 120 pdl-ops.log python3 -m pytest -q -rA tests/ops/test_pdl.py tests/ops/test_swiglu.py
+  timeout 60 python3 benchmarks/pdl_launch.py --out "$OUT/pdl-launch.json"; echo "[at ${SECONDS}s] pdl_launch"
+  exact="(mtp_equals_plain_bf16 and graphs) or stress or programmatic"
+  if [[ "${LOOKAHEAD:-0}" == 1 ]]; then
+    exact="$exact or lookahead"
+    counted 150 pdl-syncs.log python3 -m pytest -q -rA tests/gpu/test_host_syncs.py
+  fi
+  counted 300 pdl-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k "$exact"
   QWEN_MTP_PDL=0 bench_27b 150 bench-no-pdl --set 'bench.batch_sizes=[1,32]'
   bench_27b 150 bench-pdl --set 'bench.batch_sizes=[1,32]'
+  if [[ "${LOOKAHEAD:-0}" == 1 ]]; then
+    bench_27b 150 bench-pdl-lookahead --set 'bench.batch_sizes=[1,32]' --set cache.lookahead=true
+  fi
   if [[ "${FP8:-0}" == 1 ]]; then
     QWEN_MTP_PDL=0 bench_27b 150 bench-fp8-no-pdl --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
     bench_27b 150 bench-fp8-pdl --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'

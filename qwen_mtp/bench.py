@@ -288,7 +288,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             oracles = plain_tokens if draft == "oracle" else None
             sampled = {"temperature": bench.temperature, "top_p": bench.top_p}
             _run(engine, prompts[:1], 3, None if oracles is None else [o[:3] for o in oracles[:1]], sampled)  # warm-up
-            engine.timer.enabled = True
+            # the phase timer synchronizes around each phase: with the lookahead it would undo the overlap it
+            # measures, so those rows report the step time alone (verify and draft columns 0)
+            engine.timer.enabled = not engine.lookahead
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             result = _run(engine, prompts, bench.output_len, oracles, sampled)

@@ -75,6 +75,9 @@ class CacheSection:
     # next to the decode/verify rows, under `max_step_tokens`. Off until measured on the H200.
     mixed_steps: bool = False
     max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
+    # Decode and fixed-K verify steps: launch the next step before reading this one's results back, so the host's
+    # work between steps runs while the GPU computes (docs/architecture.md "Lookahead"). Off until measured.
+    lookahead: bool = False
 
 
 @dataclass

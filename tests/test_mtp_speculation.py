@@ -223,9 +223,9 @@ def test_stop_token_ids_cut_mtp_exactly_like_plain(checkpoint):
 
 def test_one_read_back_per_step(checkpoint, monkeypatch):
     """Verify -> accept -> commit -> draft read nothing on the host: each step's results (first tokens, accepted
-    counts, chosen tokens, next drafts) come back through one `Runner.read_back` call, and no other tensor is
-    read on the host during the step, except inside the ops' CPU references (which read lengths; on CUDA the
-    kernels run instead, and tests/gpu/test_host_syncs.py counts the synchronisations)."""
+    counts, chosen tokens, next drafts) come back through one copy (`Runner.start_read`, then its `values()`),
+    and no other tensor is read on the host during the step, except inside the ops' CPU references (which read
+    lengths; on CUDA the kernels run instead, and tests/gpu/test_host_syncs.py counts the synchronisations)."""
     import traceback
 
     path = checkpoint("tiny")
@@ -235,12 +235,12 @@ def test_one_read_back_per_step(checkpoint, monkeypatch):
     params = SamplingParams(MAX_NEW, ignore_eos=True)
     ids = [engine.submit_with_oracle(p, o, params) for p, o in zip(prompts, oracles, strict=True)]
     reads = {"read_back": 0, "host": 0}
-    read_back = engine.runner.read_back
+    start_read = engine.runner.start_read
 
-    def counted_read_back(parts):
+    def counted_start_read(parts):
         reads["read_back"] += 1
-        reads["host"] -= 1  # its own tolist
-        return read_back(parts)
+        reads["host"] -= 1  # the tolist of its values()
+        return start_read(parts)
 
     def host_read(original):
         def read(self, *args, **kwargs):
@@ -250,7 +250,7 @@ def test_one_read_back_per_step(checkpoint, monkeypatch):
 
         return read
 
-    engine.runner.read_back = counted_read_back
+    engine.runner.start_read = counted_start_read
     steps = 0
     with monkeypatch.context() as patch:
         for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):

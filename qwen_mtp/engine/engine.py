@@ -35,11 +35,11 @@ from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
 from qwen_mtp.engine.params import SamplingParams, as_token_ids, is_token_id
 from qwen_mtp.engine.request import Request, SpecStats
-from qwen_mtp.engine.runner import Runner
+from qwen_mtp.engine.runner import PendingRead, Runner
 from qwen_mtp.engine.scheduler import PrefillChunk, Scheduler
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
 from qwen_mtp.engine.sizing import PoolSizes, check_forward_rows, size_pools
-from qwen_mtp.engine.speculative import Speculator
+from qwen_mtp.engine.speculative import Ahead, Speculator
 from qwen_mtp.engine.stop_strings import cut_at_stop_string
 from qwen_mtp.engine.timing import PhaseTimer
 from qwen_mtp.engine.update import Outcome, RequestUpdater, TokenLogprob, Update
@@ -64,6 +64,15 @@ class Result:
 
 
 @dataclass
+class _Ahead:
+    """A lookahead decode step in flight (`cache.lookahead`): launched, its copy to the host queued, its results
+    not yet applied."""
+
+    launched: _Launched
+    read: PendingRead | None  # None when its launch raised
+
+
+@dataclass
 class _Launched:
     """One launched part of a step (a prefill chunk, the decode batch, the verify batch): its requests, the
     device results to read back, and how those values become outcomes; or the error it raised."""
@@ -72,6 +81,7 @@ class _Launched:
     parts: list[torch.Tensor] = dataclasses.field(default_factory=list)
     outcomes: Callable[[list[list[int]]], list[Outcome]] | None = None
     error: BaseException | None = None
+    verified: Ahead | None = None  # a verify batch's device results, which a lookahead verify starts from
 
 
 class Engine:
@@ -113,6 +123,9 @@ class Engine:
         self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
         self.cache_outputs = cache.prefix_cache_outputs
         self.mixed_steps = cache.mixed_steps
+        self.lookahead = cache.lookahead
+        self._ahead: _Ahead | None = None  # the lookahead step in flight
+        self.lookahead_steps = 0  # steps launched ahead of the step before them (`cache.lookahead`)
         self.scheduler = Scheduler(
             self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix,
             max_step_tokens=self._step_budget(cache),
@@ -460,6 +473,8 @@ class Engine:
     @torch.inference_mode()
     def _step(self) -> list[Update]:
         self._drain()
+        if self._ahead is not None:
+            return self._step_ahead()
         plan = self.scheduler.schedule()
         if plan.empty and self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (pool accounting bug)")
@@ -478,8 +493,53 @@ class Engine:
                 launched.append(self._guard(plan.decodes, self._launch_decode, plan.decodes))
         if plan.verifies:
             launched.append(self._guard(plan.verifies, self._launch_verify, plan.verifies))
+        read = self._start_read(launched)
+        if bool(plan.decodes) != bool(plan.verifies) and not (plan.prefills or plan.restores):
+            self._launch_ahead(launched[-1])
+        return self._finish(launched, read, plan.prefills)
+
+    def _step_ahead(self) -> list[Update]:
+        """The step after a lookahead launch: launch the next one ahead of it if the scheduler allows, then read
+        and apply the one in flight."""
+        ahead, self._ahead = self._ahead, None
+        self._launch_ahead(ahead.launched)
+        return self._finish([ahead.launched], ahead.read)
+
+    def _launch_ahead(self, step: _Launched) -> None:
+        """`cache.lookahead`: launch the next step of `step`'s requests now, from what `step` chose (still on the
+        device), before `step`'s results are read: a plain decode of its tokens, or a verify of its last accepted
+        token and its drafts. Every request then has one step in flight beyond what it has applied; the
+        scheduler allows it only when that step surely runs."""
+        verify = step.verified is not None
+        if not self.lookahead or step.error is not None or (verify and not self.speculator.can_look_ahead()):
+            return
+        if self.scheduler.schedule_ahead(step.requests) is None:
+            return
+        if verify:
+            launched = self._guard(step.requests, self._launch_verify, step.requests, step.verified)
+        else:
+            tokens = step.parts[0].reshape(len(step.requests), 1)
+            launched = self._guard(step.requests, self._launch_decode, step.requests, tokens)
+        self._ahead = _Ahead(launched, self._start_read([launched]) if launched.error is None else None)
+        self.lookahead_steps += 1
+
+    def _start_read(self, launched: list[_Launched]) -> PendingRead | None:
+        """Queue the copy of the launched parts' results to the host; None if the device failed already."""
         try:
-            values = self.runner.read_back([part for item in launched for part in item.parts])
+            return self.runner.start_read([part for item in launched for part in item.parts])
+        except Exception:
+            if self.parallel is not None:
+                raise
+            return None
+
+    def _finish(
+        self, launched: list[_Launched], read: PendingRead | None, prefills: list[PrefillChunk] | None = None
+    ) -> list[Update]:
+        """Read the step's results and write them into its requests (finishing those that end)."""
+        try:
+            if read is None and any(item.error is None for item in launched):
+                raise RuntimeError("the copy of this step's results to the host could not be queued")
+            values = read.values() if read is not None else []
         except Exception as err:  # the device failed: no result of this step can be trusted
             if self.parallel is not None:
                 raise  # the other ranks cannot know: the run ends on every rank (see _guard)
@@ -492,7 +552,7 @@ class Engine:
             outcomes += item.outcomes(values[offset : offset + len(item.parts)])
             offset += len(item.parts)
         if self.prefix is not None:
-            self._cache_chunks(plan.prefills, outcomes)
+            self._cache_chunks(prefills or [], outcomes)
         updates = self.updater.apply(outcomes)
         if self.prefix is not None:
             self._end_fills()
@@ -635,10 +695,18 @@ class Engine:
         with self._lock:
             return self.prefix.clear()
 
-    def _launch_decode(self, requests: list[Request]) -> _Launched:
-        """Plain decode: one token per request."""
-        tokens = [[r.tokens[r.num_computed]] for r in requests]
-        batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
+    def _launch_decode(self, requests: list[Request], ahead: torch.Tensor | None = None) -> _Launched:
+        """Plain decode: one token per request; `ahead` (a lookahead step): the tokens [B, 1] the step in flight
+        chose, on the device, fed at the position after it."""
+        if ahead is None:
+            batch = self.runner.batch(
+                StepKind.DECODE,
+                requests,
+                [[r.tokens[r.num_computed]] for r in requests],
+                [r.num_computed for r in requests],
+            )
+        else:
+            batch = self.runner.batch(StepKind.DECODE, requests, ahead, [r.num_computed + 1 for r in requests])
         _, chosen, logprobs = self.runner.decode(batch)
         logprob_parts = list(logprobs) if logprobs is not None else []
 
@@ -651,12 +719,13 @@ class Engine:
 
         return _Launched(requests, [chosen] + logprob_parts, outcomes)
 
-    def _launch_verify(self, requests: list[Request]) -> _Launched:
+    def _launch_verify(self, requests: list[Request], after: Ahead | None = None) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
-        next drafts with the rest of the step."""
+        next drafts with the rest of the step. `after` (a lookahead verify): the verify in flight, which this one
+        continues from on the device."""
         k = self.speculator.step_k(len(requests))  # mtp.k, or the K policy's choice for this step
         with self.timer("verify"):
-            verified = self.speculator.verify(requests, k)
+            verified = self.speculator.verify(requests, k, after)
         with self.timer("draft"):
             drafts = self.speculator.propose(requests, verified)
 
@@ -675,7 +744,8 @@ class Engine:
                 result.append(Outcome(request, j + 1, emitted, drafts=drafts, accepted=j, logprobs=entries))
             return result
 
-        return _Launched(requests, [verified.accepted, verified.chosen, drafts] + logprob_parts, outcomes)
+        parts = [verified.accepted, verified.chosen, drafts] + logprob_parts
+        return _Launched(requests, parts, outcomes, verified=Ahead(verified, drafts))
 
     # ---- whole generations -----------------------------------------------------------------------------------
     def generate(

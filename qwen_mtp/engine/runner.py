@@ -7,13 +7,15 @@ compiled for any chunk length (`compile.enabled` + `compile.prefill`); with mixe
 in one packed forward (`prefill_packed`, eager). Decode-path steps (plain decode, verify,
 MTP draft) through `graphs.py` (batch buckets, torch.compile, CUDA graphs) when the engine turns that on.
 Host inputs reach the device through pinned memory with non-blocking copies (`to_device`), and a step's results
-come back in one copy (`read_back`): the step's one device->host synchronisation.
+come back in one copy (`start_read`, then its `values()`): the step's one device->host synchronisation, queued
+behind the step and waited for later, so the lookahead can launch the next step in between.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +38,33 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class PendingRead:
+    """A step's results on their way to the host (`Runner.start_read`): the flat copy, the parts' sizes and
+    kinds, and on CUDA the event the copy completes."""
+
+    flat: torch.Tensor | None
+    sizes: list[int]
+    floating: list[bool]
+    copied: torch.cuda.Event | None = None
+
+    def values(self) -> list[list]:
+        """Wait for the copy; each part as a list (ints; floats for floating parts)."""
+        if self.flat is None:
+            return []
+        if self.copied is not None:
+            self.copied.synchronize()
+        flat = self.flat.tolist()
+        if any(self.floating):
+            kinds = [floating for floating, size in zip(self.floating, self.sizes, strict=True) for _ in range(size)]
+            flat = [value if floating else int(value) for value, floating in zip(flat, kinds, strict=True)]
+        values, offset = [], 0
+        for size in self.sizes:
+            values.append(flat[offset : offset + size])
+            offset += size
+        return values
 
 
 class Runner:
@@ -62,39 +91,50 @@ class Runner:
         return sampling.rows_of([r.params for r in requests], self.tensor)
 
     def batch(
-        self, kind: StepKind, requests: list[Request], tokens: list[list[int]] | torch.Tensor, starts: list[int]
+        self,
+        kind: StepKind,
+        requests: list[Request],
+        tokens: list[list[int]] | torch.Tensor,
+        starts: list[int],
+        shift: torch.Tensor | None = None,
     ) -> StepBatch:
         """A step over `requests`, request b feeding `tokens[b]` (host ids, or a [B, T] device tensor) at
-        positions starting at `starts[b]`. Their pages must already cover those positions. Decode-kind steps
-        carry the requests' sampler inputs."""
+        positions starting at `starts[b]`, plus `shift[b]` when given (a device tensor [B]: a lookahead verify
+        starts where the verify in flight will have accepted up to). Their pages must already cover those
+        positions. Decode-kind steps carry the requests' sampler inputs."""
         length = tokens.shape[1] if isinstance(tokens, torch.Tensor) else len(tokens[0])
+        positions = self.tensor([list(range(first, first + length)) for first in starts])
+        lens = self.tensor([first + length for first in starts], torch.int32)
+        if shift is not None:
+            positions, lens = positions + shift[:, None], lens + shift.to(torch.int32)
         return StepBatch(
             kind=kind,
             token_ids=tokens if isinstance(tokens, torch.Tensor) else self.tensor(tokens),
-            positions=self.tensor([list(range(first, first + length)) for first in starts]),
+            positions=positions,
             state_rows=self.tensor([self.states.rows[r.id] for r in requests]),
             block_tables=self.tensor(self.pages.block_rows([r.id for r in requests]), torch.int32),
-            context_lens=self.tensor([first + length for first in starts], torch.int32),
+            context_lens=lens,
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
             sampling=self.sampling(requests) if kind is StepKind.DECODE else None,
         )
 
-    def read_back(self, parts: Sequence[torch.Tensor]) -> list[list]:
-        """A step's results on the host, in one device->host copy: each part flattened to a list (of ints; of
-        floats for floating parts, which travel as float64 with the integers, exact for both)."""
+    def start_read(self, parts: Sequence[torch.Tensor]) -> PendingRead:
+        """A step's results on their way to the host, in one device->host copy queued now, behind the work that
+        computes `parts`; `values()` waits for it alone and gives each part flattened to a list (of ints; of floats
+        for floating parts, which travel as float64 with the integers, exact for both). Work launched in between
+        (the lookahead's next step) runs on meanwhile."""
         if not parts:
-            return []
-        if not any(part.is_floating_point() for part in parts):
-            flat = torch.cat([part.reshape(-1).long() for part in parts]).tolist()
-        else:
-            joined = torch.cat([part.reshape(-1).double() for part in parts]).tolist()
-            kinds = [part.is_floating_point() for part in parts for _ in range(part.numel())]
-            flat = [value if floating else int(value) for value, floating in zip(joined, kinds, strict=True)]
-        values, offset = [], 0
-        for part in parts:
-            values.append(flat[offset : offset + part.numel()])
-            offset += part.numel()
-        return values
+            return PendingRead(None, [], [])
+        floating = [part.is_floating_point() for part in parts]
+        dtype = torch.float64 if any(floating) else torch.long
+        flat = torch.cat([part.reshape(-1).to(dtype) for part in parts])
+        if flat.device.type != "cuda":
+            return PendingRead(flat, [part.numel() for part in parts], floating)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)  # pinned: the copy does not block
+        host.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return PendingRead(host, [part.numel() for part in parts], floating, copied)
 
     # ---- prefill (one request's chunk; compiled for any length when enabled, never in graphs) ---------------
     def prefill(self, batch: StepBatch) -> torch.Tensor:

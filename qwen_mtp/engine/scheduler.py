@@ -14,6 +14,11 @@ The scheduler decides and allocates; it never touches tensors.
   budget every request in prefill runs its next chunk.
 - Before the step runs, the scheduler grows each request's pages to cover every position the step may write
   (`Schedule.reach`), from the reservation: the runner never allocates.
+- Lookahead (`schedule_ahead`): the next decode or verify step of the requests of the step in flight, launched
+  before that step's tokens are read (a decode one position past what a request has computed; a verify past what
+  the one in flight accepts, known on the device only). Only when those requests are all that runs, none can end
+  by length before it, and nothing waits. The reservation covers it: a verify ahead reaches n + 3K + 1 <=
+  max_len + 2K.
 - Prefix caching (`prefix` given): admission looks up the longest cached prefix of the prompt that ends on a
   state snapshot; the request's page table starts with its shared pages, its reservation counts only the pages
   it will own, its prefill starts after the prefix (`num_computed`, set at admission) and the engine restores
@@ -147,6 +152,38 @@ class Scheduler:
         if not self.prefix.wants_snapshot(request.id, tuple(request.prompt[start:end])):
             return None
         return self.prefix.snapshot_slot()
+
+    def schedule_ahead(self, requests: list[Request]) -> Schedule | None:
+        """The next step of `requests`, whose current step is still in flight (its tokens not yet applied): a
+        plain decode at position num_computed + 1, or a verify from num_computed + 1 + (what the one in flight
+        accepts, up to K), their pages grown for it. None unless they are every running request, all plain or
+        all speculative, none in prefill or a cache fill, each sure to run that step (the one in flight cannot
+        end it by length), and no request or cache fill waits."""
+        if self.waiting or self.fills or len(requests) != len(self.running):
+            return None
+        running = {r.id for r in self.running}
+        speculative = requests[0].spec is not None
+        extra = self.k if speculative else 0  # a verify in flight emits up to K + 1 tokens
+        for request in requests:
+            same = (request.spec is not None) == speculative and request.fill_end is None and not request.in_prefill
+            if (
+                request.done
+                or request.id not in running
+                or not same
+                or request.num_computed + extra + 3 > request.max_len
+            ):
+                return None
+        plan = Schedule()
+        for request in requests:
+            n = request.num_computed
+            if speculative:  # verify at most n + K + 1 .. n + 2K + 1, its chain's MTP KV to n + 3K
+                plan.verifies.append(request)
+                plan.reach[request.id] = n + 3 * self.k + 1
+            else:
+                plan.decodes.append(request)
+                plan.reach[request.id] = n + 2
+            self.pages.grow(request.id, plan.reach[request.id])
+        return plan
 
     def schedule(self) -> Schedule:
         plan = Schedule()

@@ -63,11 +63,20 @@ class Verified:
     chosen: torch.Tensor  # chosen tokens [B, K+1]
     accepted: torch.Tensor  # drafts accepted per request [B] (j)
     logprobs: sampling.Logprobs | None  # of the chosen tokens, when a request asks
+    shift: torch.Tensor | None = None  # a lookahead verify: the accepted counts [B] of the verify before it
 
     @property
     def k(self) -> int:
         """Drafts verified per request (0..max_k)."""
         return self.chosen.shape[1] - 1
+
+
+@dataclass
+class Ahead:
+    """What a lookahead verify starts from: the verify in flight and the drafts its chain proposed [B, K]."""
+
+    verified: Verified
+    drafts: torch.Tensor
 
 
 class Speculator:
@@ -140,10 +149,20 @@ class Speculator:
         """The drafts a step of `count` requests verifies: `mtp.k`, or the policy's choice."""
         return self.max_k if self.policy is None else self.policy.choose(count)
 
-    def verify(self, requests: list[Request], k: int | None = None) -> Verified:
+    def verify(self, requests: list[Request], k: int | None = None, after: Ahead | None = None) -> Verified:
         """One packed target forward over [t_n, d1..dK] per request (K = `k`, default max_k), acceptance, and
-        the commit of each request's state at its accepted boundary."""
+        the commit of each request's state at its accepted boundary. `after` (a lookahead verify): the verify in
+        flight and its drafts, still on the device; this one starts where that one will have accepted up to."""
         k = self.max_k if k is None else k
+        if after is not None:
+            previous = after.verified
+            last = previous.chosen.gather(1, previous.accepted[:, None])  # c_j: the last token it emits
+            tokens = torch.cat([last, after.drafts], dim=1)
+            starts = [r.num_computed + 1 for r in requests]  # + j, on the device
+            batch = self.runner.batch(StepKind.DECODE, requests, tokens, starts, shift=previous.accepted)
+            for r in requests:
+                self._drafted[r.id] = k
+            return self._verify(batch, previous.accepted)
         if k > 0:  # drafts for the requests K = 0 steps left behind
             self._catch_up([r for r in requests if r.id in self._behind], draft=True)
         else:
@@ -154,10 +173,13 @@ class Speculator:
             self._drafted[r.id] = len(drafts)
             tokens.append([r.tokens[r.num_computed]] + drafts + [FILLER] * (k - len(drafts)))
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
+        return self._verify(batch)
+
+    def _verify(self, batch: StepBatch, shift: torch.Tensor | None = None) -> Verified:
         hidden, chosen, logprobs = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
         accepted = sampling.accept(batch.token_ids[:, 1:], chosen)
         self.runner.states.commit(batch.state_rows, accepted)
-        return Verified(batch, hidden, chosen, accepted, logprobs)
+        return Verified(batch, hidden, chosen, accepted, logprobs, shift)
 
     def propose(self, requests: list[Request], verified: Verified) -> torch.Tensor:
         """MTP catch-up over the verified positions, then the draft chain: the next drafts [B, K]. After a K = 0
@@ -168,10 +190,19 @@ class Speculator:
                 self._behind.setdefault(request.id, (request.num_computed, []))[1].append(hidden[b])
             return verified.chosen.new_zeros(len(requests), 0)
         batch = replace(verified.batch, token_ids=verified.chosen)
-        # the next step's d1 is output index n + j + 2 - prompt length
-        firsts = [r.num_computed + 2 - len(r.prompt) for r in requests]
-        override, use = self._overrides(requests, firsts, verified.accepted, verified.k)
+        # the next step's d1 is output index n + j + 2 - prompt length (a lookahead verify: its n is one past
+        # what the host knows, plus the accepted count of the verify before it)
+        firsts = [r.num_computed + 2 - len(r.prompt) + (verified.shift is not None) for r in requests]
+        offset, span = verified.accepted, 2 * verified.k
+        if verified.shift is not None:
+            offset, span = offset + verified.shift, 3 * verified.k
+        override, use = self._overrides(requests, firsts, offset, verified.k, span)
         return self.runner.draft(batch, verified.hidden, verified.accepted, override, use)
+
+    def can_look_ahead(self) -> bool:
+        """Whether verify steps may be chained (`cache.lookahead`): only at a fixed K > 0 (`k: auto` chooses K
+        from acceptance the host has not read yet, and K = 0 steps keep host state for the catch-up)."""
+        return self.policy is None and self.max_k > 0
 
     def _catch_up(self, requests: list[Request], draft: bool) -> None:
         """Run the MTP head over the positions K = 0 steps left behind, from the target's hidden states kept
@@ -253,11 +284,12 @@ class Speculator:
         return best
 
     def _overrides(
-        self, requests: list[Request], firsts: list[int], accepted: torch.Tensor, k: int
+        self, requests: list[Request], firsts: list[int], accepted: torch.Tensor, k: int, span: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The oracle tokens that replace the head's K = `k` proposals ([B, K]) and where ([B, K] bool). Request
         b's draft i sits at output index `firsts[b] + accepted[b] + i`; the host stages indices firsts[b] ..
-        +2K-1 and the device gathers by `accepted`. The head still runs, so a step costs the same."""
+        + span - 1 (default 2K: accepted <= K) and the device gathers by `accepted`. The head still runs, so a
+        step costs the same."""
         count, device = len(requests), self.runner.device
         if not self.oracle or k == 0:
             zeros = torch.zeros(count, k, dtype=torch.long, device=device)
@@ -265,7 +297,7 @@ class Speculator:
         tokens, use = [], []
         for request, first in zip(requests, firsts, strict=True):
             oracle, draws = self._oracles[request.id]
-            window = range(first, first + 2 * k)
+            window = range(first, first + (span or 2 * k))
             tokens.append([oracle[i] if i < len(oracle) else 0 for i in window])
             use.append([i < len(oracle) and draws[i] for i in window])
         index = accepted[:, None] + torch.arange(k, device=device)

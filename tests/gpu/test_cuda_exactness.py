@@ -159,3 +159,27 @@ def test_stress_changing_batch_mix(k, mode):
     assert [spec.result(i).token_ids for i in ids] == expected
     stats = spec.stats()
     assert stats["free_pages"] == stats["total_pages"] and stats["acceptance_length"] > 1.5
+
+
+@pytest.mark.parametrize("k", [None, 2, 4], ids=["plain", "k2", "k4"])
+def test_lookahead_equals_plain_graphs(k):
+    """`cache.lookahead` under CUDA graphs: each step launched before the previous one's results are read (its
+    inputs from that step's device outputs) gives plain decoding's tokens at batch 1, 8 and 32, and chains ran."""
+    source = {"synthetic": "qwen3.5-0.8b"}
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, 5, 7, 130, 64, 300, 2, 33) * 4]
+    plain = engine_for(source, mode="graphs")
+    ahead = engine_for(source, k=k, draft="oracle", accept=0.7, mode="graphs", lookahead=True)
+    for batch in (1, 8, 32):
+        expected = plain.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)
+        if k is None:
+            got = ahead.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)
+        else:
+            params = SamplingParams(24, ignore_eos=True)
+            ids = [
+                ahead.submit_with_oracle(p, e.token_ids, params) for p, e in zip(prompts[:batch], expected, strict=True)
+            ]
+            while ahead.has_unfinished():
+                ahead.step()
+            got = [ahead.result(i) for i in ids]
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected], f"batch {batch}"
+    assert ahead.lookahead_steps > 0

@@ -34,10 +34,11 @@ def launch(device) -> dict:
     `triton_helpers.wait_for_previous_kernel` until that kernel has finished and its writes are visible, so
     nothing it reads or writes can race, and the numbers are the same bits as without it.
 
-    Only while a CUDA graph is being captured (the decode, verify and draft steps): launched eagerly (prefill,
-    warm-up), a launch with the attribute cost the host so much more that the 27B batch-1 TTFT went from 61 to
-    115 ms on the H200 (docs/benchmarks.md, eleventh session). Off under the interpreter, on CPUs and GPUs before
-    sm_90, and with QWEN_MTP_PDL=0."""
+    Only while a CUDA graph is being captured: there (the decode, verify and draft steps) kernels follow each
+    other with no host time between them, and there it was measured (H200, 27B bf16 batch 1: the graphed forward
+    14.62 -> 14.26 ms, `benchmarks/gpu_suite.sh` STAGE=pdl). Launched eagerly, a kernel waits for the host anyway
+    (about 12 us a launch, with or without PDL: `benchmarks/pdl_launch.py`). Off under the interpreter, on CPUs
+    and GPUs before sm_90, and with QWEN_MTP_PDL=0."""
     import torch
 
     on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and _pdl_supported(device)

@@ -137,10 +137,10 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch, k):
     assert run() == with_pdl
 
 
-@pytest.mark.parametrize("k,mode", [(2, "graphs"), (4, "graphs")])
-def test_stress_changing_batch_mix(k, mode):
+@pytest.mark.parametrize("k,mode,lookahead", [(2, "graphs", False), (4, "graphs", False), (3, "graphs", True)])
+def test_stress_changing_batch_mix(k, mode, lookahead):
     """200 prompts (lengths 1..2048), 256 new tokens, arriving while others run: each request's tokens equal
-    its plain-decode tokens."""
+    its plain-decode tokens (also with `cache.lookahead`, each step launched before the last one is read)."""
     rng = random.Random(k)
     prompts = [random_prompt(rng.randint(1, 2048), seed=i, vocab=200000) for i in range(200)]
     source = {"synthetic": "qwen3.5-0.8b"}
@@ -148,7 +148,9 @@ def test_stress_changing_batch_mix(k, mode):
     expected = [r.token_ids for r in plain.generate(prompts, max_new_tokens=256, ignore_eos=True)]
     del plain
     torch.cuda.empty_cache()
-    spec = engine_for(source, k=k, draft="oracle", accept=0.7, max_batch=64, prefill_chunk=512, mode=mode)
+    spec = engine_for(
+        source, k=k, draft="oracle", accept=0.7, max_batch=64, prefill_chunk=512, mode=mode, lookahead=lookahead
+    )
     ids = []
     for i, prompt in enumerate(prompts):  # staggered arrivals: the batch mix changes every few steps
         ids.append(spec.submit_with_oracle(prompt, expected[i], SamplingParams(256, ignore_eos=True)))

@@ -76,7 +76,8 @@ class CacheSection:
     mixed_steps: bool = False
     max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
     # Decode and fixed-K verify steps: launch the next step before reading this one's results back, so the host's
-    # work between steps runs while the GPU computes (docs/architecture.md "Lookahead"). Off until measured.
+    # work between steps runs while the GPU computes (docs/architecture.md "Lookahead"; H200, 27B B1: 14.76 -> 13.93
+    # ms a token). Off until the whole GPU suite has run with it.
     lookahead: bool = False
 
 

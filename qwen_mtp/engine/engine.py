@@ -513,7 +513,7 @@ class Engine:
         verify = step.verified is not None
         if not self.lookahead or step.error is not None or (verify and not self.speculator.can_look_ahead()):
             return
-        if self.scheduler.schedule_ahead(step.requests) is None:
+        if not self.scheduler.schedule_ahead(step.requests):
             return
         if verify:
             launched = self._guard(step.requests, self._launch_verify, step.requests, step.verified)

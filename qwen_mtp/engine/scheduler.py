@@ -153,14 +153,14 @@ class Scheduler:
             return None
         return self.prefix.snapshot_slot()
 
-    def schedule_ahead(self, requests: list[Request]) -> Schedule | None:
-        """The next step of `requests`, whose current step is still in flight (its tokens not yet applied): a
-        plain decode at position num_computed + 1, or a verify from num_computed + 1 + (what the one in flight
-        accepts, up to K), their pages grown for it. None unless they are every running request, all plain or
-        all speculative, none in prefill or a cache fill, each sure to run that step (the one in flight cannot
-        end it by length), and no request or cache fill waits."""
+    def schedule_ahead(self, requests: list[Request]) -> bool:
+        """Whether the next step of `requests`, whose current step is still in flight (its tokens not yet
+        applied), may be launched now: a plain decode at position num_computed + 1, or a verify from num_computed
+        + 1 + (what the one in flight accepts, up to K); if so, their pages are grown for it. Only when they are
+        every running request, all plain or all speculative, none in prefill or a cache fill, each sure to run
+        that step (the one in flight cannot end it by length), and no request or cache fill waits."""
         if self.waiting or self.fills or len(requests) != len(self.running):
-            return None
+            return False
         running = {r.id for r in self.running}
         speculative = requests[0].spec is not None
         extra = self.k if speculative else 0  # a verify in flight emits up to K + 1 tokens
@@ -172,18 +172,12 @@ class Scheduler:
                 or not same
                 or request.num_computed + extra + 3 > request.max_len
             ):
-                return None
-        plan = Schedule()
+                return False
+        # a verify reaches at most n + K + 1 .. n + 2K + 1, its chain's MTP KV n + 3K; a decode n + 1
+        reach = 3 * self.k + 1 if speculative else 2
         for request in requests:
-            n = request.num_computed
-            if speculative:  # verify at most n + K + 1 .. n + 2K + 1, its chain's MTP KV to n + 3K
-                plan.verifies.append(request)
-                plan.reach[request.id] = n + 3 * self.k + 1
-            else:
-                plan.decodes.append(request)
-                plan.reach[request.id] = n + 2
-            self.pages.grow(request.id, plan.reach[request.id])
-        return plan
+            self.pages.grow(request.id, request.num_computed + reach)
+        return True
 
     def schedule(self) -> Schedule:
         plan = Schedule()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+
 # Read once at import: Triton itself decides at kernel creation whether to interpret (tests on CPU set
 # TRITON_INTERPRET=1 before importing qwen_mtp).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,8 +22,6 @@ PDL_ENABLED = os.environ.get("QWEN_MTP_PDL", "1") != "0"
 
 @functools.cache
 def _pdl_supported(device) -> bool:
-    import torch
-
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -39,8 +39,6 @@ def launch(device) -> dict:
     14.62 -> 14.26 ms, `benchmarks/gpu_suite.sh` STAGE=pdl). Launched eagerly, a kernel waits for the host anyway
     (about 12 us a launch, with or without PDL: `benchmarks/pdl_launch.py`). Off under the interpreter, on CPUs
     and GPUs before sm_90, and with QWEN_MTP_PDL=0."""
-    import torch
-
     on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and _pdl_supported(device)
     return {"PDL": True, "launch_pdl": True} if on and torch.cuda.is_current_stream_capturing() else {"PDL": False}
 

@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|prefillgemm runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -24,6 +24,9 @@
 #   pdl          programmatic dependent launch: its tests, the exactness subset with it, the 27B bf16 bench B1 and
 #                B32 (K=3 at oracle 0.8) without it (QWEN_MTP_PDL=0) and with it; FP8=1 adds the 27B FP8 B1 pair
 #                (carry torchao); with LOOKAHEAD=1 also the host-sync tests and the bench with cache.lookahead;
+#   prefillgemm  the invariant GEMM at prefill rows (gemm_prefill.py: the "grid" and "tma" plans against cuBLAS at
+#                M = 512..8192, bits checked), its winners written into PREFILL_TUNED on the device copy (APPLY=0:
+#                not), the GEMM and packed-step GPU tests with them, then mixed_steps.py's TTFT / ITL;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -238,6 +241,16 @@ if [[ "$STAGE" == pdl ]]; then  # one device call (~9 min)
     QWEN_MTP_PDL=0 bench_27b 150 bench-fp8-no-pdl --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
     bench_27b 150 bench-fp8-pdl --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
   fi
+fi
+if [[ "$STAGE" == prefillgemm ]]; then  # one device call (~9 min)
+  apply=(); [[ "${APPLY:-1}" == 1 ]] && apply=(--apply)
+  timeout 300 python3 benchmarks/gemm_prefill.py --out "$OUT/gemm-prefill.json" "${apply[@]}" 2>&1 | grep -v Warn
+  echo "[at ${SECONDS}s] gemm_prefill"; sed -n '/^PREFILL_TUNED/,/^}/p' qwen_mtp/ops/linear.py
+  counted 120 prefillgemm-ops.log python3 -m pytest -q -rA tests/ops/test_linear.py -k "prefill or tma"
+  counted 90 prefillgemm-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py -k "varlen or depend_on_packing"
+  timeout 140 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \
+    --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --out "$OUT/mixed-steps.json" >"$OUT/mixed-steps.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] mixed_steps"; grep -E "^(TTFT|ITL|gemm M)" "$OUT/mixed-steps.log"
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

@@ -63,7 +63,7 @@ from qwen_mtp.ops.triton_utils import INTERPRET
 from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_block
 
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
-FAMILIES = ("grid", "stream")
+FAMILIES = ("grid", "stream", "tma")
 MAX_ROW_TILES = 8  # a stream plan compiles one K loop per live row-tile count 1..row_tiles: code grows as its square
 
 
@@ -74,7 +74,8 @@ class GemmPlan:
     `family` picks the kernel. "grid": a program per (row tile, N tile, K split); every `block_m` rows read the
     weight again (from L2 at best, since a weight tile's row tiles are neighbours in launch order). "stream": a
     program per (N tile, K split) runs all the rows through its weight slice, `row_tiles` tiles of `block_m`
-    rows sharing every weight block it loads (see `_stream_kernel`). `block_m` is the row count of every
+    rows sharing every weight block it loads (see `_stream_kernel`). "tma": prefill row counts only, one K split,
+    tiles loaded by the Hopper tensor memory accelerator (see `_tma_kernel`). `block_m` is the row count of every
     `tl.dot`, which fixes the MMA instruction (on Hopper: mma.sync below 64 rows, wgmma from 64).
     """
 
@@ -90,6 +91,8 @@ class GemmPlan:
     wide_stages: int = 0  # "stream": pipeline depth of the K loops of 2+ live row tiles (0: num_stages)
     tail_tiles: int = 0  # "stream", one K split: the last tail_tiles N tiles split K tail_splits ways (a short
     tail_splits: int = 1  # last wave: its tiles spread over more SMs; `stream_tail`)
+    group_m: int = 8  # "tma": row tiles that walk the N tiles together (each weight tile read once per group)
+    persistent: bool = False  # "tma": a program per SM looping over the tiles, instead of a program per tile
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -106,6 +109,8 @@ class GemmPlan:
             self.family != "stream" or self.tail_tiles < 1 or self.tail_splits < 2
         ):
             raise ValueError("GemmPlan.tail_tiles / tail_splits are a 'stream' option: >= 1 tiles in >= 2 splits")
+        if self.group_m < 1 or (self.persistent and self.family != "tma"):
+            raise ValueError("GemmPlan.group_m must be >= 1, and GemmPlan.persistent is a 'tma' option")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -301,7 +306,8 @@ def sum_order(plan: GemmPlan, n: int, k: int) -> tuple:
     mma = "wgmma"
     if feeds_mma_sync(plan, 9):
         mma = ("mma.sync", plan.block_m, plan.block_n, plan.block_k, plan.num_warps, plan.swap_ab)
-    return plan.k_per_split * plan.block_k, tail_start, tail_k, mma
+    split = min(plan.k_per_split * plan.block_k, k)  # K elements per split (all of K: one split)
+    return split, tail_start, tail_k, mma
 
 
 def same_sums(a: GemmPlan, b: GemmPlan, n: int, k: int) -> bool:
@@ -341,10 +347,14 @@ _PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=Fa
 
 
 def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
-    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else "grid" with 128 x 128 tiles and the
-    whole K loop in one program (no split: at prefill M there are tiles enough to fill the GPU, and no partial
-    sums to park)."""
-    return PREFILL_TUNED.get((n, k)) or GemmPlan(128, 64, -(-k // 64), num_warps=8, num_stages=3, block_m=128)
+    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else `default_prefill_plan`."""
+    return PREFILL_TUNED.get((n, k)) or default_prefill_plan(n, k)
+
+
+def default_prefill_plan(n: int, k: int) -> GemmPlan:
+    """ "grid" with 128 x 128 tiles and the whole K loop in one program (no split: at prefill M there are tiles
+    enough to fill the GPU, and no partial sums to park); W8A16 prefills run it whatever the tuned table says."""
+    return GemmPlan(128, 64, -(-k // 64), num_warps=8, num_stages=3, block_m=128)
 
 
 @contextmanager
@@ -545,6 +555,83 @@ def _stream_kernel():
     return matmul_stream
 
 
+@functools.cache
+def _tma_kernel():
+    """The "tma" family, for prefill row counts (hundreds to thousands of rows): a program per output tile, or
+    with `persistent` a program per SM walking the tiles, each tile's whole K loop in one program (one K split).
+
+    Why its own kernel: the "grid" kernel's masked pointer loads leave a dense prefill GEMM at 1.3-1.5x cuBLAS on
+    the H200 (M = 512..4096, 27B shapes). Here the Hopper tensor memory accelerator copies each [BLOCK_M, BLOCK_K]
+    row block and [BLOCK_N, BLOCK_K] weight block into shared memory (out-of-range rows and columns read as zeros,
+    so there are no masks), as cuBLAS does. Tiles go out in groups of GROUP_M row tiles that walk the N tiles
+    together, so a weight tile read from HBM serves the group's row tiles from L2.
+
+    Why a row's result never depends on M: its tile's K blocks go into one fp32 accumulator in K order (one
+    split), the MMA shape comes from the plan (a function of (N, K)), M is not specialised, and which program runs
+    a tile (its launch order) moves no bit. Zero-padded rows meet only their own accumulator rows.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
+    def matmul_tma(
+        x_desc, w_desc, out_desc, M, N, K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        triton_utils.wait_for_previous_kernel(PDL)
+        m_tiles, n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * n_tiles  # tiles of one group of row tiles
+        for tile in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0)):
+            first_m = tile // per_group * GROUP_M
+            group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+            pid_m = first_m + tile % per_group % group_rows
+            pid_n = tile % per_group // group_rows
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = x_desc.load([pid_m * BLOCK_M, k0])
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+                acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+    return matmul_tma
+
+
+def tma_supported(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a "tma" plan runs an [N, K] weight in `dtype` (rows of x, the weight and the output start on 16-byte
+    boundaries, as the tensor memory accelerator needs); a function of the shape, so a row's kernel never depends
+    on where its tensors happen to lie."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return dtype in (torch.bfloat16, torch.float16, torch.float32) and (k * size) % 16 == 0 and (n * size) % 16 == 0
+
+
+def _tma_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, plan: GemmPlan) -> None:
+    """out = x @ weight^T by the "tma" kernel (`_tma_kernel`)."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (m, k), n = x.shape, weight.shape[0]
+    if plan.splits(k) != 1 or not tma_supported(n, k, x.dtype):
+        raise ValueError(f"a 'tma' plan runs one K split of a 16-byte-aligned shape: {plan} on {n}x{k} {x.dtype}")
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        x, weight = x.clone(), weight.clone()  # a view at an odd offset: aligned copies (the same numbers)
+    tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
+    programs = min(tiles, _sm_count(x.device)) if plan.persistent and x.is_cuda else tiles
+    _tma_kernel()[(programs,)](
+        TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k]),
+        TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k]),
+        TensorDescriptor.from_tensor(out, [plan.block_m, plan.block_n]), m, n, k,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
+        INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
+    )  # fmt: skip
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed split counters, re-armed by the kernel
 _OUTGROWN: list[torch.Tensor] = []  # counters a larger call replaced: captured graphs still use them, keep them
 
@@ -616,6 +703,11 @@ def invariant_matmul_triton(
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
+        return out
+    if plan.family == "tma":
+        if fp8:
+            raise ValueError(f"a 'tma' plan runs bf16, fp16 or fp32 weights, not FP8: {plan}")
+        _tma_matmul(x, weight, out, plan)
         return out
     n_tiles = triton.cdiv(n, plan.block_n)
     if plan.family == "grid":
@@ -738,6 +830,8 @@ def _(x, weight, scale, invariant, w8a8=False):
     rows = x.reshape(-1, x.shape[-1])
     if invariant:
         plan = _invariant_plan(*weight.shape)
+        if plan is not None and plan.family == "tma":  # a bf16 prefill plan: FP8 weights take the default one
+            plan = default_prefill_plan(*weight.shape)
         if plan is None and w8a8 and w8a8_supported(weight):
             out = linear_fp8_w8a8_triton(rows, weight, scale)
         else:

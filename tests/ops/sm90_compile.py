@@ -4,9 +4,10 @@ so the instructions the H200 would run can be read here), or with "kwidth" first
 of the plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's
 kernel on bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8"
 first, the W8A8 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions
-of a kernel compiled with and without programmatic dependent launch. Run without TRITON_INTERPRET (the interpreter
-replaces `triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py` and `test_pdl.py`
-run it."""
+of a kernel compiled with and without programmatic dependent launch, or with "tma" first, the "tma" kernel's MMA
+and tensor-memory-accelerator instructions. Run without TRITON_INTERPRET (the interpreter
+replaces `triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`, `test_pdl.py` and
+`test_linear_tma.py` run it."""
 
 import collections
 import inspect
@@ -182,9 +183,35 @@ def pdl_instructions() -> dict[str, list[str]]:
     return found
 
 
+def tma_instructions(plan: GemmPlan) -> dict:
+    """The "tma" kernel for a bf16 plan compiled for sm_90 (host tensor descriptors of the plan's blocks): its
+    wgmma, mma.sync and bulk tensor copy instructions in the PTX, and its shared memory."""
+    kernel = linear._tma_kernel()
+    blocks = {"x_desc": (plan.block_m, plan.block_k), "w_desc": (plan.block_n, plan.block_k),
+              "out_desc": (plan.block_m, plan.block_n)}  # fmt: skip
+    signature = {name: f"tensordesc<bf16[{rows},{cols}]>" for name, (rows, cols) in blocks.items()}
+    signature |= {"M": "i32", "N": "i32", "K": "i32"}
+    constexprs = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "GROUP_M": plan.group_m,
+                  "INTERPRETED": False, "PRECISION": "tf32", "PDL": False}  # fmt: skip
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    src = ASTSource(kernel, signature, constexprs=constexprs)
+    options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    return {
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+        "tensor_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "shared": compiled.metadata.shared,
+    }
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "pdl":
         print(json.dumps(pdl_instructions()))
+    elif sys.argv[1] == "tma":
+        fields = json.loads(sys.argv[2])
+        print(json.dumps(tma_instructions(GemmPlan(*fields[:-1], **fields[-1]))))
     elif sys.argv[1] == "w8a8":
         n, k, *fields = json.loads(sys.argv[2])
         print(json.dumps(w8a8_report(GemmPlan(*fields), n, k)))

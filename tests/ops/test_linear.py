@@ -134,6 +134,8 @@ def test_split_tail_matches_and_rows_never_depend_on_m(tail_tiles):
         dict(tail_tiles=2, tail_splits=2),
         dict(family="stream", tail_tiles=2),
         dict(family="stream", tail_splits=4),
+        dict(persistent=True),
+        dict(family="tma", group_m=0),
     ],
 )
 def test_gemm_plan_rejects_what_no_kernel_runs(fields):
@@ -158,6 +160,36 @@ def test_prefill_plan_rows_never_depend_on_m():
     for m in (1, 127, 128, 129, 256):
         assert torch.equal(invariant_matmul_triton(x[:m], weight, plan), full[:m]), f"rows differ at M={m}"
     assert torch.equal(invariant_matmul_triton(x[200:201], weight, plan), full[200:201])
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_tma_plan_rows_never_depend_on_m_and_sum_as_the_grid_plan(persistent):
+    """The "tma" prefill kernel (tensor-memory-accelerator loads, grouped tile order): a row's result whatever M, and
+    the same bits as the "grid" kernel with one K split (`same_sums`: the tiles and the launch order move no bit),
+    for a K and an N that are not multiples of the blocks (zero-filled edges)."""
+    n, k, m = 96, 328, 300
+    plan = GemmPlan(64, 64, 6, 4, 3, family="tma", block_m=64, group_m=3, persistent=persistent)
+    grid = GemmPlan(32, 64, 6, 4, 3, block_m=64)
+    assert linear.same_sums(plan, grid, n, k) and linear.tma_supported(n, k, VERIFY_DTYPE)
+    weight, x = rand(n, k, dtype=VERIFY_DTYPE, seed=5), rand(m, k, dtype=VERIFY_DTYPE, seed=6)
+    full = invariant_matmul_triton(x, weight, plan)
+    assert torch.equal(full, invariant_matmul_triton(x, weight, grid))
+    for rows in (1, 63, 64, 65, 200):
+        assert torch.equal(invariant_matmul_triton(x[:rows], weight, plan), full[:rows]), f"rows differ at M={rows}"
+    odd = torch.empty(m * k + 1, dtype=VERIFY_DTYPE, device=x.device)[1:].view(m, k)  # not 16-byte aligned
+    odd.copy_(x)
+    assert torch.equal(invariant_matmul_triton(odd, weight, plan), full)
+
+
+def test_tma_plans_refuse_a_k_split_and_fp8():
+    x, weight = rand(4, 256, dtype=VERIFY_DTYPE), rand(64, 256, dtype=VERIFY_DTYPE)
+    with pytest.raises(ValueError, match="one K split"):
+        invariant_matmul_triton(x, weight, GemmPlan(64, 64, 2, family="tma", block_m=64))
+    assert not linear.tma_supported(64, 100, torch.bfloat16)  # rows of 200 bytes: not 16-byte aligned
+    fp8 = weight.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="FP8"):
+        scale = torch.ones(1, 2, device=x.device)
+        invariant_matmul_triton(x, fp8, GemmPlan(64, 64, 4, family="tma", block_m=64), scale=scale)
 
 
 def test_prefill_rows_selects_the_prefill_plans_only_inside_the_block():

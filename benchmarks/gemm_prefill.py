@@ -1,0 +1,144 @@
+"""The batch-invariant GEMM at prefill row counts (issue #13 item 2, issue #20): candidate plans against cuBLAS.
+
+A packed prefill (mixed steps) runs its linears through the invariant GEMM with the prefill plans
+(`ops.linear.prefill_gemm_plan`). For every 27B prefill weight shape and M in --rows this times cuBLAS
+(`F.linear`), the plan packed prefills run now, and the candidates of `candidates()` (the "grid" kernel's tilings
+and the "tma" kernel's), each under a CUDA graph; and checks bits in the same run:
+- invariance: every candidate's rows at M = 1, 129 and the smallest --rows equal the same rows of the largest M;
+- sums: whether a candidate's output equals the current prefill plan's bit for bit (`same_sums` says it should:
+  one K split, wgmma, whatever the tiles).
+Then one forward's linears summed (each shape times its count of modules): cuBLAS, the current plan, the best
+candidate per shape. `--apply` writes the best invariant candidate per shape into `PREFILL_TUNED` (ops/linear.py).
+
+Usage (H200): python3 benchmarks/gemm_prefill.py [--rows 512,2048,4096,8192] [--out report.json] [--apply]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import torch
+import torch.nn.functional as F
+from gemm_family import _error, graph_us
+from gemm_sweep import decode_shapes
+
+from qwen_mtp.ops import linear
+from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan, same_sums
+from qwen_mtp.testing.synthetic import synthetic_config
+
+PRESET = "qwen3.5-27b"
+
+
+def prefill_shapes(preset: str) -> dict[tuple[int, int], int]:
+    """(N, K) -> how many modules of that shape one prefill forward runs (decoder layers only: the lm_head sees
+    the last row of a prompt, the MTP layer its own forward)."""
+    c = synthetic_config(preset)
+    gdn = sum(t == "gdn" for t in c.layer_types)
+    attn = len(c.layer_types) - gdn
+    s = decode_shapes(preset)
+    counts: dict[tuple[int, int], int] = {}
+    per_layer = {"gdn in_proj (fused)": gdn, "gdn out_proj": gdn, "attn qkv (fused)": attn, "attn o_proj": attn,
+                 "mlp gate_up (fused)": gdn + attn, "mlp down": gdn + attn}  # fmt: skip
+    for name, count in per_layer.items():
+        counts[s[name]] = counts.get(s[name], 0) + count
+    return counts
+
+
+def candidates(n: int, k: int) -> dict[str, GemmPlan]:
+    """Invariant plans for prefill row counts: one K split each (a function of (N, K) only, like every plan)."""
+    one = lambda block_k: -(-k // block_k)  # noqa: E731  K blocks: the whole K loop in one split
+    return {
+        "grid128x128": linear.default_prefill_plan(n, k),
+        "tma128x128s4": GemmPlan(128, 64, one(64), 8, 4, "tma", 128),
+        "tma128x256s3": GemmPlan(256, 64, one(64), 8, 3, "tma", 128),
+        "tma128x256s3p": GemmPlan(256, 64, one(64), 8, 3, "tma", 128, persistent=True),
+        "tma128x128s4p": GemmPlan(128, 64, one(64), 8, 4, "tma", 128, persistent=True),
+        "tma128x128k128s3": GemmPlan(128, 128, one(128), 8, 3, "tma", 128),
+        "tma256x128s3": GemmPlan(128, 64, one(64), 8, 3, "tma", 256),
+        "tma64x256s4w4": GemmPlan(256, 64, one(64), 4, 4, "tma", 64),
+        "tma128x256s3g16": GemmPlan(256, 64, one(64), 8, 3, "tma", 128, group_m=16),
+    }
+
+
+def run(rows: list[int]) -> dict:
+    torch.manual_seed(0)
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "shapes": []}
+    big = max(rows)
+    forward = {m: {"cublas": 0.0, "current": 0.0, "best": 0.0} for m in rows}
+    for (n, k), count in prefill_shapes(PRESET).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(big, k, device="cuda", dtype=torch.bfloat16)
+        current = prefill_gemm_plan(n, k)
+        reference = invariant_matmul_triton(x, w, current)
+        entry = {"n": n, "k": k, "count": count, "current": repr(current), "plans": {}, "cublas_us": {}}
+        for m in rows:
+            entry["cublas_us"][m] = graph_us(lambda a, b: F.linear(a, b), x[:m], [w])
+        for name, plan in candidates(n, k).items():
+            e = entry["plans"][name] = {"plan": repr(plan), "same_sums": same_sums(plan, current, n, k)}
+            try:
+                full = invariant_matmul_triton(x, w, plan)
+                e["equals_current"] = torch.equal(full, reference)
+                one = slice(big // 2, big // 2 + 1)  # a row from the middle, alone
+                e["invariant"] = all(
+                    torch.equal(invariant_matmul_triton(x[:m], w, plan), full[:m]) for m in (1, 129, min(rows))
+                ) and torch.equal(invariant_matmul_triton(x[one], w, plan), full[one])
+                e["us"] = {m: graph_us(lambda a, b, p=plan: invariant_matmul_triton(a, b, p), x[:m], [w]) for m in rows}
+            except Exception as err:  # a plan that does not compile (shared memory) is reported, not fatal
+                e["error"] = _error(err)
+        usable = {a: b for a, b in entry["plans"].items() if b.get("invariant")}
+        cost = {a: sum(b["us"][m] / entry["cublas_us"][m] for m in rows) for a, b in usable.items()}
+        best = entry["best"] = min(cost, key=cost.get) if cost else None
+        for m in rows:
+            forward[m]["cublas"] += entry["cublas_us"][m] * count
+            forward[m]["current"] += (entry["plans"]["grid128x128"].get("us", {}).get(m, float("nan"))) * count
+            forward[m]["best"] += (usable[best]["us"][m] if best else float("nan")) * count
+        report["shapes"].append(entry)
+        print(f"{n}x{k} (x{count}) best {best}; us per M {rows}: cuBLAS " +
+              " ".join(f"{entry['cublas_us'][m]:.0f}" for m in rows))  # fmt: skip
+        for name, e in entry["plans"].items():
+            if "error" in e:
+                print(f"  {name:18s} ERROR {e['error']}")
+                continue
+            ratio = " ".join(f"{e['us'][m]:.0f} ({e['us'][m] / entry['cublas_us'][m]:.2f}x)" for m in rows)
+            print(f"  {name:18s} {ratio}  invariant {e['invariant']} equals current {e['equals_current']} "
+                  f"(same_sums {e['same_sums']})")  # fmt: skip
+        del w, x, reference
+        torch.cuda.empty_cache()
+    report["forward_ms"] = {m: {a: b / 1e3 for a, b in f.items()} for m, f in forward.items()}
+    for m, f in report["forward_ms"].items():
+        current, best = f["current"] / f["cublas"], f["best"] / f["cublas"]
+        print(f"one forward's linears at M={m}: cuBLAS {f['cublas']:.2f} ms, current prefill plan {f['current']:.2f} "
+              f"({current:.2f}x), best candidate {f['best']:.2f} ({best:.2f}x)")  # fmt: skip
+    return report
+
+
+def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
+    """Write each shape's best invariant candidate into PREFILL_TUNED."""
+    lines = []
+    for e in report["shapes"]:
+        if e["best"]:
+            lines.append(f"    ({e['n']}, {e['k']}): {e['plans'][e['best']]['plan']},  # {PRESET}: {e['best']}\n")
+    text = open(path).read()
+    pattern = r"PREFILL_TUNED: dict\[tuple\[int, int\], GemmPlan\] = \{[^}]*\}"
+    body = "PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}"
+    open(path, "w").write(re.sub(pattern, lambda _: body, text, count=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="512,2048,4096,8192")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--apply", action="store_true", help="write the best plan per shape into PREFILL_TUNED")
+    args = parser.parse_args()
+    report = run([int(m) for m in args.rows.split(",")])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.apply:
+        apply(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|prefillgemm runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -27,6 +27,10 @@
 #   prefillgemm  the invariant GEMM at prefill rows (gemm_prefill.py: the "grid" and "tma" plans against cuBLAS at
 #                M = 512..8192, bits checked), its winners written into PREFILL_TUNED on the device copy (APPLY=0:
 #                not), the GEMM and packed-step GPU tests with them, then mixed_steps.py's TTFT / ITL;
+#   ladefault    the GPU suite with cache.lookahead on (the default on branch wp11-la-default), in two calls:
+#                PART=1 the bf16 exactness tests, the stress runs, sampling and the host-sync counts; PART=2 MoE,
+#                prefix caching, mixed steps, the FP8 draft lm_head and FP8 exactness (carry torchao), then the
+#                27B bf16 bench B1 / B8 / B32;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -222,6 +226,17 @@ if [[ "$STAGE" == lookahead ]]; then  # one device call (~8 min)
       --set cache.lookahead=$on --set "bench.out_dir=$OUT/bench-lookahead-$on" >"$OUT/bench-lookahead-$on.log" 2>&1
     echo "[rc $? at ${SECONDS}s] lookahead $on"; cat "$OUT/bench-lookahead-$on/bench.txt" 2>/dev/null
   done
+fi
+if [[ "$STAGE" == ladefault ]]; then  # two device calls (~9 min each)
+  if [[ "${PART:-1}" == 1 ]]; then
+    counted 330 la-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k "graphs or stress"
+    counted 150 la-sampling.log python3 -m pytest -q -rA tests/gpu/test_sampling_cuda.py tests/gpu/test_host_syncs.py
+  else
+    counted 300 la-features.log python3 -m pytest -q -rA tests/gpu/test_moe_exactness.py \
+      tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_mixed_steps_cuda.py tests/gpu/test_draft_lm_head_cuda.py
+    counted 120 la-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain"
+    bench_27b 150 bench-la-default --set 'bench.batch_sizes=[1,8,32]'
+  fi
 fi
 if [[ "$STAGE" == pdl ]]; then  # one device call (~9 min)
   counted 120 pdl-ops.log python3 -m pytest -q -rA tests/ops/test_pdl.py tests/ops/test_swiglu.py

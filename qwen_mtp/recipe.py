@@ -77,8 +77,8 @@ class CacheSection:
     max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
     # Decode and fixed-K verify steps: launch the next step before reading this one's results back, so the host's
     # work between steps runs while the GPU computes (docs/architecture.md "Lookahead"; H200, 27B B1: 14.76 -> 13.93
-    # ms a token). Off until the whole GPU suite has run with it.
-    lookahead: bool = False
+    # ms a token).
+    lookahead: bool = True
 
 
 @dataclass

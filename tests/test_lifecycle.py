@@ -234,7 +234,7 @@ def test_a_step_that_raises_ends_only_its_requests(path):
     """A prefill chunk that raises ends its request (finish_reason "error", the error kept, pages and row back);
     the others keep running and get their solo tokens. A failing decode batch ends the requests in it; a
     request still in prefill in that step carries on."""
-    engine = make_engine(path, page_size=8, prefill_chunk=8)
+    engine = make_engine(path, page_size=8, prefill_chunk=8, lookahead=False)  # each fault hits the next launch
     prompts = [random_prompt(n, seed=80 + n) for n in (6, 20, 11)]
     ids = [engine.submit(p, SamplingParams(8, ignore_eos=True)) for p in prompts]
     victim, fault = ids[1], RuntimeError("injected fault")

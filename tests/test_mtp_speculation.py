@@ -101,7 +101,9 @@ def committed_states(engine, prompt, oracle=None):
 def test_committed_states_equal_plain_decoding_bitwise(checkpoint, state_dtype):
     """After each step that accepted j drafts, the committed SSM state and conv window of every GDN layer are
     those of plain decoding after the same tokens, bit for bit (also through a bf16 state pool)."""
+    # lookahead off: with it, the step after each one is already in flight when the states are read
     recipe = {"model": {"path": str(checkpoint("tiny")), "dtype": "float32"}, "state": {"dtype": state_dtype}}
+    recipe["cache"] = {"lookahead": False}
     prompt = random_prompt(21, seed=7)
     plain, plain_tokens = committed_states(Engine.from_recipe(recipe, log=lambda _: None), prompt)
     recipe["mtp"] = {"enabled": True, "k": 3, "draft": "oracle", "oracle_accept": 0.6}
@@ -229,7 +231,7 @@ def test_one_read_back_per_step(checkpoint, monkeypatch):
     import traceback
 
     path = checkpoint("tiny")
-    engine = make_engine(path, k=3, draft="oracle", accept=0.6, prefill_chunk=16)
+    engine = make_engine(path, k=3, draft="oracle", accept=0.6, prefill_chunk=16, lookahead=False)  # one launch a step
     prompts = [random_prompt(n, seed=n) for n in (5, 40, 12)]
     oracles = generate(make_engine(path), prompts)
     params = SamplingParams(MAX_NEW, ignore_eos=True)
@@ -267,7 +269,7 @@ def test_a_failing_mtp_step_ends_only_its_requests(checkpoint):
     """A draft step that raises after its verify committed ends the requests verified in it (finish_reason
     "error", pages and rows back); a request in prefill in the same step goes on to MTP-off's tokens."""
     path = checkpoint("tiny")
-    engine = make_engine(path, k=2, prefill_chunk=8, page_size=8)
+    engine = make_engine(path, k=2, prefill_chunk=8, page_size=8, lookahead=False)  # the fault hits the next launch
     prompts = [random_prompt(n, seed=90 + n) for n in (5, 30)]
     params = SamplingParams(MAX_NEW, ignore_eos=True)
     verifying = engine.submit(prompts[0], params)

@@ -30,7 +30,8 @@
 #   ladefault    the GPU suite with cache.lookahead on (the default on branch wp11-la-default), in two calls:
 #                PART=1 the bf16 exactness tests, the stress runs, sampling and the host-sync counts; PART=2 MoE,
 #                prefix caching, mixed steps, the FP8 draft lm_head and FP8 exactness (carry torchao), then the
-#                27B bf16 bench B1 / B8 / B32;
+#                27B bf16 bench B1 / B8 / B32; PART=features the tests of both parts that no call ran with the
+#                lookahead before (sampling, host syncs, MoE, prefix caching, mixed steps, draft lm_head, FP8);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -231,6 +232,11 @@ if [[ "$STAGE" == ladefault ]]; then  # two device calls (~9 min each)
   if [[ "${PART:-1}" == 1 ]]; then
     counted 330 la-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py -k "graphs or stress"
     counted 150 la-sampling.log python3 -m pytest -q -rA tests/gpu/test_sampling_cuda.py tests/gpu/test_host_syncs.py
+  elif [[ "${PART:-1}" == features ]]; then  # what PART=1 and 2 run that no earlier call ran with the lookahead
+    counted 150 la-sampling.log python3 -m pytest -q -rA tests/gpu/test_sampling_cuda.py tests/gpu/test_host_syncs.py
+    counted 300 la-features.log python3 -m pytest -q -rA tests/gpu/test_moe_exactness.py \
+      tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_mixed_steps_cuda.py tests/gpu/test_draft_lm_head_cuda.py
+    counted 120 la-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain"
   else
     counted 300 la-features.log python3 -m pytest -q -rA tests/gpu/test_moe_exactness.py \
       tests/gpu/test_prefix_cache_cuda.py tests/gpu/test_mixed_steps_cuda.py tests/gpu/test_draft_lm_head_cuda.py

@@ -1,21 +1,23 @@
 """The batch-invariant GEMM at prefill row counts (issue #13 item 2, issue #20): candidate plans against cuBLAS.
 
 A packed prefill (mixed steps) runs its linears through the invariant GEMM with the prefill plans
-(`ops.linear.prefill_gemm_plan`). For every 27B prefill weight shape and M in --rows this times cuBLAS
-(`F.linear`), the plan packed prefills run now, and the candidates of `candidates()` (the "grid" kernel's tilings
-and the "tma" kernel's), each under a CUDA graph; and checks bits in the same run:
+(`ops.linear.prefill_gemm_plan`). For every prefill weight shape of a preset (27B by default) and M in --rows this
+times cuBLAS (`F.linear`), the plan packed prefills run now, and the candidates of `candidates()` (the "grid"
+kernel's tilings and the "tma" kernel's), each under a CUDA graph; and checks bits in the same run:
 - invariance: every candidate's rows at M = 1, 129 and the smallest --rows equal the same rows of the largest M;
 - sums: whether a candidate's output equals the current prefill plan's bit for bit (`same_sums` says it should:
   one K split, wgmma, whatever the tiles).
 Then one forward's linears summed (each shape times its count of modules): cuBLAS, the current plan, the best
 candidate per shape. `--apply` writes the best invariant candidate per shape into `PREFILL_TUNED` (ops/linear.py).
 
-Usage (H200): python3 benchmarks/gemm_prefill.py [--rows 512,2048,4096,8192] [--out report.json] [--apply]
+Usage (H200): python3 benchmarks/gemm_prefill.py [--preset qwen3.5-27b] [--rows 512,2048,4096,8192] [--out report.json]
+[--apply]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -27,8 +29,6 @@ from gemm_sweep import decode_shapes
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan, same_sums
 from qwen_mtp.testing.synthetic import synthetic_config
-
-PRESET = "qwen3.5-27b"
 
 
 def prefill_shapes(preset: str) -> dict[tuple[int, int], int]:
@@ -50,7 +50,7 @@ def candidates(n: int, k: int) -> dict[str, GemmPlan]:
     """Invariant plans for prefill row counts: one K split each (a function of (N, K) only, like every plan)."""
     one = lambda block_k: -(-k // block_k)  # noqa: E731  K blocks: the whole K loop in one split
     return {
-        "grid128x128": linear.default_prefill_plan(n, k),
+        "grid128x128": linear.grid_prefill_plan(n, k),
         "tma128x128s4": GemmPlan(128, 64, one(64), 8, 4, "tma", 128),
         "tma128x256s3": GemmPlan(256, 64, one(64), 8, 3, "tma", 128),
         "tma128x256s3p": GemmPlan(256, 64, one(64), 8, 3, "tma", 128, persistent=True),
@@ -62,12 +62,13 @@ def candidates(n: int, k: int) -> dict[str, GemmPlan]:
     }
 
 
-def run(rows: list[int]) -> dict:
+def run(preset: str, rows: list[int]) -> dict:
     torch.manual_seed(0)
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "shapes": []}
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": preset, "rows": rows,
+                    "shapes": []}  # fmt: skip
     big = max(rows)
     forward = {m: {"cublas": 0.0, "current": 0.0, "best": 0.0} for m in rows}
-    for (n, k), count in prefill_shapes(PRESET).items():
+    for (n, k), count in prefill_shapes(preset).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(big, k, device="cuda", dtype=torch.bfloat16)
         current = prefill_gemm_plan(n, k)
@@ -76,7 +77,8 @@ def run(rows: list[int]) -> dict:
         for m in rows:
             entry["cublas_us"][m] = graph_us(lambda a, b: F.linear(a, b), x[:m], [w])
         for name, plan in candidates(n, k).items():
-            e = entry["plans"][name] = {"plan": repr(plan), "same_sums": same_sums(plan, current, n, k)}
+            e = entry["plans"][name] = {"plan": repr(plan), "fields": dataclasses.asdict(plan)}
+            e["same_sums"] = same_sums(plan, current, n, k)
             try:
                 full = invariant_matmul_triton(x, w, plan)
                 e["equals_current"] = torch.equal(full, reference)
@@ -114,12 +116,21 @@ def run(rows: list[int]) -> dict:
     return report
 
 
+def plan_literal(plan: GemmPlan) -> str:
+    """`GemmPlan(...)`: the first five fields positional, then the fields that differ from their defaults."""
+    fields = dataclasses.fields(plan)
+    head = ", ".join(repr(getattr(plan, f.name)) for f in fields[:5])
+    rest = [f"{f.name}={getattr(plan, f.name)!r}" for f in fields[5:] if getattr(plan, f.name) != f.default]
+    return f"GemmPlan({', '.join([head, *rest])})".replace("'", '"')
+
+
 def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
-    """Write each shape's best invariant candidate into PREFILL_TUNED."""
-    lines = []
+    """Write each shape's best invariant candidate into PREFILL_TUNED (the other presets' entries stay)."""
+    table = dict(linear.PREFILL_TUNED)
     for e in report["shapes"]:
         if e["best"]:
-            lines.append(f"    ({e['n']}, {e['k']}): {e['plans'][e['best']]['plan']},  # {PRESET}: {e['best']}\n")
+            table[e["n"], e["k"]] = GemmPlan(**e["plans"][e["best"]]["fields"])
+    lines = [f"    ({n}, {k}): {plan_literal(plan)},\n" for (n, k), plan in table.items()]
     text = open(path).read()
     pattern = r"PREFILL_TUNED: dict\[tuple\[int, int\], GemmPlan\] = \{[^}]*\}"
     body = "PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}"
@@ -128,11 +139,12 @@ def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.5-27b", help="a synthetic preset: its decoder layers' shapes")
     parser.add_argument("--rows", default="512,2048,4096,8192")
     parser.add_argument("--out", default=None)
     parser.add_argument("--apply", action="store_true", help="write the best plan per shape into PREFILL_TUNED")
     args = parser.parse_args()
-    report = run([int(m) for m in args.rows.split(",")])
+    report = run(args.preset, [int(m) for m in args.rows.split(",")])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

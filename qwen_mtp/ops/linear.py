@@ -28,10 +28,11 @@ gradient, so training runs the same module code.
 Prefill rows. A packed prefill (mixed steps) also asks for `invariant=True`: a request's numbers must not depend
 on the chunks packed beside it, and its forward has hundreds to thousands of rows. The decode plans are built for
 M = 1..64 (16-32-row MMAs, few programs walking every row: 2.8x cuBLAS at M = 4096 on the 27B's shapes), so
-inside `prefill_rows()` the invariant GEMM takes the prefill plan table instead (`prefill_gemm_plan`: 128-row
-tiles, no K split, as a dense GEMM library tiles a large M). It is still a function of (N, K) only, so a prefill
-row's result does not depend on how many rows share the launch; it does differ from the same row on the decode
-path, which no property needs (decode and verify rows never take these plans).
+inside `prefill_rows()` the invariant GEMM takes the prefill plan table instead (`prefill_gemm_plan`: the "tma"
+family, 128 x 256 tiles loaded by the tensor memory accelerator, no K split, as a dense GEMM library tiles a large
+M; 0.93-0.99x cuBLAS for one 27B forward's linears at M = 2048..8192). It is still a function of (N, K) only, so a
+prefill row's result does not depend on how many rows share the launch; it does differ from the same row on the
+decode path, which no property needs (decode and verify rows never take these plans).
 
 `qwen_mtp::linear_fp8(x, weight, scale, invariant, w8a8)` is the same product with an FP8 e4m3 weight [N, K] and its
 128x128 block scales [ceil(N/128), ceil(K/128)] (W8A16: activations stay in their dtype). Its reference, on CPU
@@ -341,19 +342,30 @@ def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan],
                 )
 
 
-# Prefill plans measured on the H200 (benchmarks/mixed_steps.py, gemm part); a shape not here takes the default.
-PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {}
+# Prefill plans (`prefill_rows`), measured on the H200 by `benchmarks/gemm_prefill.py --apply` (2026-12-03, twelfth
+# session: docs/img/gemm-prefill-27b-twelfth.json): the "tma" kernel with 128 x 256 tiles, one forward's 27B linears
+# 0.99x cuBLAS at M = 2048, 0.93x at 4096, 0.96x at 8192, 1.27x at 512 (the "grid" default: 1.24-1.68x). A shape not
+# here takes `grid_prefill_plan`.
+PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {
+    (16480, 5120): GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, group_m=16),  # 27b gdn in_proj
+    (5120, 6144): GemmPlan(256, 64, 96, 8, 3, family="tma", block_m=128),  # 27b o_proj / gdn out_proj
+    (14336, 5120): GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, persistent=True),  # 27b attn qkv
+    (34816, 5120): GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, persistent=True),  # 27b mlp gate_up
+    (5120, 17408): GemmPlan(256, 64, 272, 8, 3, family="tma", block_m=128, persistent=True),  # 27b mlp down
+}
 _PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=False)
 
 
 def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
-    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else `default_prefill_plan`."""
-    return PREFILL_TUNED.get((n, k)) or default_prefill_plan(n, k)
+    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else `grid_prefill_plan`."""
+    return PREFILL_TUNED.get((n, k)) or grid_prefill_plan(n, k)
 
 
-def default_prefill_plan(n: int, k: int) -> GemmPlan:
+def grid_prefill_plan(n: int, k: int) -> GemmPlan:
     """ "grid" with 128 x 128 tiles and the whole K loop in one program (no split: at prefill M there are tiles
-    enough to fill the GPU, and no partial sums to park); W8A16 prefills run it whatever the tuned table says."""
+    enough to fill the GPU, and no partial sums to park): for shapes not measured, and where a "tma" plan cannot
+    run (FP8 weights, GPUs before Hopper). With one K split and 64-row MMAs it sums as the "tma" plans do
+    (`same_sums`)."""
     return GemmPlan(128, 64, -(-k // 64), num_warps=8, num_stages=3, block_m=128)
 
 
@@ -369,10 +381,16 @@ def prefill_rows() -> Iterator[None]:
         _PREFILL_ROWS.reset(token)
 
 
-def _invariant_plan(n: int, k: int) -> GemmPlan | None:
-    """The plan an invariant GEMM of this shape runs now: the prefill plan inside `prefill_rows`, else None (the
-    decode plan, `gemm_plan` / `gemm_plan_fp8`)."""
-    return prefill_gemm_plan(n, k) if _PREFILL_ROWS.get() else None
+def _invariant_plan(n: int, k: int, device: torch.device, fp8: bool = False) -> GemmPlan | None:
+    """The plan an invariant GEMM of this shape runs now: the prefill plan inside `prefill_rows` (its "grid"
+    stand-in where a "tma" plan cannot run: FP8 weights, no tensor memory accelerator), else None (the decode plan,
+    `gemm_plan` / `gemm_plan_fp8`)."""
+    if not _PREFILL_ROWS.get():
+        return None
+    plan = prefill_gemm_plan(n, k)
+    if plan.family == "tma" and (fp8 or not tma_available(device)):
+        return grid_prefill_plan(n, k)
+    return plan
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
@@ -597,6 +615,16 @@ def _tma_kernel():
     return matmul_tma
 
 
+def tma_available(device: torch.device) -> bool:
+    """Whether the "tma" kernel runs on `device`: Hopper (sm_90) or later, or the interpreter (the CPU tests)."""
+    return INTERPRET or (device.type == "cuda" and _capability(device)[0] >= 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def tma_supported(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a "tma" plan runs an [N, K] weight in `dtype` (rows of x, the weight and the output start on 16-byte
     boundaries, as the tensor memory accelerator needs); a function of the shape, so a row's kernel never depends
@@ -753,7 +781,7 @@ def _(x, weight, invariant):
         return F.linear(x, weight).contiguous()
     if reference_forced("linear"):
         return rowwise_linear(x, weight)
-    plan = _invariant_plan(*weight.shape)
+    plan = _invariant_plan(*weight.shape, x.device)
     return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight, plan).reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -829,9 +857,7 @@ def _(x, weight, scale, invariant, w8a8=False):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
     if invariant:
-        plan = _invariant_plan(*weight.shape)
-        if plan is not None and plan.family == "tma":  # a bf16 prefill plan: FP8 weights take the default one
-            plan = default_prefill_plan(*weight.shape)
+        plan = _invariant_plan(*weight.shape, x.device, fp8=True)
         if plan is None and w8a8 and w8a8_supported(weight):
             out = linear_fp8_w8a8_triton(rows, weight, scale)
         else:

@@ -195,7 +195,9 @@ def test_one_synchronisation_per_sampled_step():
         engine.step()
     syncs, reads = synchronisations(engine, 8)
     assert not any(engine.requests[i].done for i in ids)
-    assert (len(syncs), reads) == (8, 8), syncs
+    # one read a step; the wait for it is an event's under the lookahead (on by default), which the debug mode may
+    # not count: at most one synchronisation a step, and only the runner's
+    assert reads == 8 and len(syncs) <= 8 and all("runner.py" in where for where in syncs), syncs
 
 
 TRAINED = Path(os.environ.get("QWEN_MTP_TRAINED", Path(__file__).parents[2] / "models" / "qwen-mtp-small"))

@@ -193,13 +193,29 @@ def test_tma_plans_refuse_a_k_split_and_fp8():
 
 
 def test_prefill_rows_selects_the_prefill_plans_only_inside_the_block():
-    assert linear._invariant_plan(256, 512) is None  # the decode plan
+    device = torch.device(DEVICE)
+    assert linear._invariant_plan(256, 512, device) is None  # the decode plan
     with prefill_rows():
-        assert linear._invariant_plan(256, 512) == prefill_gemm_plan(256, 512)
+        assert linear._invariant_plan(256, 512, device) == prefill_gemm_plan(256, 512)
         with prefill_rows():
             pass
-        assert linear._invariant_plan(256, 512) is not None  # an inner block leaves the outer one on
-    assert linear._invariant_plan(256, 512) is None
+        assert linear._invariant_plan(256, 512, device) is not None  # an inner block leaves the outer one on
+    assert linear._invariant_plan(256, 512, device) is None
+
+
+def test_a_tma_prefill_plan_stands_aside_for_fp8_weights_and_older_gpus(monkeypatch):
+    """Where the "tma" kernel cannot run (FP8 weights; no tensor memory accelerator) a shape's prefill rows take the
+    "grid" plan, which sums as the "tma" plan does."""
+    tma = GemmPlan(256, 64, 8, 8, 3, family="tma", block_m=128)
+    monkeypatch.setitem(linear.PREFILL_TUNED, (256, 512), tma)
+    grid = linear.grid_prefill_plan(256, 512)
+    assert linear.same_sums(tma, grid, 256, 512)
+    with prefill_rows():
+        assert linear._invariant_plan(256, 512, torch.device("cpu"), fp8=True) == grid
+        monkeypatch.setattr(linear, "tma_available", lambda device: False)
+        assert linear._invariant_plan(256, 512, torch.device("cpu")) == grid
+        monkeypatch.setattr(linear, "tma_available", lambda device: True)
+        assert linear._invariant_plan(256, 512, torch.device("cpu")) == tma
 
 
 # ---- row buckets: plans picked by the launch's row count, all summing as the shape's plan does ----------------

@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -32,6 +32,10 @@
 #                prefix caching, mixed steps, the FP8 draft lm_head and FP8 exactness (carry torchao), then the
 #                27B bf16 bench B1 / B8 / B32; PART=features the tests of both parts that no call ran with the
 #                lookahead before (sampling, host syncs, MoE, prefix caching, mixed steps, draft lm_head, FP8);
+#   tmaloads     `GemmPlan.tma_loads` on the decode GEMMs: gemm_tma_loads.py (bf16 and W8A8 at 27B, M = 1..256,
+#                pointer against TMA loads, bits compared), then with QWEN_MTP_TMA_LOADS=1 (every decode plan loads by
+#                TMA) the exactness subset and the 27B bf16 bench B1 / B32 against the same bench without it; FP8=1
+#                (carry torchao) adds the W8A8 exactness tests and the FP8 B1 pair;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -272,6 +276,19 @@ if [[ "$STAGE" == prefillgemm ]]; then  # one device call (~9 min)
   timeout 140 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --k 2 --set cache.max_step_tokens=16384 \
     --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --out "$OUT/mixed-steps.json" >"$OUT/mixed-steps.log" 2>&1
   echo "[rc $? at ${SECONDS}s] mixed_steps"; grep -E "^(TTFT|ITL|gemm M)" "$OUT/mixed-steps.log"
+fi
+if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
+  timeout 200 python3 benchmarks/gemm_tma_loads.py --out "$OUT/gemm-tma-loads.json" >"$OUT/gemm-tma-loads.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] gemm_tma_loads"; grep -E "M=  1|M= 32|M=128|False" "$OUT/gemm-tma-loads.log"
+  QWEN_MTP_TMA_LOADS=1 counted 200 tma-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  bench_27b 120 bench-pointer-loads --set 'bench.batch_sizes=[1,32]'
+  QWEN_MTP_TMA_LOADS=1 bench_27b 120 bench-tma-loads --set 'bench.batch_sizes=[1,32]'
+  if [[ "${FP8:-0}" == 1 ]]; then
+    QWEN_MTP_TMA_LOADS=1 counted 100 tma-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
+    bench_27b 100 bench-fp8-pointer-loads --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
+    QWEN_MTP_TMA_LOADS=1 bench_27b 100 bench-fp8-tma-loads --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
+  fi
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

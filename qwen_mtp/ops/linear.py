@@ -50,10 +50,11 @@ fp8 x fp8 "stream" GEMM whose 128-deep block products are scaled in fp32 (`w8a8_
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,9 @@ from qwen_mtp.ops.backend import reference_forced
 from qwen_mtp.ops.triton_utils import INTERPRET
 from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_block
 
+# QWEN_MTP_TMA_LOADS=1: every decode plan (`row_plan`) loads its tiles by the tensor memory accelerator where it
+# runs (`GemmPlan.tma_loads`; the same bits), the engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=tmaloads.
+TMA_LOADS = os.environ.get("QWEN_MTP_TMA_LOADS", "0") == "1"
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
 FAMILIES = ("grid", "stream", "tma")
 MAX_ROW_TILES = 8  # a stream plan compiles one K loop per live row-tile count 1..row_tiles: code grows as its square
@@ -94,6 +98,7 @@ class GemmPlan:
     tail_splits: int = 1  # last wave: its tiles spread over more SMs; `stream_tail`)
     group_m: int = 8  # "tma": row tiles that walk the N tiles together (each weight tile read once per group)
     persistent: bool = False  # "tma": a program per SM looping over the tiles, instead of a program per tile
+    tma_loads: bool = False  # "grid", "stream": tiles copied by the tensor memory accelerator where it runs
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -112,6 +117,8 @@ class GemmPlan:
             raise ValueError("GemmPlan.tail_tiles / tail_splits are a 'stream' option: >= 1 tiles in >= 2 splits")
         if self.group_m < 1 or (self.persistent and self.family != "tma"):
             raise ValueError("GemmPlan.group_m must be >= 1, and GemmPlan.persistent is a 'tma' option")
+        if self.tma_loads and self.family == "tma":
+            raise ValueError("GemmPlan.tma_loads is a 'grid' / 'stream' option (the 'tma' family always loads so)")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -325,7 +332,7 @@ def row_plan(n: int, k: int, m: int, hopper: bool = True, buckets: dict | None =
     for fewest, bucket in table.get((n, k), ()) if hopper else ():
         if m >= fewest:
             plan = bucket
-    return plan
+    return replace(plan, tma_loads=True) if TMA_LOADS and plan.family != "tma" else plan
 
 
 def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], base=None) -> None:
@@ -405,8 +412,9 @@ def _matmul_kernel():
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        TMA: tl.constexpr = False, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        # TMA: x_ptr and w_ptr are tensor descriptors (`GemmPlan.tma_loads`), as in the stream family.
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
         # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
@@ -421,12 +429,16 @@ def _matmul_kernel():
         k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
             kmask = (k0 + ks) < k_end
-            x = tl.load(
-                x_ptr + ms[:, None] * sx_m + (k0 + ks)[None, :], mask=(ms[:, None] < M) & kmask[None, :], other=0.0
-            )
-            w = tl.load(
-                w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
-            )
+            if TMA:
+                x = x_ptr.load([pid_m * BLOCK_M, k0])
+                w = w_ptr.load([pid_n * BLOCK_N, k0])
+            else:
+                x = tl.load(
+                    x_ptr + ms[:, None] * sx_m + (k0 + ks)[None, :], mask=(ms[:, None] < M) & kmask[None, :], other=0.0
+                )
+                w = tl.load(
+                    w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :], mask=(ns[:, None] < N) & kmask[None, :], other=0.0
+                )
             if FP8:
                 w = triton_utils.fp8_dequantize(
                     w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED, MMA_SYNC
@@ -489,9 +501,11 @@ def _stream_kernel():
         PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
         STAGES: tl.constexpr = 3, WIDE_STAGES: tl.constexpr = 3,  # K loop pipeline depths (`stream_stages`)
         TAIL_TILES: tl.constexpr = 0, TAIL_SPLITS: tl.constexpr = 1, TAIL_K_PER_SPLIT: tl.constexpr = 0,
-        PDL: tl.constexpr = False,
+        TMA: tl.constexpr = False, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
+        # TMA: x_ptr and w_ptr are tensor descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks
+        # (`GemmPlan.tma_loads`): the same tiles, copied by the tensor memory accelerator.
         triton_utils.wait_for_previous_kernel(PDL)
         pid_n, split = tl.program_id(0), tl.program_id(1)
         # k_blocks: this program's K blocks per split; n_splits: its tile's split count; part_n, part_n0: the
@@ -522,10 +536,13 @@ def _stream_kernel():
                     accs = (acc0,) * tiles
                     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES if tiles == 1 else WIDE_STAGES):
                         kmask = (k0 + ks) < k_end
-                        w = tl.load(
-                            w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :],
-                            mask=(ns[:, None] < N) & kmask[None, :], other=0.0,
-                        )  # fmt: skip
+                        if TMA:  # w_ptr is a descriptor; K splits end on BLOCK_K boundaries, past N and K reads 0
+                            w = w_ptr.load([pid_n * BLOCK_N, k0])
+                        else:
+                            w = tl.load(
+                                w_ptr + ns[:, None] * sw_n + (k0 + ks)[None, :],
+                                mask=(ns[:, None] < N) & kmask[None, :], other=0.0,
+                            )  # fmt: skip
                         if FP8:
                             w = triton_utils.fp8_dequantize(
                                 w, s_ptr, ns, k0, ss_n, N, K, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, INTERPRETED,
@@ -534,10 +551,13 @@ def _stream_kernel():
                         updated = ()
                         for t in tl.static_range(tiles):
                             ms = row0 + t * BLOCK_M + rows
-                            x = tl.load(
-                                x_ptr + ms[:, None] * sx_m + (k0 + ks)[None, :],
-                                mask=(ms[:, None] < M) & kmask[None, :], other=0.0,
-                            )  # fmt: skip
+                            if TMA:
+                                x = x_ptr.load([row0 + t * BLOCK_M, k0])
+                            else:
+                                x = tl.load(
+                                    x_ptr + ms[:, None] * sx_m + (k0 + ks)[None, :],
+                                    mask=(ms[:, None] < M) & kmask[None, :], other=0.0,
+                                )  # fmt: skip
                             if SWAP_AB:
                                 prod = triton_utils.dot(w, tl.trans(x), INTERPRETED, PRECISION)  # [BLOCK_N, BLOCK_M]
                             else:
@@ -633,10 +653,16 @@ def tma_supported(n: int, k: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16, torch.float32) and (k * size) % 16 == 0 and (n * size) % 16 == 0
 
 
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """A host tensor descriptor of a row-major matrix, copied in [block_rows, block_cols] blocks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
+
+
 def _tma_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, plan: GemmPlan) -> None:
     """out = x @ weight^T by the "tma" kernel (`_tma_kernel`)."""
     import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     (m, k), n = x.shape, weight.shape[0]
     if plan.splits(k) != 1 or not tma_supported(n, k, x.dtype):
@@ -646,9 +672,8 @@ def _tma_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, plan: 
     tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
     programs = min(tiles, _sm_count(x.device)) if plan.persistent and x.is_cuda else tiles
     _tma_kernel()[(programs,)](
-        TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k]),
-        TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k]),
-        TensorDescriptor.from_tensor(out, [plan.block_m, plan.block_n]), m, n, k,
+        _descriptor(x, plan.block_m, plan.block_k), _descriptor(weight, plan.block_n, plan.block_k),
+        _descriptor(out, plan.block_m, plan.block_n), m, n, k,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
         INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
@@ -752,11 +777,17 @@ def invariant_matmul_triton(
     else:
         part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     counters = _tile_counters(x.device, sums) if splits > 1 or plan.tail_tiles else out
+    x_tiles, w_tiles = x, weight
+    tma = plan.tma_loads and not fp8 and tma_available(x.device) and tma_supported(n, k, x.dtype)
+    if tma and weight.data_ptr() % 16 == 0:  # (a weight view at an odd offset keeps the pointer loads)
+        x_tiles = _descriptor(x if x.data_ptr() % 16 == 0 else x.clone(), plan.block_m, plan.block_k)
+        w_tiles = _descriptor(weight, plan.block_n, plan.block_k)
     kernel[grid](
-        x, weight, scale if fp8 else weight, out, part, counters, m, n, k,
+        x_tiles, w_tiles, scale if fp8 else weight, out, part, counters, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
         FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        TMA=x_tiles is not x,
         MMA_SYNC=fp8 and not INTERPRET and feeds_mma_sync(plan, torch.cuda.get_device_capability(x.device)[0]),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
     )  # fmt: skip
@@ -1169,8 +1200,11 @@ def _w8a8_kernel():
         q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sq_m, sqs_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        # TMA: q_ptr and w_ptr are tensor descriptors of [BLOCK_M, 128] and [BLOCK_N, 128] e4m3 blocks
+        # (`GemmPlan.tma_loads`): the same blocks, copied by the tensor memory accelerator.
         triton_utils.wait_for_previous_kernel(PDL)
         pid_n, split = tl.program_id(0), tl.program_id(1)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1179,7 +1213,8 @@ def _w8a8_kernel():
         k_end = tl.minimum(K, k_start + k_per_split * BLOCK_K)
         plane = M.to(tl.int64) * N
         part = part_ptr + split * plane
-        w_rows = w_ptr + ns[:, None].to(tl.int64) * sw_n + ks[None, :]
+        if not TMA:
+            w_rows = w_ptr + ns[:, None].to(tl.int64) * sw_n + ks[None, :]
         for row0 in range(0, M, ROW_TILES * BLOCK_M):
             live = tl.minimum(tl.cdiv(M - row0, BLOCK_M), ROW_TILES)
             for tiles in tl.static_range(1, ROW_TILES + 1):
@@ -1188,15 +1223,21 @@ def _w8a8_kernel():
                     accs = (acc0,) * tiles
                     for k0 in range(k_start, k_end, BLOCK_K):
                         kb = k0 // BLOCK_K
-                        w = tl.load(w_rows + k0, mask=ns[:, None] < N, other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
+                        if TMA:
+                            w = w_ptr.load([pid_n * BLOCK_N, k0])
+                        else:
+                            w = tl.load(w_rows + k0, mask=ns[:, None] < N, other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
                         w_scale = tl.load(s_ptr + (ns // 128) * ss_n + kb, mask=ns < N, other=0.0)
                         updated = ()
                         for t in tl.static_range(tiles):
                             ms = row0 + t * BLOCK_M + rows
-                            x = tl.load(
-                                q_ptr + ms[:, None].to(tl.int64) * sq_m + (k0 + ks)[None, :],
-                                mask=ms[:, None] < M, other=0.0,
-                            )  # fmt: skip
+                            if TMA:
+                                x = q_ptr.load([row0 + t * BLOCK_M, k0])
+                            else:
+                                x = tl.load(
+                                    q_ptr + ms[:, None].to(tl.int64) * sq_m + (k0 + ks)[None, :],
+                                    mask=ms[:, None] < M, other=0.0,
+                                )  # fmt: skip
                             x_scale = tl.load(qs_ptr + ms * sqs_m + kb, mask=ms < M, other=0.0)
                             if SWAP_AB:
                                 prod = triton_utils.dot(w, tl.trans(x), INTERPRETED, "ieee")  # [BLOCK_N, BLOCK_M]
@@ -1266,12 +1307,16 @@ def w8a8_matmul_triton(
     counters = out
     if splits > 1:
         counters = _tile_counters(q.device, n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m))
+    q_tiles, w_tiles = q, weight
+    if plan.tma_loads and tma_available(q.device) and weight.data_ptr() % 16 == 0:  # e4m3 rows of K % 128 == 0 bytes
+        q_tiles = _descriptor(q if q.data_ptr() % 16 == 0 else q.clone(), plan.block_m, plan.block_k)
+        w_tiles = _descriptor(weight, plan.block_n, plan.block_k)
     _w8a8_kernel()[(n_tiles, splits)](
-        q, q_scale, weight, scale, out, part, counters, m, n, k,
+        q_tiles, q_scale, w_tiles, scale, out, part, counters, m, n, k,
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=plan.row_tiles,
-        SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **triton_utils.launch(q.device),
+        SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, TMA=q_tiles is not q, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **triton_utils.launch(q.device),
     )  # fmt: skip
     return out
 

@@ -1,13 +1,13 @@
-"""Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU, with the arguments the launcher
-passes, and print, as JSON, the W8A16 stream kernel's SASS instruction counts (Triton ships ptxas and cuobjdump,
-so the instructions the H200 would run can be read here), or with "kwidth" first, the dot operand layouts' kWidth
-of the plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's
-kernel on bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8"
-first, the W8A8 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions
-of a kernel compiled with and without programmatic dependent launch, or with "tma" first, the "tma" kernel's MMA
-and tensor-memory-accelerator instructions. Run without TRITON_INTERPRET (the interpreter
-replaces `triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`, `test_pdl.py` and
-`test_linear_tma.py` run it."""
+"""Compile the invariant GEMM for Hopper (sm_90) on a machine without a GPU, with the arguments the launcher passes, and
+print, as JSON, the W8A16 stream kernel's SASS instruction counts (Triton ships ptxas and cuobjdump, so the
+instructions the H200 would run can be read here), or with "kwidth" first, the dot operand layouts' kWidth of the
+plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's kernel on
+bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8" first, the W8A8
+kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions of a kernel compiled
+with and without programmatic dependent launch, or with "tma" first, the "tma" kernel's MMA and tensor-memory-
+accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`). Run without TRITON_INTERPRET (the
+interpreter replaces `triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`,
+`test_pdl.py` and `test_linear_tma.py` run it."""
 
 import collections
 import inspect
@@ -56,10 +56,17 @@ def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True):
     ints and 16-aligned pointers marked so; M not specialised)."""
     kernel, args = launch(plan, n, k, fp8)
     options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
+    descriptors = {}  # `GemmPlan.tma_loads` (bf16): the tiles' tensor descriptors (a CPU launch passes pointers)
+    if plan.tma_loads and not fp8:
+        args["TMA"] = True
+        descriptors = {"x_ptr": f"tensordesc<bf16[{plan.block_m},{plan.block_k}]>",
+                       "w_ptr": f"tensordesc<bf16[{plan.block_n},{plan.block_k}]>"}  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
         value = args.get(name, param.default)  # a constexpr the launch leaves at its default
-        if isinstance(value, torch.Tensor):
+        if name in descriptors:
+            signature[name] = descriptors[name]
+        elif isinstance(value, torch.Tensor):
             signature[name], attrs[(i,)] = POINTER[value.dtype], [["tt.divisibility", 16]]
         elif kernel.params[i].is_constexpr or (value == 1 and not kernel.params[i].do_not_specialize):
             signature[name], constexprs[name] = "constexpr", value
@@ -107,10 +114,16 @@ def compile_w8a8_sm90(plan: GemmPlan, n: int, k: int):
     pointers = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16")
     pointers |= dict(part_ptr="*fp32", count_ptr="*i32")
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
-    const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False, PDL=False)
+    const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False, TMA=plan.tma_loads, PDL=False)
+    descriptors = {}  # `GemmPlan.tma_loads`: the e4m3 blocks' tensor descriptors
+    if plan.tma_loads:
+        descriptors = {"q_ptr": f"tensordesc<fp8e4nv[{plan.block_m},{plan.block_k}]>",
+                       "w_ptr": f"tensordesc<fp8e4nv[{plan.block_n},{plan.block_k}]>"}  # fmt: skip
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in const:
+        if name in descriptors:
+            signature[name] = descriptors[name]
+        elif name in const:
             signature[name] = "constexpr"
         elif name in pointers:
             signature[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
@@ -206,8 +219,24 @@ def tma_instructions(plan: GemmPlan) -> dict:
     }
 
 
+def tma_loads_report(plan: GemmPlan, n: int, k: int, w8a8: bool) -> dict:
+    """The decode kernel of a plan with `tma_loads` (bf16 "grid" / "stream", else W8A8) compiled for sm_90: its
+    bulk tensor copies, MMAs (PTX) and shared memory."""
+    compiled = compile_w8a8_sm90(plan, n, k) if w8a8 else compile_sm90(plan, n, k, fp8=False)
+    ptx = compiled.asm["ptx"]
+    return {
+        "tensor_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+        "shared": compiled.metadata.shared,
+    }
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "pdl":
+    if sys.argv[1] == "tmaloads":
+        n, k, w8a8, *fields = json.loads(sys.argv[2])
+        print(json.dumps(tma_loads_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, w8a8)))
+    elif sys.argv[1] == "pdl":
         print(json.dumps(pdl_instructions()))
     elif sys.argv[1] == "tma":
         fields = json.loads(sys.argv[2])

@@ -136,6 +136,7 @@ def test_split_tail_matches_and_rows_never_depend_on_m(tail_tiles):
         dict(family="stream", tail_splits=4),
         dict(persistent=True),
         dict(family="tma", group_m=0),
+        dict(family="tma", tma_loads=True),
     ],
 )
 def test_gemm_plan_rejects_what_no_kernel_runs(fields):
@@ -179,6 +180,31 @@ def test_tma_plan_rows_never_depend_on_m_and_sum_as_the_grid_plan(persistent):
     odd = torch.empty(m * k + 1, dtype=VERIFY_DTYPE, device=x.device)[1:].view(m, k)  # not 16-byte aligned
     odd.copy_(x)
     assert torch.equal(invariant_matmul_triton(odd, weight, plan), full)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        GemmPlan(32, 64, 3),  # grid, 4 K splits (the last one block)
+        GemmPlan(64, 64, 4, family="stream", row_tiles=3),
+        GemmPlan(64, 64, 4, family="stream", block_m=32, row_tiles=2, swap_ab=True),
+        GemmPlan(32, 64, 10, family="stream", row_tiles=2, tail_tiles=2, tail_splits=3),  # a split tail
+    ],
+    ids=["grid", "stream", "stream swapped", "stream tail"],
+)
+def test_tma_loads_change_no_bit(plan, monkeypatch):
+    """`GemmPlan.tma_loads`: the same tiles copied by the tensor memory accelerator (zeros past M, N and K; K splits
+    end on BLOCK_K boundaries, so no split reads another's columns), for a K and an N not multiples of the blocks."""
+    made = []
+    monkeypatch.setattr(linear, "_descriptor", lambda *a, real=linear._descriptor: made.append(a) or real(*a))
+    n, k = 200, 616
+    weight, x = rand(n, k, dtype=VERIFY_DTYPE, seed=7), rand(70, k, dtype=VERIFY_DTYPE, seed=8)
+    loads = dataclasses.replace(plan, tma_loads=True)
+    full = invariant_matmul_triton(x, weight, plan)
+    assert torch.equal(invariant_matmul_triton(x, weight, loads), full)
+    assert made, "the tensor memory accelerator's path did not run"
+    for rows in (1, 17, 33):
+        assert torch.equal(invariant_matmul_triton(x[:rows], weight, loads), full[:rows]), f"rows differ at M={rows}"
 
 
 def test_tma_plans_refuse_a_k_split_and_fp8():
@@ -319,3 +345,13 @@ def test_row_buckets_rows_never_depend_on_m():
         edges = sorted({1, 2, 300, *(f + d for f, _ in entries for d in (-1, 0, 1))})
         for m in edges:
             assert torch.equal(invariant_matmul_triton(x[:m], weight), full[:m]), f"{n}x{k}: rows differ at M={m}"
+
+
+def test_tma_loads_switch_turns_them_on_for_every_decode_plan(monkeypatch):
+    """QWEN_MTP_TMA_LOADS=1 (`linear.TMA_LOADS`): every plan `row_plan` answers loads by TMA, with the same sums."""
+    monkeypatch.setattr(linear, "TMA_LOADS", True)
+    for m in (1, 64, 256):
+        plan = linear.row_plan(34816, 5120, m)
+        assert plan.tma_loads and linear.same_sums(plan, linear.gemm_plan(34816, 5120), 34816, 5120)
+    monkeypatch.setattr(linear, "TMA_LOADS", False)
+    assert not linear.row_plan(34816, 5120, 1).tma_loads

@@ -3,6 +3,8 @@ into fp8 MMAs whose 128-deep block products are scaled in fp32. Its kernel equal
 interpreter, on inputs whose block sums are exact in any order), a row's bytes never depend on M, and its error
 against the dequantized-weight product is the e4m3 activations'."""
 
+import dataclasses
+
 import pytest
 import torch
 from op_helpers import DEVICE, REAL, rand, sm90_report
@@ -191,3 +193,19 @@ def test_w8a8_row_buckets_pick_the_plan_from_m_and_stay_right(monkeypatch):
     assert torch.equal(full, w8a8_block_products_reference(q, q_scale, weight, scale, base))
     for m in (1, 4, 5, 12):
         assert torch.equal(w8a8_matmul_triton(q[:m], q_scale[:m], weight, scale, out_dtype=torch.float32), full[:m])
+
+
+@pytest.mark.parametrize("plan", list(PLANS.values()), ids=list(PLANS))
+def test_w8a8_tma_loads_change_no_bit(plan, monkeypatch):
+    """`GemmPlan.tma_loads`: the same e4m3 blocks copied by the tensor memory accelerator (zeros past M and N)."""
+    made = []
+    monkeypatch.setattr(linear, "_descriptor", lambda *a, real=linear._descriptor: made.append(a) or real(*a))
+    x = rand(37, K_TEST, dtype=torch.bfloat16, seed=4)
+    weight, scale = fp8_weight(N_TEST, K_TEST)
+    q, q_scale = quantize_activation_rows_triton(x)
+    loads = dataclasses.replace(plan, tma_loads=True)
+    full = w8a8_matmul_triton(q, q_scale, weight, scale, plan)
+    assert torch.equal(w8a8_matmul_triton(q, q_scale, weight, scale, loads), full)
+    assert made, "the tensor memory accelerator's path did not run"
+    for m in (1, 16, 17):
+        assert torch.equal(w8a8_matmul_triton(q[:m], q_scale[:m], weight, scale, loads), full[:m])

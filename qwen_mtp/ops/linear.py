@@ -22,6 +22,11 @@ bits depend only on the K split points (and mma.sync against wgmma), not on the 
 measured), so a shape may list plans for larger launches (`ROW_BUCKETS`, `row_plan`): every launch picks its
 plan from M, and every plan of a shape sums as its `gemm_plan` does, so a row's result is still the same at any M.
 
+Tile loads. A "grid" or "stream" plan may load its tiles by the Hopper tensor memory accelerator
+(`GemmPlan.tma_loads`; the W8A8 kernel too): the same blocks, zeros past M, N and K, and K splits end on BLOCK_K
+boundaries, so a plan sums as it does with pointer loads. No plan sets it yet (not measured on the H200:
+`benchmarks/gemm_tma_loads.py`); `QWEN_MTP_TMA_LOADS=1` sets it on every decode plan for an engine-wide A/B.
+
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
 

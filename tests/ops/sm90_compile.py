@@ -5,9 +5,10 @@ plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared mem
 bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8" first, the W8A8
 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions of a kernel compiled
 with and without programmatic dependent launch, or with "tma" first, the "tma" kernel's MMA and tensor-memory-
-accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`). Run without TRITON_INTERPRET (the
-interpreter replaces `triton.jit`); `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`,
-`test_pdl.py` and `test_linear_tma.py` run it."""
+accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`; with "binaries", a hash of every
+27B decode GEMM binary). Run without TRITON_INTERPRET (the interpreter replaces `triton.jit`);
+`test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`, `test_pdl.py` and `test_linear_tma.py` run
+it."""
 
 import collections
 import inspect
@@ -232,8 +233,39 @@ def tma_loads_report(plan: GemmPlan, n: int, k: int, w8a8: bool) -> dict:
     }
 
 
+def decode_binaries() -> dict[str, str]:
+    """A hash of the code (PTX without its debug sections and line records) of every decode GEMM binary the 27B
+    runs (bf16 `TUNED` and `ROW_BUCKETS`, W8A16 `TUNED_FP8`, W8A8 `TUNED_W8A8` and `W8A8_ROW_BUCKETS`), for
+    comparing two trees: a kernel refactor that leaves every hash alone leaves the H200's numbers alone."""
+    import hashlib
+
+    def code(compiled) -> str:
+        ptx = re.split(r"\.section\s+\.debug", compiled.asm["ptx"])[0]
+        ptx = "\n".join(line for line in ptx.splitlines() if not re.match(r"\s*\.(loc|file)\b", line))
+        return hashlib.sha1(ptx.encode()).hexdigest()
+
+    wide = (16480, 5120, 14336, 34816, 248320)
+    found = {}
+    for (n, k), plan in linear.TUNED.items():
+        if n in wide or k in (6144, 17408, 10240):
+            found[f"bf16 {n}x{k} {plan}"] = code(compile_sm90(plan, n, k, fp8=False))
+    for (n, k), entries in linear.ROW_BUCKETS.items():
+        for fewest, plan in entries:
+            found[f"bf16 {n}x{k} from {fewest} rows"] = code(compile_sm90(plan, n, k, fp8=False))
+    for (n, k), plan in linear.TUNED_FP8.items():
+        found[f"w8a16 {n}x{k}"] = code(compile_sm90(plan, n, k, fp8=True))
+    for (n, k), plan in linear.TUNED_W8A8.items():
+        found[f"w8a8 {n}x{k}"] = code(compile_w8a8_sm90(plan, n, k))
+    for (n, k), entries in linear.W8A8_ROW_BUCKETS.items():
+        for fewest, plan in entries:
+            found[f"w8a8 {n}x{k} from {fewest} rows"] = code(compile_w8a8_sm90(plan, n, k))
+    return found
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "tmaloads":
+    if sys.argv[1] == "binaries":
+        print(json.dumps(decode_binaries(), indent=0))
+    elif sys.argv[1] == "tmaloads":
         n, k, w8a8, *fields = json.loads(sys.argv[2])
         print(json.dumps(tma_loads_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, w8a8)))
     elif sys.argv[1] == "pdl":

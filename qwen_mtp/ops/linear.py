@@ -604,11 +604,11 @@ def _tma_kernel():
     with `persistent` a program per SM walking the tiles, each tile's whole K loop in one program (one K split).
 
     Why its own kernel: the "grid" kernel (masked pointer loads, tiles in plain launch order) left a dense prefill
-    GEMM at 1.2-2.1x cuBLAS on the H200 (M = 512..8192, 27B shapes); this one measured 0.89-1.07x from 2048 rows
-    (`benchmarks/gemm_prefill.py`). Here the Hopper tensor memory accelerator copies each [BLOCK_M, BLOCK_K]
-    row block and [BLOCK_N, BLOCK_K] weight block into shared memory (out-of-range rows and columns read as zeros,
-    so there are no masks), as cuBLAS does. Tiles go out in groups of GROUP_M row tiles that walk the N tiles
-    together, so a weight tile read from HBM serves the group's row tiles from L2.
+    GEMM at 1.2-2.1x cuBLAS on the H200 (M = 512..8192, 27B shapes); this one 0.89-1.24x per shape from 2048 rows
+    (0.93-0.99x for a forward, `benchmarks/gemm_prefill.py`). Here the Hopper tensor memory accelerator copies each
+    [BLOCK_M, BLOCK_K] row block and [BLOCK_N, BLOCK_K] weight block into shared memory (out-of-range rows and
+    columns read as zeros, so there are no masks), as cuBLAS does. Tiles go out in groups of GROUP_M row tiles that
+    walk the N tiles together, so a weight tile read from HBM serves the group's row tiles from L2.
 
     Why a row's result never depends on M: its tile's K blocks go into one fp32 accumulator in K order (one
     split), the MMA shape comes from the plan (a function of (N, K)), M is not specialised, and which program runs

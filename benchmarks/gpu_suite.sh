@@ -26,7 +26,8 @@
 #                (carry torchao); with LOOKAHEAD=1 also the host-sync tests and the bench with cache.lookahead;
 #   prefillgemm  the invariant GEMM at prefill rows (gemm_prefill.py: the "grid" and "tma" plans against cuBLAS at
 #                M = 512..8192, bits checked), its winners written into PREFILL_TUNED on the device copy (APPLY=0:
-#                not), the GEMM and packed-step GPU tests with them, then mixed_steps.py's TTFT / ITL;
+#                not; PRESET=qwen3.5-9b: that preset's shapes), the GEMM and packed-step GPU tests with them, then
+#                mixed_steps.py's TTFT / ITL;
 #   ladefault    the GPU suite with cache.lookahead on (the default on branch wp11-la-default), in two calls:
 #                PART=1 the bf16 exactness tests, the stress runs, sampling and the host-sync counts; PART=2 MoE,
 #                prefix caching, mixed steps, the FP8 draft lm_head and FP8 exactness (carry torchao), then the
@@ -269,7 +270,8 @@ if [[ "$STAGE" == pdl ]]; then  # one device call (~9 min)
 fi
 if [[ "$STAGE" == prefillgemm ]]; then  # one device call (~9 min)
   apply=(); [[ "${APPLY:-1}" == 1 ]] && apply=(--apply)
-  timeout 300 python3 benchmarks/gemm_prefill.py --out "$OUT/gemm-prefill.json" "${apply[@]}" 2>&1 | grep -v Warn
+  timeout 300 python3 benchmarks/gemm_prefill.py --preset "${PRESET:-qwen3.5-27b}" --out "$OUT/gemm-prefill.json" \
+    "${apply[@]}" 2>&1 | grep -v Warn
   echo "[at ${SECONDS}s] gemm_prefill"; sed -n '/^PREFILL_TUNED/,/^}/p' qwen_mtp/ops/linear.py
   counted 120 prefillgemm-ops.log python3 -m pytest -q -rA tests/ops/test_linear.py -k "prefill or tma"
   counted 90 prefillgemm-packed.log python3 -m pytest -q -rA tests/gpu/test_mixed_steps_cuda.py -k "varlen or depend_on_packing"

@@ -7,8 +7,9 @@ kernel's tilings and the "tma" kernel's), each under a CUDA graph; and checks bi
 - invariance: every candidate's rows at M = 1, 129 and the smallest --rows equal the same rows of the largest M;
 - sums: whether a candidate's output equals the current prefill plan's bit for bit (`same_sums` says it should:
   one K split, wgmma, whatever the tiles).
-Then one forward's linears summed (each shape times its count of modules): cuBLAS, the current plan, the best
-candidate per shape. `--apply` writes the best invariant candidate per shape into `PREFILL_TUNED` (ops/linear.py).
+Then one forward's linears summed (each shape times its count of modules): cuBLAS, the "grid" plan
+(`grid_prefill_plan`), the best candidate per shape. `--apply` writes the best invariant candidate per shape into
+`PREFILL_TUNED` (ops/linear.py).
 
 Usage (H200): python3 benchmarks/gemm_prefill.py [--preset qwen3.5-27b] [--rows 512,2048,4096,8192] [--out report.json]
 [--apply]
@@ -67,7 +68,7 @@ def run(preset: str, rows: list[int]) -> dict:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": preset, "rows": rows,
                     "shapes": []}  # fmt: skip
     big = max(rows)
-    forward = {m: {"cublas": 0.0, "current": 0.0, "best": 0.0} for m in rows}
+    forward = {m: {"cublas": 0.0, "grid": 0.0, "best": 0.0} for m in rows}
     for (n, k), count in prefill_shapes(preset).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(big, k, device="cuda", dtype=torch.bfloat16)
@@ -94,7 +95,7 @@ def run(preset: str, rows: list[int]) -> dict:
         best = entry["best"] = min(cost, key=cost.get) if cost else None
         for m in rows:
             forward[m]["cublas"] += entry["cublas_us"][m] * count
-            forward[m]["current"] += (entry["plans"]["grid128x128"].get("us", {}).get(m, float("nan"))) * count
+            forward[m]["grid"] += (entry["plans"]["grid128x128"].get("us", {}).get(m, float("nan"))) * count
             forward[m]["best"] += (usable[best]["us"][m] if best else float("nan")) * count
         report["shapes"].append(entry)
         print(f"{n}x{k} (x{count}) best {best}; us per M {rows}: cuBLAS " +
@@ -110,9 +111,9 @@ def run(preset: str, rows: list[int]) -> dict:
         torch.cuda.empty_cache()
     report["forward_ms"] = {m: {a: b / 1e3 for a, b in f.items()} for m, f in forward.items()}
     for m, f in report["forward_ms"].items():
-        current, best = f["current"] / f["cublas"], f["best"] / f["cublas"]
-        print(f"one forward's linears at M={m}: cuBLAS {f['cublas']:.2f} ms, current prefill plan {f['current']:.2f} "
-              f"({current:.2f}x), best candidate {f['best']:.2f} ({best:.2f}x)")  # fmt: skip
+        grid, best = f["grid"] / f["cublas"], f["best"] / f["cublas"]
+        print(f"one forward's linears at M={m}: cuBLAS {f['cublas']:.2f} ms, grid plan {f['grid']:.2f} "
+              f"({grid:.2f}x), best candidate {f['best']:.2f} ({best:.2f}x)")  # fmt: skip
     return report
 
 

@@ -643,19 +643,14 @@ def _tma_kernel():
 
 def tma_available(device: torch.device) -> bool:
     """Whether the "tma" kernel runs on `device`: Hopper (sm_90) or later, or the interpreter (the CPU tests)."""
-    return INTERPRET or (device.type == "cuda" and _capability(device)[0] >= 9)
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return INTERPRET or (device.type == "cuda" and triton_utils.hopper_or_later(device))
 
 
 def tma_supported(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a "tma" plan runs an [N, K] weight in `dtype` (rows of x, the weight and the output start on 16-byte
     boundaries, as the tensor memory accelerator needs); a function of the shape, so a row's kernel never depends
     on where its tensors happen to lie."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return dtype in (torch.bfloat16, torch.float16, torch.float32) and (k * size) % 16 == 0 and (n * size) % 16 == 0
 
 
@@ -666,6 +661,15 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
 
 
+def _tile_descriptors(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan) -> tuple | None:
+    """Tensor descriptors of x's [block_m, block_k] and the weight's [block_n, block_k] blocks; None for a weight
+    view at an odd offset (the tensor memory accelerator reads from 16-byte boundaries; x, small, is copied)."""
+    if weight.data_ptr() % 16:
+        return None
+    x = x if x.data_ptr() % 16 == 0 else x.clone()  # the same numbers, aligned
+    return _descriptor(x, plan.block_m, plan.block_k), _descriptor(weight, plan.block_n, plan.block_k)
+
+
 def _tma_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, plan: GemmPlan) -> None:
     """out = x @ weight^T by the "tma" kernel (`_tma_kernel`)."""
     import triton
@@ -673,13 +677,11 @@ def _tma_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, plan: 
     (m, k), n = x.shape, weight.shape[0]
     if plan.splits(k) != 1 or not tma_supported(n, k, x.dtype):
         raise ValueError(f"a 'tma' plan runs one K split of a 16-byte-aligned shape: {plan} on {n}x{k} {x.dtype}")
-    if x.data_ptr() % 16 or weight.data_ptr() % 16:
-        x, weight = x.clone(), weight.clone()  # a view at an odd offset: aligned copies (the same numbers)
+    x_tiles, w_tiles = _tile_descriptors(x, weight, plan) or _tile_descriptors(x, weight.clone(), plan)
     tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
     programs = min(tiles, _sm_count(x.device)) if plan.persistent and x.is_cuda else tiles
     _tma_kernel()[(programs,)](
-        _descriptor(x, plan.block_m, plan.block_k), _descriptor(weight, plan.block_n, plan.block_k),
-        _descriptor(out, plan.block_m, plan.block_n), m, n, k,
+        x_tiles, w_tiles, _descriptor(out, plan.block_m, plan.block_n), m, n, k,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
         INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
@@ -783,11 +785,8 @@ def invariant_matmul_triton(
     else:
         part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     counters = _tile_counters(x.device, sums) if splits > 1 or plan.tail_tiles else out
-    x_tiles, w_tiles = x, weight
     tma = plan.tma_loads and not fp8 and tma_available(x.device) and tma_supported(n, k, x.dtype)
-    if tma and weight.data_ptr() % 16 == 0:  # (a weight view at an odd offset keeps the pointer loads)
-        x_tiles = _descriptor(x if x.data_ptr() % 16 == 0 else x.clone(), plan.block_m, plan.block_k)
-        w_tiles = _descriptor(weight, plan.block_n, plan.block_k)
+    x_tiles, w_tiles = (tma and _tile_descriptors(x, weight, plan)) or (x, weight)  # a misaligned weight: pointers
     kernel[grid](
         x_tiles, w_tiles, scale if fp8 else weight, out, part, counters, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
@@ -1313,10 +1312,8 @@ def w8a8_matmul_triton(
     counters = out
     if splits > 1:
         counters = _tile_counters(q.device, n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m))
-    q_tiles, w_tiles = q, weight
-    if plan.tma_loads and tma_available(q.device) and weight.data_ptr() % 16 == 0:  # e4m3 rows of K % 128 == 0 bytes
-        q_tiles = _descriptor(q if q.data_ptr() % 16 == 0 else q.clone(), plan.block_m, plan.block_k)
-        w_tiles = _descriptor(weight, plan.block_n, plan.block_k)
+    tma = plan.tma_loads and tma_available(q.device)  # e4m3 rows of K % 128 == 0 bytes: always 16-byte multiples
+    q_tiles, w_tiles = (tma and _tile_descriptors(q, weight, plan)) or (q, weight)
     _w8a8_kernel()[(n_tiles, splits)](
         q_tiles, q_scale, w_tiles, scale, out, part, counters, m, n, k,
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,

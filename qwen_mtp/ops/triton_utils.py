@@ -21,7 +21,8 @@ PDL_ENABLED = os.environ.get("QWEN_MTP_PDL", "1") != "0"
 
 
 @functools.cache
-def _pdl_supported(device) -> bool:
+def hopper_or_later(device) -> bool:
+    """Whether a CUDA device is sm_90 or later: programmatic dependent launch, the tensor memory accelerator."""
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -39,7 +40,7 @@ def launch(device) -> dict:
     14.62 -> 14.26 ms, `benchmarks/gpu_suite.sh` STAGE=pdl). Launched eagerly, a kernel waits for the host anyway
     (about 12 us a launch, with or without PDL: `benchmarks/pdl_launch.py`). Off under the interpreter, on CPUs
     and GPUs before sm_90, and with QWEN_MTP_PDL=0."""
-    on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and _pdl_supported(device)
+    on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and hopper_or_later(device)
     return {"PDL": True, "launch_pdl": True} if on and torch.cuda.is_current_stream_capturing() else {"PDL": False}
 
 

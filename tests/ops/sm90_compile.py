@@ -210,7 +210,11 @@ def tma_instructions(plan: GemmPlan) -> dict:
     signature |= dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(kernel, signature, constexprs=constexprs)
     options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return copies_and_mmas(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
+
+
+def copies_and_mmas(compiled) -> dict:
+    """A compiled kernel's wgmma, mma.sync and bulk tensor copy instructions (PTX) and its shared memory."""
     ptx = compiled.asm["ptx"]
     return {
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
@@ -221,16 +225,9 @@ def tma_instructions(plan: GemmPlan) -> dict:
 
 
 def tma_loads_report(plan: GemmPlan, n: int, k: int, w8a8: bool) -> dict:
-    """The decode kernel of a plan with `tma_loads` (bf16 "grid" / "stream", else W8A8) compiled for sm_90: its
-    bulk tensor copies, MMAs (PTX) and shared memory."""
-    compiled = compile_w8a8_sm90(plan, n, k) if w8a8 else compile_sm90(plan, n, k, fp8=False)
-    ptx = compiled.asm["ptx"]
-    return {
-        "tensor_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-        "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
-        "shared": compiled.metadata.shared,
-    }
+    """The decode kernel of a plan with `tma_loads` (bf16 "grid" / "stream", else W8A8) compiled for sm_90:
+    `copies_and_mmas`."""
+    return copies_and_mmas(compile_w8a8_sm90(plan, n, k) if w8a8 else compile_sm90(plan, n, k, fp8=False))
 
 
 def decode_binaries() -> dict[str, str]:

@@ -240,6 +240,11 @@ def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]]
         lines += [f"        ({fewest}, {plan_literal(plan)})," for fewest, plan in entries]
         lines.append("    ),")
     lines.append("}")
+    replace_block(path, name, lines)
+
+
+def replace_block(path: str, name: str, lines: list[str]) -> None:
+    """Replace the lines between `# BEGIN name` and `# END name` in the file at `path` (a table --apply writes)."""
     text = open(path).read()
     start = text.index("\n", text.index(f"# BEGIN {name} ")) + 1
     end = text.index(f"# END {name}\n")
@@ -265,10 +270,11 @@ def dispatch_entry(n: int, k: int, kind: Kind) -> dict:
         f"row {i} alone" for i in (0, 40, 100, 255) if not torch.equal(engine(x[i : i + 1], ws[0]), full[i : i + 1])
     ]
     table = getattr(linear, kind.table)
+    loads = linear.TMA_LOAD_BUCKETS["w8a8" if kind.table.startswith("W8A8") else "bf16"]
     entry = dict(
         cublas_us={m: graph_us(F.linear, x[:m], dense) for m in DECODE_M},
         us={m: graph_us(engine, x[:m], ws) for m in DECODE_M}, invariance_failures=fails,
-        plans={m: dataclasses.asdict(linear.row_plan(n, k, m, True, table, kind.base)) for m in DECODE_M},
+        plans={m: dataclasses.asdict(linear.row_plan(n, k, m, True, table, kind.base, loads)) for m in DECODE_M},
     )  # fmt: skip
     del ws, x
     torch.cuda.empty_cache()

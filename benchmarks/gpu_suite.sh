@@ -34,9 +34,9 @@
 #                27B bf16 bench B1 / B8 / B32; PART=features the tests of both parts that no call ran with the
 #                lookahead before (sampling, host syncs, MoE, prefix caching, mixed steps, draft lm_head, FP8);
 #   tmaloads     `GemmPlan.tma_loads` on the decode GEMMs: gemm_tma_loads.py (bf16 and W8A8 at 27B, M = 1..256,
-#                pointer against TMA loads, bits compared), then with QWEN_MTP_TMA_LOADS=1 (every decode plan loads by
-#                TMA) the exactness subset and the 27B bf16 bench B1 / B32 against the same bench without it; FP8=1
-#                (carry torchao) adds the W8A8 exactness tests and the FP8 B1 pair;
+#                pointer against TMA loads, bits compared; SWEEP=0: not; APPLY=1: into TMA_LOAD_BUCKETS), the 27B
+#                bf16 bench (BF16_BATCHES, K=3 at oracle 0.8) without TMA loads and with the table's, FP8=1 (carry
+#                torchao) the same at FP8 (FP8_BATCHES), then the exactness subset with every plan loading by TMA;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -280,17 +280,27 @@ if [[ "$STAGE" == prefillgemm ]]; then  # one device call (~9 min)
   echo "[rc $? at ${SECONDS}s] mixed_steps"; grep -E "^(TTFT|ITL|gemm M)" "$OUT/mixed-steps.log"
 fi
 if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
-  timeout 200 python3 benchmarks/gemm_tma_loads.py --out "$OUT/gemm-tma-loads.json" >"$OUT/gemm-tma-loads.log" 2>&1
-  echo "[rc $? at ${SECONDS}s] gemm_tma_loads"; grep -E "M=  1|M= 32|M=128|False" "$OUT/gemm-tma-loads.log"
-  QWEN_MTP_TMA_LOADS=1 counted 200 tma-exact.log python3 -m pytest -q -rA tests/gpu/test_cuda_exactness.py \
-    -k "(mtp_equals_plain_bf16 and graphs) or stress"
-  bench_27b 120 bench-pointer-loads --set 'bench.batch_sizes=[1,32]'
-  QWEN_MTP_TMA_LOADS=1 bench_27b 120 bench-tma-loads --set 'bench.batch_sizes=[1,32]'
-  if [[ "${FP8:-0}" == 1 ]]; then
-    QWEN_MTP_TMA_LOADS=1 counted 100 tma-fp8.log python3 -m pytest -q -rA tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
-    bench_27b 100 bench-fp8-pointer-loads --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
-    QWEN_MTP_TMA_LOADS=1 bench_27b 100 bench-fp8-tma-loads --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]'
+  if [[ "${SWEEP:-1}" == 1 ]]; then  # APPLY=1: the winners into TMA_LOAD_BUCKETS for the rest of this call
+    timeout 200 python3 benchmarks/gemm_tma_loads.py --out "$OUT/gemm-tma-loads.json" $([[ "${APPLY:-0}" == 1 ]] && echo --apply) \
+      >"$OUT/gemm-tma-loads.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] gemm_tma_loads"; grep -E "M=  1|M= 32|M=128|False|row buckets" "$OUT/gemm-tma-loads.log"
   fi
+  # The benches with no TMA loads (QWEN_MTP_TMA_LOADS=0), then as the engine picks them (TMA_LOAD_BUCKETS)
+  for loads in 0 table; do
+    QWEN_MTP_TMA_LOADS=${loads/table/} bench_27b 120 "bench-loads-$loads" --set "bench.batch_sizes=${BF16_BATCHES:-[1,32]}"
+  done
+  if [[ "${FP8:-0}" == 1 ]]; then  # carry torchao
+    for loads in 0 table; do
+      QWEN_MTP_TMA_LOADS=${loads/table/} bench_27b 150 "bench-fp8-loads-$loads" --set model.synthetic=qwen3.5-27b-fp8 \
+        --set "bench.batch_sizes=${FP8_BATCHES:-[1]}"
+    done
+  fi
+  # The exactness subset with every decode plan loading by TMA (the 0.8B fixture's shapes are in no table; TMA and
+  # pointer loads give the same bits, so any mix of them is exact when both are), each test's line as it ends
+  QWEN_MTP_TMA_LOADS=1 timeout "${EXACT_LIMIT:-300}" python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/tma-exact.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] tma-exact.log: $(grep -c " PASSED" "$OUT/tma-exact.log") passed"
+  grep -E " (FAILED|ERROR)|passed|failed" "$OUT/tma-exact.log" | tail -5
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

@@ -24,8 +24,10 @@ plan from M, and every plan of a shape sums as its `gemm_plan` does, so a row's 
 
 Tile loads. A "grid" or "stream" plan may load its tiles by the Hopper tensor memory accelerator
 (`GemmPlan.tma_loads`; the W8A8 kernel too): the same blocks, zeros past M, N and K, and K splits end on BLOCK_K
-boundaries, so a plan sums as it does with pointer loads. No plan sets it yet (not measured on the H200:
-`benchmarks/gemm_tma_loads.py`); `QWEN_MTP_TMA_LOADS=1` sets it on every decode plan for an engine-wide A/B.
+boundaries, so a plan sums as it does with pointer loads, and a launch may pick either. Measured on the H200
+(`benchmarks/gemm_tma_loads.py`) they win at wide launches and lose at one row (the W8A8 in_proj: 1.14x at M = 1,
+0.94x at M = 128), so `TMA_LOAD_BUCKETS` names the row buckets that load by TMA, per kernel and shape.
+`QWEN_MTP_TMA_LOADS=1` (every decode plan) or `=0` (none) overrides it for an engine-wide A/B.
 
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
@@ -70,8 +72,9 @@ from qwen_mtp.ops.triton_utils import INTERPRET
 from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_block
 
 # QWEN_MTP_TMA_LOADS=1: every decode plan (`row_plan`) loads its tiles by the tensor memory accelerator where it
-# runs (`GemmPlan.tma_loads`; the same bits), the engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=tmaloads.
-TMA_LOADS = os.environ.get("QWEN_MTP_TMA_LOADS", "0") == "1"
+# runs (`GemmPlan.tma_loads`; the same bits); =0: none does; unset: the row buckets `TMA_LOAD_BUCKETS` names. The
+# engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=tmaloads.
+TMA_LOADS: bool | None = {"1": True, "0": False}.get(os.environ.get("QWEN_MTP_TMA_LOADS", ""))
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
 FAMILIES = ("grid", "stream", "tma")
 MAX_ROW_TILES = 8  # a stream plan compiles one K loop per live row-tile count 1..row_tiles: code grows as its square
@@ -328,16 +331,21 @@ def same_sums(a: GemmPlan, b: GemmPlan, n: int, k: int) -> bool:
     return sum_order(a, n, k) == sum_order(b, n, k)
 
 
-def row_plan(n: int, k: int, m: int, hopper: bool = True, buckets: dict | None = None, base=None) -> GemmPlan:
-    """The decode plan a launch of `m` rows of an [N, K] bf16 weight runs: its row bucket's, else `gemm_plan`. Only
-    on Hopper (`hopper`), where `sum_order` was measured; elsewhere the one plan serves every M. `buckets` and
-    `base`: another kernel's table and per-shape plan (W8A8: `W8A8_ROW_BUCKETS`, `gemm_plan_w8a8`)."""
-    plan = (base or gemm_plan)(n, k)
+def row_plan(
+    n: int, k: int, m: int, hopper: bool = True, buckets: dict | None = None, base=None, loads: dict | None = None
+) -> GemmPlan:
+    """The decode plan a launch of `m` rows of an [N, K] bf16 weight runs: its row bucket's, else `gemm_plan`, with
+    its tiles loaded by TMA where `TMA_LOAD_BUCKETS` (or `QWEN_MTP_TMA_LOADS`) says. Only on Hopper (`hopper`), where
+    `sum_order` was measured; elsewhere the one plan serves every M. `buckets`, `base` and `loads`: another kernel's
+    tables and per-shape plan (W8A8: `W8A8_ROW_BUCKETS`, `gemm_plan_w8a8`, `TMA_LOAD_BUCKETS["w8a8"]`)."""
+    plan, bucket_start = (base or gemm_plan)(n, k), 1
     table = ROW_BUCKETS if buckets is None else buckets
+    loads = (TMA_LOAD_BUCKETS["bf16"] if buckets is None else {}) if loads is None else loads
     for fewest, bucket in table.get((n, k), ()) if hopper else ():
         if m >= fewest:
-            plan = bucket
-    return replace(plan, tma_loads=True) if TMA_LOADS and plan.family != "tma" else plan
+            plan, bucket_start = bucket, fewest
+    tma = hopper and bucket_start in loads.get((n, k), ()) if TMA_LOADS is None else TMA_LOADS
+    return replace(plan, tma_loads=tma) if plan.family != "tma" else plan
 
 
 def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], base=None) -> None:
@@ -1110,6 +1118,32 @@ W8A8_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {
 }
 # END W8A8_ROW_BUCKETS
 
+# Row buckets whose tiles load by TMA (`GemmPlan.tma_loads`), per kernel ("bf16", "w8a8") and [N, K]: each bucket by
+# its fewest rows (1: the shape's own plan, launches below its first bucket). Written by `benchmarks/
+# gemm_tma_loads.py --apply`: a bucket loads by TMA where, at every M measured in it, TMA took at most 1.01x the
+# pointer loads' time and 0.97x on average, with the same bits (H200, 27B shapes; docs/img/gemm-tma-loads-27b-
+# thirteenth.json). The same bits either way, so this table never changes a result.
+# BEGIN TMA_LOAD_BUCKETS (written by benchmarks/gemm_tma_loads.py --apply)
+TMA_LOAD_BUCKETS: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {
+    "bf16": {
+        (5120, 6144): (129,),
+        (5120, 10240): (129,),
+        (5120, 17408): (129,),
+        (14336, 5120): (129,),
+        (16480, 5120): (129,),
+        (34816, 5120): (129,),
+        (248320, 5120): (129,),
+    },
+    "w8a8": {
+        (5120, 6144): (1, 65, 129),
+        (5120, 17408): (1, 65, 129),
+        (14336, 5120): (65, 129),
+        (16384, 5120): (65, 129),
+        (34816, 5120): (33, 65, 129),
+    },
+}
+# END TMA_LOAD_BUCKETS
+
 
 def gemm_plan_w8a8(n: int, k: int) -> GemmPlan:
     """The W8A8 plan for an [N, K] fp8 weight (a function of (N, K) only): tuned, else a "stream" plan with the
@@ -1301,7 +1335,8 @@ def w8a8_matmul_triton(
     assert k % FP8_BLOCK[1] == 0 and tuple(q_scale.shape) == (m, k // FP8_BLOCK[1]) and q_scale.stride(1) == 1
     assert tuple(scale.shape) == (-(-n // FP8_BLOCK[0]), k // FP8_BLOCK[1]) and scale.stride(1) == 1, "scale grid"
     if plan is None:
-        plan = row_plan(n, k, m, INTERPRET or _is_hopper(q.device), W8A8_ROW_BUCKETS, gemm_plan_w8a8)
+        hopper = INTERPRET or _is_hopper(q.device)
+        plan = row_plan(n, k, m, hopper, W8A8_ROW_BUCKETS, gemm_plan_w8a8, TMA_LOAD_BUCKETS["w8a8"])
     check_w8a8_plan(plan)
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=out_dtype, device=q.device)
@@ -1333,7 +1368,17 @@ def linear_fp8_w8a8_triton(
     return w8a8_matmul_triton(q, q_scale, weight, scale, plan, x.dtype)
 
 
+def check_tma_load_buckets(loads: dict, buckets: dict) -> None:
+    """Every row bucket `TMA_LOAD_BUCKETS` names for a kernel exists in its table (1: the shape's own plan)."""
+    for (n, k), starts in loads.items():
+        known = {1, *(fewest for fewest, _ in buckets.get((n, k), ()))}
+        if not set(starts) <= known:
+            raise ValueError(f"TMA loads of {n}x{k}: row buckets {sorted(set(starts) - known)} are not in its table")
+
+
 check_row_buckets(ROW_BUCKETS)
 check_row_buckets(W8A8_ROW_BUCKETS, gemm_plan_w8a8)
+check_tma_load_buckets(TMA_LOAD_BUCKETS["bf16"], ROW_BUCKETS)
+check_tma_load_buckets(TMA_LOAD_BUCKETS["w8a8"], W8A8_ROW_BUCKETS)
 for _plan in (plan for entries in W8A8_ROW_BUCKETS.values() for _, plan in entries):
     check_w8a8_plan(_plan)

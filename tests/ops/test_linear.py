@@ -347,11 +347,28 @@ def test_row_buckets_rows_never_depend_on_m():
             assert torch.equal(invariant_matmul_triton(x[:m], weight), full[:m]), f"{n}x{k}: rows differ at M={m}"
 
 
-def test_tma_loads_switch_turns_them_on_for_every_decode_plan(monkeypatch):
-    """QWEN_MTP_TMA_LOADS=1 (`linear.TMA_LOADS`): every plan `row_plan` answers loads by TMA, with the same sums."""
-    monkeypatch.setattr(linear, "TMA_LOADS", True)
-    for m in (1, 64, 256):
-        plan = linear.row_plan(34816, 5120, m)
-        assert plan.tma_loads and linear.same_sums(plan, linear.gemm_plan(34816, 5120), 34816, 5120)
-    monkeypatch.setattr(linear, "TMA_LOADS", False)
-    assert not linear.row_plan(34816, 5120, 1).tma_loads
+def test_row_plan_loads_by_tma_in_the_buckets_the_table_names(monkeypatch):
+    """`TMA_LOAD_BUCKETS` names row buckets per kernel (1: the shape's own plan); QWEN_MTP_TMA_LOADS=1 / 0
+    (`linear.TMA_LOADS`) turns TMA loads on / off for every plan; the sums never change."""
+    table = _bucket_table(24, 192)
+    monkeypatch.setitem(linear.TUNED, (24, 192), WGMMA_BASE)
+    monkeypatch.setattr(linear, "ROW_BUCKETS", table)
+    monkeypatch.setattr(linear, "TMA_LOAD_BUCKETS", {"bf16": {(24, 192): (1, 9)}, "w8a8": {}})
+    monkeypatch.setattr(linear, "TMA_LOADS", None)
+    loads = [linear.row_plan(24, 192, m).tma_loads for m in (1, 2, 3, 8, 9, 19, 20, 300)]
+    assert loads == [True, True, False, False, True, True, False, False]
+    assert not linear.row_plan(24, 192, 1, hopper=False).tma_loads  # measured on Hopper only
+    assert not linear.row_plan(24, 192, 1, True, table, loads={}).tma_loads  # another kernel's table: its own loads
+    for forced in (True, False):
+        monkeypatch.setattr(linear, "TMA_LOADS", forced)
+        for m in (1, 9, 300):
+            plan = linear.row_plan(24, 192, m)
+            assert plan.tma_loads == forced and linear.same_sums(plan, WGMMA_BASE, 24, 192)
+
+
+def test_tma_load_buckets_must_name_buckets_of_the_table():
+    linear.check_tma_load_buckets({(24, 192): (1, 9)}, _bucket_table(24, 192))
+    with pytest.raises(ValueError, match=r"row buckets \[33\] are not in its table"):
+        linear.check_tma_load_buckets({(24, 192): (1, 33)}, _bucket_table(24, 192))
+    with pytest.raises(ValueError, match="not in its table"):
+        linear.check_tma_load_buckets({(24, 192): (9,)}, {})

@@ -228,8 +228,12 @@ def pick_buckets(entry: dict, base: GemmPlan) -> tuple[tuple[int, GemmPlan], ...
 
 
 def plan_literal(plan: GemmPlan) -> str:
-    """`GemmPlan(...)` with its fields positional (a table row fits a line)."""
-    return f"GemmPlan({', '.join(json.dumps(v) if isinstance(v, str) else repr(v) for v in dataclasses.astuple(plan))})"
+    """`GemmPlan(...)` with its fields positional, trailing defaults left out (a table row fits a line)."""
+    values = list(dataclasses.astuple(plan))
+    defaults = [f.default for f in dataclasses.fields(GemmPlan)]
+    while values and values[-1] == defaults[len(values) - 1]:
+        values.pop()
+    return f"GemmPlan({', '.join(json.dumps(v) if isinstance(v, str) else repr(v) for v in values)})"
 
 
 def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], path: str, name: str) -> None:

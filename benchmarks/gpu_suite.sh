@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -37,6 +37,9 @@
 #                pointer against TMA loads, bits compared; SWEEP=0: not; APPLY=1: into TMA_LOAD_BUCKETS), the 27B
 #                bf16 bench (BF16_BATCHES, K=3 at oracle 0.8) without TMA loads and with the table's, FP8=1 (carry
 #                torchao) the same at FP8 (FP8_BATCHES), then the exactness subset with every plan loading by TMA;
+#   prefetch     `GemmPlan.l2_prefetch` (QWEN_MTP_L2_PREFETCH=N: every decode GEMM asks L2 for its first N weight
+#                K blocks before its PDL wait): the 27B bf16 bench B1 (BF16_BATCHES) per N in PREFETCH_VALUES (0:
+#                the tables), FP8=1 (carry torchao) the FP8 bench too, then the exactness subset with PREFETCH_EXACT;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -301,6 +304,24 @@ if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
     -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/tma-exact.log" 2>&1
   echo "[rc $? at ${SECONDS}s] tma-exact.log: $(grep -c " PASSED" "$OUT/tma-exact.log") passed"
   grep -E " (FAILED|ERROR)|passed|failed" "$OUT/tma-exact.log" | tail -5
+fi
+if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide
+  # The 27B bench at B1 (K=3 at oracle 0.8) per QWEN_MTP_L2_PREFETCH value (0: the tables; N: every decode plan
+  # asks L2 for its first N K blocks before the PDL wait, loading by pointers), bf16 then FP8=1 (carry torchao),
+  # then the exactness subset with PREFETCH_EXACT blocks everywhere, each test's line as it ends.
+  for blocks in ${PREFETCH_VALUES:-0 2 4 8}; do
+    QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-prefetch-$blocks" --set "bench.batch_sizes=${BF16_BATCHES:-[1]}"
+  done
+  if [[ "${FP8:-0}" == 1 ]]; then
+    for blocks in ${PREFETCH_VALUES:-0 2 4 8}; do
+      QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-fp8-prefetch-$blocks" --set model.synthetic=qwen3.5-27b-fp8 \
+        --set "bench.batch_sizes=${FP8_BATCHES:-[1]}"
+    done
+  fi
+  QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} timeout "${EXACT_LIMIT:-300}" python3 -m pytest -vv -p no:cacheprovider \
+    tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/prefetch-exact.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] prefetch-exact.log: $(grep -c " PASSED" "$OUT/prefetch-exact.log") passed"
+  grep -E " (FAILED|ERROR)|passed|failed" "$OUT/prefetch-exact.log" | tail -5
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

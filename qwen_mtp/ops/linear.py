@@ -29,6 +29,13 @@ boundaries, so a plan sums as it does with pointer loads, and a launch may pick 
 0.94x at M = 128), so `TMA_LOAD_BUCKETS` names the row buckets that load by TMA, per kernel and shape.
 `QWEN_MTP_TMA_LOADS=1` (every decode plan) or `=0` (none) overrides it for an engine-wide A/B.
 
+L2 prefetch. Under a CUDA graph every kernel of ours launches with programmatic dependent launch, so a GEMM's
+programs start while the kernel before it (often a short norm or quantization that leaves HBM idle) still runs,
+and wait. A plan's `l2_prefetch` has each program first ask L2 for its weight slice's first K blocks
+(`triton_utils.prefetch_weight_rows`, `l2_prefetch_columns`); weights are never written during a step, so this
+races with nothing and changes no bit. Pointer-loading plans only. Not measured yet: no table sets it;
+`QWEN_MTP_L2_PREFETCH=N` sets N blocks on every decode plan for the engine-wide A/B (`gpu_suite.sh` STAGE=prefetch).
+
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
 
@@ -75,6 +82,10 @@ from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_b
 # runs (`GemmPlan.tma_loads`; the same bits); =0: none does; unset: the row buckets `TMA_LOAD_BUCKETS` names. The
 # engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=tmaloads.
 TMA_LOADS: bool | None = {"1": True, "0": False}.get(os.environ.get("QWEN_MTP_TMA_LOADS", ""))
+# QWEN_MTP_L2_PREFETCH=N: every decode plan (`row_plan`) prefetches the first N K blocks of each program's weight
+# slice into L2 before it waits on the previous kernel (`GemmPlan.l2_prefetch`; loads by pointers then: a TMA plan
+# holds the weight as a descriptor only), the engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=prefetch.
+L2_PREFETCH = int(os.environ.get("QWEN_MTP_L2_PREFETCH", "0"))
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
 FAMILIES = ("grid", "stream", "tma")
 MAX_ROW_TILES = 8  # a stream plan compiles one K loop per live row-tile count 1..row_tiles: code grows as its square
@@ -107,6 +118,7 @@ class GemmPlan:
     group_m: int = 8  # "tma": row tiles that walk the N tiles together (each weight tile read once per group)
     persistent: bool = False  # "tma": a program per SM looping over the tiles, instead of a program per tile
     tma_loads: bool = False  # "grid", "stream": tiles copied by the tensor memory accelerator where it runs
+    l2_prefetch: int = 0  # "grid", "stream", pointer loads: K blocks asked of L2 before the PDL wait (`row_plan`)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -127,6 +139,8 @@ class GemmPlan:
             raise ValueError("GemmPlan.group_m must be >= 1, and GemmPlan.persistent is a 'tma' option")
         if self.tma_loads and self.family == "tma":
             raise ValueError("GemmPlan.tma_loads is a 'grid' / 'stream' option (the 'tma' family always loads so)")
+        if self.l2_prefetch < 0 or (self.l2_prefetch and (self.family == "tma" or self.tma_loads)):
+            raise ValueError("GemmPlan.l2_prefetch is K blocks (>= 0) of a 'grid' / 'stream' plan loading by pointers")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -380,7 +394,25 @@ def row_plan(
         if m >= fewest:
             plan, bucket_start = bucket, fewest
     tma = hopper and bucket_start in loads.get((n, k), ()) if TMA_LOADS is None else TMA_LOADS
-    return replace(plan, tma_loads=tma) if plan.family != "tma" else plan
+    if plan.family == "tma":
+        return plan
+    if L2_PREFETCH:
+        return replace(plan, tma_loads=False, l2_prefetch=L2_PREFETCH)
+    return replace(plan, tma_loads=tma)
+
+
+def l2_prefetch_columns(plan: GemmPlan, weight: torch.Tensor, pdl: bool, tma: bool) -> dict:
+    """The launch's `prefetch_weight_rows` constexprs: the plan's `l2_prefetch` K blocks (at most one K split, at
+    most K) as columns and bytes a weight row, where the prefetch can help and is allowed: a launch with
+    programmatic dependent launch (`pdl`, else no kernel runs early) loading by pointers (not `tma`), on a weight
+    whose row starts and sizes are 16-byte multiples (the bulk prefetch's rule). Else zeros: no prefetch."""
+    k = weight.shape[1]
+    columns = min(plan.l2_prefetch, plan.k_per_split) * plan.block_k
+    columns = min(columns, k // plan.block_k * plan.block_k)
+    size, stride = columns * weight.element_size(), weight.stride(0) * weight.element_size()
+    if not (pdl and columns and not tma and size % 16 == 0 and stride % 16 == 0 and weight.data_ptr() % 16 == 0):
+        return {"L2_PREFETCH_K": 0, "L2_PREFETCH_BYTES": 0}
+    return {"L2_PREFETCH_K": columns, "L2_PREFETCH_BYTES": size}
 
 
 def check_row_buckets(buckets: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], base=None) -> None:
@@ -460,8 +492,11 @@ def _matmul_kernel():
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
-        TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+        L2_PREFETCH_K: tl.constexpr = 0, L2_PREFETCH_BYTES: tl.constexpr = 0, TMA: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        triton_utils.prefetch_weight_rows(w_ptr, tl.program_id(1) * BLOCK_N, tl.program_id(2) * k_per_split * BLOCK_K,
+                                          N, K, sw_n, BLOCK_N, L2_PREFETCH_K, L2_PREFETCH_BYTES)  # fmt: skip
         # TMA: x_ptr and w_ptr are tensor descriptors (`GemmPlan.tma_loads`), as in the stream family.
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
@@ -549,8 +584,13 @@ def _stream_kernel():
         PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
         STAGES: tl.constexpr = 3, WIDE_STAGES: tl.constexpr = 3,  # K loop pipeline depths (`stream_stages`)
         TAIL_TILES: tl.constexpr = 0, TAIL_SPLITS: tl.constexpr = 1, TAIL_K_PER_SPLIT: tl.constexpr = 0,
-        TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+        L2_PREFETCH_K: tl.constexpr = 0, L2_PREFETCH_BYTES: tl.constexpr = 0, TMA: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        # L2_PREFETCH_K: a split tail's programs (their tiles and K ranges are worked out below) ask for blocks of
+        # other tiles or none of use: a wasted request, never a wrong one.
+        triton_utils.prefetch_weight_rows(w_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * k_per_split * BLOCK_K,
+                                          N, K, sw_n, BLOCK_N, L2_PREFETCH_K, L2_PREFETCH_BYTES)  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         # TMA: x_ptr and w_ptr are tensor descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks
         # (`GemmPlan.tma_loads`): the same tiles, copied by the tensor memory accelerator.
@@ -830,6 +870,8 @@ def invariant_matmul_triton(
     counters = _tile_counters(x.device, sums) if splits > 1 or plan.tail_tiles else out
     tma = plan.tma_loads and not fp8 and tma_available(x.device) and tma_supported(n, k, x.dtype)
     x_tiles, w_tiles = (tma and _tile_descriptors(x, weight, plan)) or (x, weight)  # a misaligned weight: pointers
+    options = triton_utils.launch(x.device)
+    extra |= l2_prefetch_columns(plan, weight, options["PDL"], x_tiles is not x)
     kernel[grid](
         x_tiles, w_tiles, scale if fp8 else weight, out, part, counters, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
@@ -837,7 +879,7 @@ def invariant_matmul_triton(
         FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         TMA=x_tiles is not x,
         MMA_SYNC=fp8 and not INTERPRET and feeds_mma_sync(plan, torch.cuda.get_device_capability(x.device)[0]),
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **options,
     )  # fmt: skip
     return out
 
@@ -1274,9 +1316,11 @@ def _w8a8_kernel():
         q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sq_m, sqs_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, L2_PREFETCH_K: tl.constexpr = 0,
+        L2_PREFETCH_BYTES: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        triton_utils.prefetch_weight_rows(w_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * k_per_split * BLOCK_K,
+                                          N, K, sw_n, BLOCK_N, L2_PREFETCH_K, L2_PREFETCH_BYTES)  # fmt: skip
         # TMA: q_ptr and w_ptr are tensor descriptors of [BLOCK_M, 128] and [BLOCK_N, 128] e4m3 blocks
         # (`GemmPlan.tma_loads`): the same blocks, copied by the tensor memory accelerator.
         triton_utils.wait_for_previous_kernel(PDL)
@@ -1384,12 +1428,14 @@ def w8a8_matmul_triton(
         counters = _tile_counters(q.device, n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m))
     tma = plan.tma_loads and tma_available(q.device)  # e4m3 rows of K % 128 == 0 bytes: always 16-byte multiples
     q_tiles, w_tiles = (tma and _tile_descriptors(q, weight, plan)) or (q, weight)
+    options = triton_utils.launch(q.device)
+    options |= l2_prefetch_columns(plan, weight, options["PDL"], q_tiles is not q)
     _w8a8_kernel()[(n_tiles, splits)](
         q_tiles, q_scale, w_tiles, scale, out, part, counters, m, n, k,
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=plan.row_tiles,
         SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, TMA=q_tiles is not q, num_warps=plan.num_warps,
-        num_stages=plan.num_stages, **triton_utils.launch(q.device),
+        num_stages=plan.num_stages, **options,
     )  # fmt: skip
     return out
 

@@ -23,6 +23,28 @@ def wait_for_previous_kernel(PDL: tl.constexpr):  # noqa: N803
 
 
 @triton.jit
+def prefetch_weight_rows(w_ptr, n0, k0, N, K, sw_n, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr,  # noqa: N803
+                         PREFETCH_BYTES: tl.constexpr):  # fmt: skip
+    """A GEMM program's only statement before `wait_for_previous_kernel`: ask L2 for the first PREFETCH_K columns
+    from k0 of weight rows n0 .. n0 + BLOCK_N (row stride sw_n; rows clamped to N - 1, columns to K), PREFETCH_BYTES
+    bytes a row, with one bulk prefetch a row (`cp.async.bulk.prefetch.L2.global`: no registers or shared memory
+    hold the bytes, nothing waits for them). With programmatic dependent launch the program runs while the kernel
+    before it still does, often a short one (a norm, a quantization) that leaves HBM idle: the weight's first
+    blocks stream meanwhile and the K loop finds them in L2. Weights are never written during a step, so reading
+    them early races with nothing, and the product's bits are untouched. PREFETCH_K = 0 (the default, every CPU
+    and interpreter launch, every launch outside a CUDA graph): nothing. The host keeps addresses and sizes
+    16-byte aligned, as the instruction requires (`linear.l2_prefetch_columns`)."""
+    if PREFETCH_K > 0:
+        rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        start = tl.maximum(tl.minimum(k0, K - PREFETCH_K), 0)
+        sizes = tl.full([BLOCK_N], PREFETCH_BYTES, tl.int32)
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+            [w_ptr + rows * sw_n + start, sizes], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def dot(a, b, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):  # noqa: N803
     """a [M, K] @ b [K, N], accumulated in fp32.
 

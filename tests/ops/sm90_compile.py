@@ -51,11 +51,13 @@ def launch(plan: GemmPlan, n: int, k: int, fp8: bool = True):
     return kernel, args
 
 
-def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True):
+def compile_sm90(plan: GemmPlan, n: int, k: int, fp8: bool = True, **constexprs_set):
     """The plan's kernel on e4m3 (else bf16) weights and bf16 activations compiled for sm_90 with the arguments a
-    launch passes (`launch`), specialised as Triton specialises a launch (ints equal to 1 constant, 16-divisible
-    ints and 16-aligned pointers marked so; M not specialised)."""
+    launch passes (`launch`; `constexprs_set` replace some, e.g. PDL=True as under a graph capture), specialised as
+    Triton specialises a launch (ints equal to 1 constant, 16-divisible ints and 16-aligned pointers marked so; M
+    not specialised)."""
     kernel, args = launch(plan, n, k, fp8)
+    args |= constexprs_set
     options = {name: args.pop(name) for name in ("num_warps", "num_stages")}
     descriptors = {}  # `GemmPlan.tma_loads` (bf16): the tiles' tensor descriptors (a CPU launch passes pointers)
     if plan.tma_loads and not fp8:
@@ -107,15 +109,17 @@ def sass_counts(plan: GemmPlan, n: int, k: int) -> dict[str, int]:
     return opcode_counts(_sass(compile_sm90(plan, n, k)))
 
 
-def compile_w8a8_sm90(plan: GemmPlan, n: int, k: int):
+def compile_w8a8_sm90(plan: GemmPlan, n: int, k: int, **constexprs_set):
     """The W8A8 kernel (`linear._w8a8_kernel`: e4m3 rows and weights, bf16 output) compiled for sm_90, specialised
-    as a launch would be (16-divisible sizes and strides, 16-aligned pointers; M not specialised)."""
+    as a launch would be (16-divisible sizes and strides, 16-aligned pointers; M not specialised; `constexprs_set`
+    as in `compile_sm90`)."""
     fn = linear._w8a8_kernel()
     values = dict(M=1, N=n, K=k, sq_m=k, sqs_m=k // 128, sw_n=k, ss_n=k // 128, so_m=n, k_per_split=plan.k_per_split)
     pointers = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16")
     pointers |= dict(part_ptr="*fp32", count_ptr="*i32")
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
     const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False, TMA=plan.tma_loads, PDL=False)
+    const |= dict(L2_PREFETCH_K=0, L2_PREFETCH_BYTES=0) | constexprs_set
     descriptors = {}  # `GemmPlan.tma_loads`: the e4m3 blocks' tensor descriptors
     if plan.tma_loads:
         descriptors = {"q_ptr": f"tensordesc<fp8e4nv[{plan.block_m},{plan.block_k}]>",
@@ -230,6 +234,24 @@ def tma_loads_report(plan: GemmPlan, n: int, k: int, w8a8: bool) -> dict:
     return copies_and_mmas(compile_w8a8_sm90(plan, n, k) if w8a8 else compile_sm90(plan, n, k, fp8=False))
 
 
+def prefetch_report(plan: GemmPlan, n: int, k: int, kind: str) -> dict:
+    """A decode plan with `l2_prefetch` compiled for sm_90 as a graph capture launches it (PDL on; the prefetch
+    constexprs from `linear.l2_prefetch_columns`), `kind` "bf16", "w8a16" or "w8a8": its bulk L2 prefetches and
+    where they stand against the grid dependency wait in the PTX."""
+    element = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
+    weight = torch.empty(n, k, dtype=element, device="meta")
+    columns = linear.l2_prefetch_columns(plan, weight, pdl=True, tma=False)
+    if kind == "w8a8":
+        compiled = compile_w8a8_sm90(plan, n, k, PDL=True, **columns)
+    else:
+        compiled = compile_sm90(plan, n, k, fp8=kind == "w8a16", PDL=True, **columns)
+    ptx = compiled.asm["ptx"]
+    prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)]
+    wait = ptx.find("griddepcontrol.wait")
+    return {"columns": columns, "prefetches": len(prefetches), "before_wait": all(p < wait for p in prefetches),
+            "waits": ptx.count("griddepcontrol.wait"), "shared": compiled.metadata.shared}  # fmt: skip
+
+
 def decode_binaries() -> dict[str, str]:
     """A hash of the code (PTX without its debug sections and line records) of every decode GEMM binary the 27B
     runs (bf16 `TUNED` and `ROW_BUCKETS`, W8A16 `TUNED_FP8`, W8A8 `TUNED_W8A8` and `W8A8_ROW_BUCKETS`), for
@@ -260,7 +282,10 @@ def decode_binaries() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "binaries":
+    if sys.argv[1] == "prefetch":
+        n, k, kind, *fields = json.loads(sys.argv[2])
+        print(json.dumps(prefetch_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, kind)))
+    elif sys.argv[1] == "binaries":
         print(json.dumps(decode_binaries(), indent=0))
     elif sys.argv[1] == "tmaloads":
         n, k, w8a8, *fields = json.loads(sys.argv[2])

@@ -44,7 +44,19 @@ def test_every_kernel_waits_for_the_previous_one_before_anything_else():
         body = kernel.body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # the docstring
             body = body[1:]
+        if ast.unparse(body[0]).startswith("triton_utils.prefetch_weight_rows("):  # the GEMMs: weights to L2 first
+            body = body[1:]
         assert ast.unparse(body[0]) == "triton_utils.wait_for_previous_kernel(PDL)", f"{where} does not wait first"
+
+
+def test_the_only_work_before_the_wait_is_an_l2_prefetch_of_weights():
+    """`prefetch_weight_rows`, which GEMMs run before waiting, loads and stores nothing: one bulk L2 prefetch."""
+    tree = ast.parse((OPS / "triton_helpers.py").read_text())
+    helper = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "prefetch_weight_rows")
+    calls = {ast.unparse(n.func) for n in ast.walk(helper) if isinstance(n, ast.Call)}
+    assert not {c for c in calls if c.split(".")[-1] in {"load", "store", "atomic_add", "atomic_xchg"}}, calls
+    asm = [n for n in ast.walk(helper) if isinstance(n, ast.Call) and "inline_asm" in ast.unparse(n.func)]
+    assert len(asm) == 1 and ast.literal_eval(asm[0].args[0]).startswith("cp.async.bulk.prefetch.L2.global ")
 
 
 def test_every_launch_passes_the_launch_options():
@@ -78,3 +90,21 @@ def test_a_kernel_compiled_for_hopper_waits_only_with_pdl():
     found = sm90_report("pdl")
     assert found["False"] == []
     assert found["True"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+
+
+def _prefetching(kind, n, k, plan_fields):
+    return sm90_report("prefetch", [n, k, kind, *plan_fields])
+
+
+def test_gemms_compiled_for_hopper_prefetch_weights_before_the_wait():
+    """`GemmPlan.l2_prefetch` compiled as a graph capture launches it: bulk L2 prefetches, all before the one
+    grid dependency wait, for bf16 and W8A16 "stream" / "grid" plans and the W8A8 kernel; none without it."""
+    stream = [64, 64, 80, 4, 6, "stream", {"block_m": 64, "swap_ab": True, "l2_prefetch": 4}]
+    grid = [128, 64, 80, 4, 4, "grid", {"block_m": 16, "l2_prefetch": 2}]
+    w8a8 = [64, 128, 40, 4, 4, "stream", {"block_m": 16, "row_tiles": 2, "swap_ab": True, "l2_prefetch": 4}]
+    for kind, plan in (("bf16", stream), ("w8a16", grid), ("w8a8", w8a8)):
+        found = _prefetching(kind, 34816, 5120, plan)
+        assert found["prefetches"] >= 1 and found["before_wait"] and found["waits"] == 1, (kind, found)
+        assert found["columns"]["L2_PREFETCH_K"] == plan[-1]["l2_prefetch"] * plan[1], (kind, found)
+    off = _prefetching("bf16", 34816, 5120, [*stream[:-1], stream[-1] | {"l2_prefetch": 0}])
+    assert off["prefetches"] == 0 and off["columns"]["L2_PREFETCH_K"] == 0

@@ -38,8 +38,9 @@
 #                bf16 bench (BF16_BATCHES, K=3 at oracle 0.8) without TMA loads and with the table's, FP8=1 (carry
 #                torchao) the same at FP8 (FP8_BATCHES), then the exactness subset with every plan loading by TMA;
 #   prefetch     `GemmPlan.l2_prefetch` (QWEN_MTP_L2_PREFETCH=N: every decode GEMM asks L2 for its first N weight
-#                K blocks before its PDL wait): the 27B bf16 bench B1 (BF16_BATCHES) per N in PREFETCH_VALUES (0:
-#                the tables), FP8=1 (carry torchao) the FP8 bench too, then the exactness subset with PREFETCH_EXACT;
+#                K blocks before its PDL wait) and tree A/Bs: the 27B bench (BATCHES) per model in MODELS (bf16, fp8:
+#                carry torchao) and per SETTINGS (N, or "baseline": the qwen_mtp in BASELINE, carried), then
+#                (EXACT=1) the W8A8 and bf16 exactness tests with PREFETCH_EXACT blocks;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -305,23 +306,32 @@ if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
   echo "[rc $? at ${SECONDS}s] tma-exact.log: $(grep -c " PASSED" "$OUT/tma-exact.log") passed"
   grep -E " (FAILED|ERROR)|passed|failed" "$OUT/tma-exact.log" | tail -5
 fi
-if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide
-  # The 27B bench at B1 (K=3 at oracle 0.8) per QWEN_MTP_L2_PREFETCH value (0: the tables; N: every decode plan
-  # asks L2 for its first N K blocks before the PDL wait, loading by pointers), bf16 then FP8=1 (carry torchao),
-  # then the exactness subset with PREFETCH_EXACT blocks everywhere, each test's line as it ends.
-  for blocks in ${PREFETCH_VALUES:-0 2 4 8}; do
-    QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-prefetch-$blocks" --set "bench.batch_sizes=${BF16_BATCHES:-[1]}"
-  done
-  if [[ "${FP8:-0}" == 1 ]]; then
-    for blocks in ${PREFETCH_VALUES:-0 2 4 8}; do
-      QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-fp8-prefetch-$blocks" --set model.synthetic=qwen3.5-27b-fp8 \
-        --set "bench.batch_sizes=${FP8_BATCHES:-[1]}"
+if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide, and A/B trees
+  # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
+  # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: the tables; N: every decode plan asks L2 for its first N K
+  # blocks before the PDL wait, loading by pointers); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
+  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables. Then, with EXACT=1, the W8A8 MTP-on ==
+  # MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.
+  for model in ${MODELS:-bf16 fp8}; do
+    sets=(); [[ $model == fp8 ]] && sets=(--set model.synthetic=qwen3.5-27b-fp8)
+    for setting in ${SETTINGS:-0 2 4 8}; do
+      path="$PYTHONPATH" blocks=$setting
+      [[ $setting == baseline ]] && path="$PWD/${BASELINE:-.baseline}:$PYTHONPATH" blocks=0
+      PYTHONPATH="$path" QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-$model-$setting" "${sets[@]}" \
+        --set "bench.batch_sizes=${BATCHES:-[1]}"
     done
+  done
+  if [[ "${EXACT:-1}" == 1 ]]; then
+    if [[ " ${MODELS:-bf16 fp8} " == *" fp8 "* ]]; then
+      QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} timeout 150 python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_fp8.py \
+        -k "mtp_equals_plain and w8a8" >"$OUT/prefetch-fp8.log" 2>&1
+      echo "[rc $? at ${SECONDS}s] prefetch-fp8.log: $(grep -c " PASSED" "$OUT/prefetch-fp8.log") passed"
+    fi
+    QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} timeout "${EXACT_LIMIT:-300}" python3 -m pytest -vv -p no:cacheprovider \
+      tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/prefetch-exact.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] prefetch-exact.log: $(grep -c " PASSED" "$OUT/prefetch-exact.log") passed"
+    grep -hE " (FAILED|ERROR)|passed|failed" "$OUT"/prefetch-*.log | tail -6
   fi
-  QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} timeout "${EXACT_LIMIT:-300}" python3 -m pytest -vv -p no:cacheprovider \
-    tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/prefetch-exact.log" 2>&1
-  echo "[rc $? at ${SECONDS}s] prefetch-exact.log: $(grep -c " PASSED" "$OUT/prefetch-exact.log") passed"
-  grep -E " (FAILED|ERROR)|passed|failed" "$OUT/prefetch-exact.log" | tail -5
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then
   python3 benchmarks/profile_step.py "${1:-recipes/bench-27b.yaml}" 2>&1 | tee "$OUT/profile.log" | tail -30

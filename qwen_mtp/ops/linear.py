@@ -409,8 +409,9 @@ def l2_prefetch_columns(plan: GemmPlan, weight: torch.Tensor, pdl: bool, tma: bo
     k = weight.shape[1]
     columns = min(plan.l2_prefetch, plan.k_per_split) * plan.block_k
     columns = min(columns, k // plan.block_k * plan.block_k)
-    size, stride = columns * weight.element_size(), weight.stride(0) * weight.element_size()
-    if not (pdl and columns and not tma and size % 16 == 0 and stride % 16 == 0 and weight.data_ptr() % 16 == 0):
+    size, row, stride = (count * weight.element_size() for count in (columns, k, weight.stride(0)))
+    aligned = size % 16 == 0 and row % 16 == 0 and stride % 16 == 0 and weight.data_ptr() % 16 == 0
+    if not (pdl and columns and not tma and aligned):
         return {"L2_PREFETCH_K": 0, "L2_PREFETCH_BYTES": 0}
     return {"L2_PREFETCH_K": columns, "L2_PREFETCH_BYTES": size}
 

@@ -389,6 +389,7 @@ def test_l2_prefetch_asks_for_aligned_blocks_of_one_split_under_pdl_only():
     assert linear.l2_prefetch_columns(plan, weight, False, False) == none
     assert linear.l2_prefetch_columns(plan, weight, True, True) == none
     assert linear.l2_prefetch_columns(plan, torch.zeros(24, 196, dtype=torch.bfloat16)[:, :192], True, False) == none
+    assert linear.l2_prefetch_columns(plan, torch.zeros(24, 208, dtype=torch.bfloat16)[:, :196], True, False) == none
     assert linear.l2_prefetch_columns(WGMMA_BASE, weight, True, False) == none
 
 

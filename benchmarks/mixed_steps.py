@@ -112,15 +112,20 @@ def gemm(model, rows: list[int]) -> dict:
 
 
 def burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """All prompts submitted at once: TTFT per request, decode tokens/s after the last first token, tokens."""
+    """All prompts submitted at once: TTFT per request, decode tokens/s after the last first token
+    (`decode_rate`), tokens."""
     sync()
     start = time.perf_counter()
     ids = [engine.submit(p, SamplingParams(new_tokens, ignore_eos=True)) for p in prompts]
     first: dict[int, float] = {}
+    steps: list[tuple[float, int]] = []  # (when a step's updates came back, how many tokens they carried)
     while engine.has_unfinished():
-        for update in engine.step():
+        updates = engine.step()
+        now = time.perf_counter()
+        steps.append((now, sum(len(update.new_token_ids) for update in updates)))
+        for update in updates:
             if update.new_token_ids:
-                first.setdefault(update.request_id, time.perf_counter())
+                first.setdefault(update.request_id, now)
     sync()
     end = time.perf_counter()
     failed = [engine.requests[i] for i in ids if engine.requests[i].finish_reason == "error"]
@@ -128,13 +133,21 @@ def burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
         error = failed[0].error
         raise SystemExit(f"{len(failed)} of {len(ids)} requests ended with an error, the first: {error!r}") from error
     ttft = [first[i] - start for i in ids]
-    decoding = end - max(first.values())
     return {
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_max_s": max(ttft),
-        "decode_tokens_per_s": len(ids) * (new_tokens - 1) / decoding if decoding > 0 else None,
+        "decode_tokens_per_s": decode_rate(steps, max(first.values()), end),
         "tokens": [engine.result(i).token_ids for i in ids],
     }
+
+
+def decode_rate(steps: list[tuple[float, int]], since: float, end: float) -> float | None:
+    """Tokens per second of the steps that came back after `since` (the step that gave the last request its
+    first token), until `end`. Not every request's new tokens over that time: a request whose first token came
+    early has decoded some of them before it, more of them the more the first tokens are spread (unpacked
+    prefill spreads them over the whole burst), which would flatter the spread mode."""
+    tokens = sum(count for when, count in steps if when > since)
+    return tokens / (end - since) if end > since and tokens else None
 
 
 def inter_token(engine: Engine, args, vocab: int) -> dict:

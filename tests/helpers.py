@@ -3,6 +3,10 @@ installed on CPU)."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -100,3 +104,14 @@ def generate_all(engine, prompts: list[list[int]], params) -> list[list[int]]:
     while engine.has_unfinished():
         engine.step()
     return [engine.result(i).token_ids for i in ids]
+
+
+def benchmark_module(name: str):
+    """`benchmarks/<name>.py` imported as its scripts run (their sibling modules found beside them), for tests of
+    the pure parts of a benchmark; sys.path is left as it was."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import benchmark_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,13 +64,9 @@ def test_apply_plans_fp8_refuses_a_bf16_report(tmp_path):
 def test_apply_plans_finds_both_tables_in_linear_py_empty_or_not():
     """apply_plans rewrites TUNED and TUNED_FP8 in place: its pattern must find each as linear.py holds it (an
     empty `{}` on one line included: TUNED_FP8 before its first plans)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from apply_plans import LINEAR, table_pattern
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    source = LINEAR.read_text()
+    apply_plans = benchmark_module("apply_plans")
+    source = apply_plans.LINEAR.read_text()
     for name in ("TUNED", "TUNED_FP8"):
-        assert table_pattern(name).search(source), name
+        assert apply_plans.table_pattern(name).search(source), name
     empty = "TUNED_FP8: dict[tuple[int, int], GemmPlan] = {}\nafter = 1\n"
-    assert table_pattern("TUNED_FP8").sub("X\n", empty) == "X\nafter = 1\n"
+    assert apply_plans.table_pattern("TUNED_FP8").sub("X\n", empty) == "X\nafter = 1\n"

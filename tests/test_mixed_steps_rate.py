@@ -2,22 +2,13 @@
 over that time, so a mode whose first tokens are spread (unpacked prefill) is not flattered by the tokens its
 early requests decoded before the window."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def mixed_steps():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import mixed_steps
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return mixed_steps
+    return benchmark_module("mixed_steps")
 
 
 def test_only_steps_after_the_last_first_token_count(mixed_steps):

@@ -3,24 +3,16 @@
 
 import ast
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import benchmark_module
 
 from qwen_mtp.ops import linear
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tma_loads():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gemm_tma_loads
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return gemm_tma_loads
+    return benchmark_module("gemm_tma_loads")
 
 
 def _rows(kind, n, k, ratios, same_bits=True):

@@ -8,6 +8,7 @@ Usage: python3 benchmarks/apply_plans.py REPORT.json [REPORT.json ...] [--slack 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -61,12 +62,11 @@ def best_fp8_plans(reports: list[Path]) -> dict[tuple[int, int], tuple[GemmPlan,
 
 
 def plan_text(plan: GemmPlan) -> str:
-    """The plan as a short constructor call: the five tile fields by position, then what differs from the
-    defaults (the grid family's 16-row tiles)."""
-    default = GemmPlan(plan.block_n, plan.block_k, plan.k_per_split, plan.num_warps, plan.num_stages)
-    head = [str(getattr(plan, f)) for f in ("block_n", "block_k", "k_per_split", "num_warps", "num_stages")]
-    options = ("family", "block_m", "row_tiles", "swap_ab", "wide_stages", "tail_tiles", "tail_splits")
-    extra = [f"{f}={getattr(plan, f)!r}" for f in options if getattr(plan, f) != getattr(default, f)]
+    """The plan as a short constructor call: the five tile fields by position, then every other field that differs
+    from its default (the grid family's 16-row tiles). Every table an `--apply` writes spells its plans so."""
+    fields = dataclasses.fields(plan)
+    head = [repr(getattr(plan, f.name)) for f in fields[:5]]
+    extra = [f"{f.name}={getattr(plan, f.name)!r}" for f in fields[5:] if getattr(plan, f.name) != f.default]
     return f"GemmPlan({', '.join(head + extra)})".replace("'", '"')
 
 

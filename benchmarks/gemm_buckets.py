@@ -30,6 +30,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from apply_plans import plan_text
 from gemm_family import (
     DECODE_M,
     ROTATION_BYTES,
@@ -227,21 +228,12 @@ def pick_buckets(entry: dict, base: GemmPlan) -> tuple[tuple[int, GemmPlan], ...
     return () if all(plan == base for _, plan in chosen) else tuple(chosen)
 
 
-def plan_literal(plan: GemmPlan) -> str:
-    """`GemmPlan(...)` with its fields positional, trailing defaults left out (a table row fits a line)."""
-    values = list(dataclasses.astuple(plan))
-    defaults = [f.default for f in dataclasses.fields(GemmPlan)]
-    while values and values[-1] == defaults[len(values) - 1]:
-        values.pop()
-    return f"GemmPlan({', '.join(json.dumps(v) if isinstance(v, str) else repr(v) for v in values)})"
-
-
 def write_buckets(table: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]], path: str, name: str) -> None:
     """Replace the table `name` (ROW_BUCKETS, W8A8_ROW_BUCKETS) between its markers in ops/linear.py."""
     lines = [f"{name}: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {{"]
     for (n, k), entries in sorted(table.items()):
         lines.append(f"    ({n}, {k}): (")
-        lines += [f"        ({fewest}, {plan_literal(plan)})," for fewest, plan in entries]
+        lines += [f"        ({fewest}, {plan_text(plan)})," for fewest, plan in entries]
         lines.append("    ),")
     lines.append("}")
     replace_block(path, name, lines)

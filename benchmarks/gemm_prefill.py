@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 
 import torch
 import torch.nn.functional as F
+from apply_plans import plan_text, table_pattern
 from gemm_family import _error, graph_us
 from gemm_sweep import decode_shapes
 
@@ -117,25 +117,16 @@ def run(preset: str, rows: list[int]) -> dict:
     return report
 
 
-def plan_literal(plan: GemmPlan) -> str:
-    """`GemmPlan(...)`: the first five fields positional, then the fields that differ from their defaults."""
-    fields = dataclasses.fields(plan)
-    head = ", ".join(repr(getattr(plan, f.name)) for f in fields[:5])
-    rest = [f"{f.name}={getattr(plan, f.name)!r}" for f in fields[5:] if getattr(plan, f.name) != f.default]
-    return f"GemmPlan({', '.join([head, *rest])})".replace("'", '"')
-
-
 def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
     """Write each shape's best invariant candidate into PREFILL_TUNED (the other presets' entries stay)."""
     table = dict(linear.PREFILL_TUNED)
     for e in report["shapes"]:
         if e["best"]:
             table[e["n"], e["k"]] = GemmPlan(**e["plans"][e["best"]]["fields"])
-    lines = [f"    ({n}, {k}): {plan_literal(plan)},\n" for (n, k), plan in table.items()]
+    lines = [f"    ({n}, {k}): {plan_text(plan)},\n" for (n, k), plan in table.items()]
     text = open(path).read()
-    pattern = r"PREFILL_TUNED: dict\[tuple\[int, int\], GemmPlan\] = \{[^}]*\}"
-    body = "PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}"
-    open(path, "w").write(re.sub(pattern, lambda _: body, text, count=1))
+    body = "PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}\n"
+    open(path, "w").write(table_pattern("PREFILL_TUNED").sub(lambda _: body, text, count=1))
 
 
 def main() -> None:

@@ -70,3 +70,22 @@ def test_apply_plans_finds_both_tables_in_linear_py_empty_or_not():
         assert apply_plans.table_pattern(name).search(source), name
     empty = "TUNED_FP8: dict[tuple[int, int], GemmPlan] = {}\nafter = 1\n"
     assert apply_plans.table_pattern("TUNED_FP8").sub("X\n", empty) == "X\nafter = 1\n"
+
+
+def test_plan_text_spells_every_field_that_is_not_its_default():
+    """Every `--apply` writes plans with `apply_plans.plan_text`: read back, each is the plan it wrote, whichever
+    of GemmPlan's fields it sets (a field the writer did not know of would be lost)."""
+    from qwen_mtp.ops.linear import GemmPlan
+
+    plan_text = benchmark_module("apply_plans").plan_text
+    tma = GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, group_m=16, persistent=True)
+    assert plan_text(tma) == 'GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, group_m=16, persistent=True)'
+    plans = [
+        tma,
+        GemmPlan(128, 64, 16),
+        GemmPlan(64, 64, 80, 4, 6, "stream", 64, 1, True, 0, 16, 8),
+        GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True, tma_loads=True),
+        GemmPlan(128, 64, 32, 8, 6, family="stream", block_m=64, l2_prefetch=4),
+    ]
+    for plan in plans:
+        assert eval(plan_text(plan), {"GemmPlan": GemmPlan}) == plan, plan_text(plan)

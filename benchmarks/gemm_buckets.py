@@ -62,8 +62,9 @@ SMEM_BYTES = 220 << 10
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """What a sweep times: a kernel (`call(x, weight, plan)`, plan None: the engine's choice), its per-shape plan,
-    its table in ops/linear.py, its weight shapes, and the weights it reads (with bf16 ones for cuBLAS)."""
+    its tables in ops/linear.py, its weight shapes, and the weights it reads (with bf16 ones for cuBLAS)."""
 
+    name: str  # its key in `linear.TMA_LOAD_BUCKETS`
     table: str
     base: object  # (n, k) -> GemmPlan
     call: object  # (x, weight, plan | None) -> out
@@ -85,11 +86,11 @@ def _fp8_weights(n: int, k: int, copies: int):
 
 KINDS = {
     "bf16": Kind(
-        "ROW_BUCKETS", gemm_plan, lambda x, w, p: invariant_matmul_triton(x, w, p), shapes, _bf16_weights,
+        "bf16", "ROW_BUCKETS", gemm_plan, lambda x, w, p: invariant_matmul_triton(x, w, p), shapes, _bf16_weights,
         lambda p: True, 2,
     ),
     "w8a8": Kind(
-        "W8A8_ROW_BUCKETS", gemm_plan_w8a8, lambda x, w, p: linear_fp8_w8a8_triton(x, w[0], w[1], p),
+        "w8a8", "W8A8_ROW_BUCKETS", gemm_plan_w8a8, lambda x, w, p: linear_fp8_w8a8_triton(x, w[0], w[1], p),
         lambda preset, only: named_once(fp8_shapes(preset), only), _fp8_weights,
         lambda p: p.block_k == FP8_BLOCK[1] and not p.tail_tiles, 1,
     ),
@@ -266,7 +267,7 @@ def dispatch_entry(n: int, k: int, kind: Kind) -> dict:
         f"row {i} alone" for i in (0, 40, 100, 255) if not torch.equal(engine(x[i : i + 1], ws[0]), full[i : i + 1])
     ]
     table = getattr(linear, kind.table)
-    loads = linear.TMA_LOAD_BUCKETS["w8a8" if kind.table.startswith("W8A8") else "bf16"]
+    loads = linear.TMA_LOAD_BUCKETS[kind.name]
     entry = dict(
         cublas_us={m: graph_us(F.linear, x[:m], dense) for m in DECODE_M},
         us={m: graph_us(engine, x[:m], ws) for m in DECODE_M}, invariance_failures=fails,

@@ -27,24 +27,21 @@ from gemm_buckets import KINDS, replace_block
 from gemm_family import DECODE_M, ROTATION_BYTES, graph_us
 
 from qwen_mtp.ops import linear
-from qwen_mtp.ops.linear import ROW_BUCKETS, W8A8_ROW_BUCKETS, gemm_plan_w8a8, row_plan
+from qwen_mtp.ops.linear import row_plan
 
-BUCKET_TABLES = {"bf16": ROW_BUCKETS, "w8a8": W8A8_ROW_BUCKETS}
 MOST_SLOWER, MOST_ON_AVERAGE = 1.01, 0.97  # TMA / pointer time: at every M of a bucket, and on average
 
 
 def engine_plan(kind: str, n: int, k: int, m: int):
     """The plan the engine runs for m rows of an [N, K] weight of this kind, with pointer loads."""
-    if kind == "w8a8":
-        plan = row_plan(n, k, m, True, W8A8_ROW_BUCKETS, gemm_plan_w8a8, {})
-    else:
-        plan = row_plan(n, k, m, loads={})
+    plan = row_plan(n, k, m, True, getattr(linear, KINDS[kind].table), KINDS[kind].base, {})
     return dataclasses.replace(plan, tma_loads=False)
 
 
 def bucket_start(kind: str, n: int, k: int, m: int) -> int:
     """The fewest rows of the row bucket a launch of m rows falls in (1: the shape's own plan)."""
-    return max((fewest for fewest, _ in BUCKET_TABLES[kind].get((n, k), ()) if m >= fewest), default=1)
+    buckets = getattr(linear, KINDS[kind].table).get((n, k), ())
+    return max((fewest for fewest, _ in buckets if m >= fewest), default=1)
 
 
 def pick_tma_buckets(rows: list[dict]) -> dict[str, dict[tuple[int, int], tuple[int, ...]]]:
@@ -54,7 +51,7 @@ def pick_tma_buckets(rows: list[dict]) -> dict[str, dict[tuple[int, int], tuple[
     for r in rows:
         key = (r["kind"], r["n"], r["k"], bucket_start(r["kind"], r["n"], r["k"], r["m"]))
         ratios[key].append(r["tma_us"] / r["pointer_us"] if r["same_bits"] else float("inf"))
-    table = {kind: collections.defaultdict(list) for kind in BUCKET_TABLES}
+    table = {kind: collections.defaultdict(list) for kind in KINDS}
     for (kind, n, k, start), rs in sorted(ratios.items()):
         if max(rs) <= MOST_SLOWER and sum(rs) / len(rs) <= MOST_ON_AVERAGE:
             table[kind][n, k].append(start)
@@ -77,8 +74,7 @@ def measure(kind_name: str, preset: str) -> list[dict]:
     kind = KINDS[kind_name]
     rows = []
     for name, (n, k) in kind.shapes(preset, "").items():
-        element = 1 if kind_name == "w8a8" else 2
-        copies = max(2, min(16, ROTATION_BYTES // (n * k * element)))
+        copies = max(2, min(16, ROTATION_BYTES // (n * k * kind.stage_bytes)))
         ours, bf16 = kind.weights(n, k, copies)
         x = torch.randn(max(DECODE_M), k, device="cuda", dtype=torch.bfloat16)
         for m in DECODE_M:

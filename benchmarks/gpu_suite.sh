@@ -51,11 +51,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 STAGE="${STAGE:-all}"
 # The prefill, attention and context stages' helpers. counted LIMIT LOG CMD...: CMD's output into $OUT/LOG, then
-# its rc, how many tests passed and any FAILED / ERROR line. bench_27b LIMIT NAME SETS...: `qwen-mtp bench` at 27B
-# bf16, K=3 at oracle 0.8, 64 new tokens, into $OUT/NAME; its table printed (a device call brings back few files:
+# its rc, how many tests passed and any FAILED / ERROR line (pytest -q -rA: the verdicts at the end; -vv: a line per
+# test as it ends, so a run its LIMIT cuts still shows what passed). bench_27b LIMIT NAME SETS...: `qwen-mtp bench`
+# at 27B bf16, K=3 at oracle 0.8, 64 new tokens, into $OUT/NAME; its table printed (a device call brings back few files:
 # the JSON is kept, the log only when the run failed).
 counted() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
-            echo "[rc $? at ${SECONDS}s] $log: $(grep -c "^PASSED" "$OUT/$log") passed"; grep -E "^(FAILED|ERROR)" "$OUT/$log"; }
+            echo "[rc $? at ${SECONDS}s] $log: $(grep -cE "^PASSED| PASSED( |$)" "$OUT/$log") passed"
+            grep -E "^(FAILED|ERROR)| (FAILED|ERROR)( |$)" "$OUT/$log"; }
 bench_27b() { local limit=$1 name=$2 rc; shift 2
               timeout "$limit" python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set 'bench.accept_rates=[0.8]' \
                 --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[3]' "$@" \
@@ -301,10 +303,8 @@ if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
   fi
   # The exactness subset with every decode plan loading by TMA (the 0.8B fixture's shapes are in no table; TMA and
   # pointer loads give the same bits, so any mix of them is exact when both are), each test's line as it ends
-  QWEN_MTP_TMA_LOADS=1 timeout "${EXACT_LIMIT:-300}" python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
-    -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/tma-exact.log" 2>&1
-  echo "[rc $? at ${SECONDS}s] tma-exact.log: $(grep -c " PASSED" "$OUT/tma-exact.log") passed"
-  grep -E " (FAILED|ERROR)|passed|failed" "$OUT/tma-exact.log" | tail -5
+  QWEN_MTP_TMA_LOADS=1 counted "${EXACT_LIMIT:-300}" tma-exact.log python3 -m pytest -vv -p no:cacheprovider \
+    tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
 fi
 if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide, and A/B trees
   # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
@@ -323,14 +323,11 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   done
   if [[ "${EXACT:-1}" == 1 ]]; then
     if [[ " ${MODELS:-bf16 fp8} " == *" fp8 "* ]]; then
-      QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} timeout 150 python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_fp8.py \
-        -k "mtp_equals_plain and w8a8" >"$OUT/prefetch-fp8.log" 2>&1
-      echo "[rc $? at ${SECONDS}s] prefetch-fp8.log: $(grep -c " PASSED" "$OUT/prefetch-fp8.log") passed"
+      QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} counted 150 prefetch-fp8.log python3 -m pytest -vv -p no:cacheprovider \
+        tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
     fi
-    QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} timeout "${EXACT_LIMIT:-300}" python3 -m pytest -vv -p no:cacheprovider \
-      tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress" >"$OUT/prefetch-exact.log" 2>&1
-    echo "[rc $? at ${SECONDS}s] prefetch-exact.log: $(grep -c " PASSED" "$OUT/prefetch-exact.log") passed"
-    grep -hE " (FAILED|ERROR)|passed|failed" "$OUT"/prefetch-*.log | tail -6
+    QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} counted "${EXACT_LIMIT:-300}" prefetch-exact.log python3 -m pytest -vv \
+      -p no:cacheprovider tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
   fi
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then

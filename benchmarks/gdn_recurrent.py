@@ -82,7 +82,7 @@ def main() -> None:
     print(f"copy bandwidth {copy:.0f} GB/s")
     report = dict(copy_gbs=copy, rows=[])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for batch, length in ((1, 1), (8, 1), (8, 4), (32, 1), (32, 4), (64, 1), (64, 4)):
+    for batch, length in ((1, 1), (1, 4), (8, 1), (8, 4), (32, 1), (32, 4), (64, 1), (64, 4)):
         row = time_case(batch, length, copy, gen)
         report["rows"].append(row)
         cells = row["shapes"]

@@ -2,7 +2,7 @@
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8 runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -41,6 +41,8 @@
 #                K blocks before its PDL wait) and tree A/Bs: the 27B bench (BATCHES) per model in MODELS (bf16, fp8:
 #                carry torchao) and per SETTINGS (N, or "baseline": the qwen_mtp in BASELINE, carried), then
 #                (EXACT=1) the W8A8 and bf16 exactness tests with PREFETCH_EXACT blocks;
+#   w8a8         kernel benchmarks (MICRO: gemm_w8a8, gdn_recurrent) with this tree and a carried BASELINE tree;
+#                FAMILY=1 adds the W8A8 plan family sweep;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -328,6 +330,24 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
     fi
     QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} counted "${EXACT_LIMIT:-300}" prefetch-exact.log python3 -m pytest -vv \
       -p no:cacheprovider tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  fi
+fi
+if [[ "$STAGE" == w8a8 ]]; then  # one device call (~5-9 min): kernel benchmarks of two trees
+  # Each of MICRO (default: gemm_w8a8, the W8A8 GEMM at the 27B FP8 shapes, M = 1..128, against W8A16, our bf16 and
+  # cuBLAS; also gdn_recurrent, the GDN decode / verify kernel per B and T) with this tree, and first with the
+  # qwen_mtp under BASELINE when it is set (carried); FAMILY=1 then sweeps the W8A8 plan family with this tree.
+  for micro in ${MICRO:-gemm_w8a8}; do
+    for tree in ${BASELINE:+baseline} here; do
+      path="$PYTHONPATH"; [[ $tree == baseline ]] && path="$PWD/$BASELINE:$PYTHONPATH"
+      PYTHONPATH="$path" timeout 200 python3 "benchmarks/$micro.py" $([[ $micro == gemm_w8a8 ]] && echo qwen3.5-27b) \
+        --out "$OUT/$micro-$tree.json" >"$OUT/$micro-$tree.log" 2>&1
+      echo "[rc $? at ${SECONDS}s] $micro $tree"; grep -vE "^\s*$|Warn" "$OUT/$micro-$tree.log" | tail -40 | cut -c1-160
+    done
+  done
+  if [[ "${FAMILY:-0}" == 1 ]]; then
+    timeout 300 python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family --out "$OUT/gemm-w8a8-family.json" \
+      >"$OUT/gemm-w8a8-family.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] gemm_w8a8 --family"; sed -n '/^Best W8A8 plan/,$p' "$OUT/gemm-w8a8-family.log"
   fi
 fi
 if [[ "$STAGE" == all || "$STAGE" == profile ]]; then

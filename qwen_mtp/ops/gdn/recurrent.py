@@ -74,12 +74,18 @@ def _gdn_recurrent_kernel():
         state = tl.load(base + start * sp_s + tile, mask=vmask[None, :], other=0.0).to(tl.float32)
         decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        # Token t + 1's inputs are loaded while token t computes (the last token's twice): a load where it is used
+        # made every token wait for its round trip. The loop body, hence every token's arithmetic, is one.
+        qk = q_ptr + bi * sq_b + hk * sq_h + ks, k_ptr + bi * sq_b + hk * sq_h + ks
+        vab = v_ptr + bi * sv_b + h * sv_h + vs, a_ptr + bi * sa_b + h, b_ptr + bi * sa_b + h
+        q_in, k_in = tl.load(qk[0]), tl.load(qk[1])
+        v_in, a_in, b_in = tl.load(vab[0], mask=vmask, other=0.0), tl.load(vab[1]), tl.load(vab[2])
         for t in range(T):
-            q = tl.load(q_ptr + bi * sq_b + t * sq_t + hk * sq_h + ks).to(tl.float32)
-            k = tl.load(k_ptr + bi * sq_b + t * sq_t + hk * sq_h + ks).to(tl.float32)
-            v = tl.load(v_ptr + bi * sv_b + t * sv_t + h * sv_h + vs, mask=vmask, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + bi * sa_b + t * sa_t + h).to(tl.float32)
-            b = tl.load(b_ptr + bi * sa_b + t * sa_t + h)
+            q, k, v, a, b = q_in.to(tl.float32), k_in.to(tl.float32), v_in.to(tl.float32), a_in.to(tl.float32), b_in
+            ahead = tl.minimum(t + 1, T - 1)
+            q_in, k_in = tl.load(qk[0] + ahead * sq_t), tl.load(qk[1] + ahead * sq_t)
+            v_in = tl.load(vab[0] + ahead * sv_t, mask=vmask, other=0.0)
+            a_in, b_in = tl.load(vab[1] + ahead * sa_t), tl.load(vab[2] + ahead * sa_t)
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             x = a + dt_bias

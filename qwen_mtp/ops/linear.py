@@ -1154,8 +1154,8 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # `gemm_plan_w8a8`'s default. 27B: the H200 family run of 2026-12-01 (docs/img/gemm-w8a8-family-27b.json), 64
 # weight rows on one warpgroup, 4 tiles of 32 rows: 1.05-1.65x the W8A16 plans at M = 1..32, its quantization
 # launch included.
-# 16-row tiles since the fourteenth session (docs/img/gemm-w8a8-tiles-27b-fourteenth.json): 0.80-0.97x the 32-row
-# tiles' time at M = 1..16, the same bits; from 17 rows the 32-row plan is a row bucket.
+# 16-row tiles since the fourteenth session (docs/img/gemm-w8a8-in-kernel-27b-fourteenth.json, "16-row two
+# launches"): 0.80-0.97x the 32-row tiles' time at M = 1..16, the same bits; from 17 rows the 32-row plan is a bucket.
 TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
     (16384, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 16, 4, True),  # gdn in_proj qkv+z
     (5120, 6144): GemmPlan(64, 128, 16, 4, 4, "stream", 16, 4, True),  # gdn out_proj / attn o_proj

@@ -5,9 +5,11 @@ checked bitwise across M (`gemm_family.invariance_failures`: M up to 256, permut
 against its reference and against the bf16 product on the dequantized weight, and the percent of the copy
 bandwidth (bytes read: e4m3 weight + fp32 scales + bf16 activations and output). `--family` instead times the
 W8A8 plan family (`W8A8_VARIANTS` at their K splits and the current plan, every plan's rows checked bitwise
-across M) and prints the winners as `TUNED_W8A8` entries for ops/linear.py. The JSON report goes to --out
-(default: $OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json).
-Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_w8a8.py [qwen3.5-27b] [name filter] [--family]
+across M) and prints the winners as `TUNED_W8A8` entries for ops/linear.py; `--tiles` instead times the engine's
+launch of M = 1..32 rows with 16-row and 32-row tiles (`tiles_table`). The JSON report goes to --out (default:
+$OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json, --tiles: $OUT/gemm-w8a8-tiles.json).
+Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_w8a8.py [qwen3.5-27b] [name filter] [--family |
+--tiles]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,8 @@ from gemm_fp8 import ROTATE_BYTES, fp8_shapes, random_fp8
 
 from qwen_mtp.bench import copy_bandwidth
 from qwen_mtp.ops.linear import (
+    TMA_LOAD_BUCKETS,
+    W8A8_ROW_BUCKETS,
     GemmPlan,
     dequantize_triton,
     gemm_plan,
@@ -36,6 +41,7 @@ from qwen_mtp.ops.linear import (
     invariant_matmul_triton,
     linear_fp8_w8a8_triton,
     quantize_activation_rows_triton,
+    row_plan,
     w8a8_block_products_reference,
     w8a8_matmul_triton,
 )
@@ -236,12 +242,53 @@ def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: f
     return report
 
 
+TILES_M = (1, 2, 4, 8, 16, 32)
+
+
+def tiles_table(preset: str, only: str, bandwidth: float) -> list[dict]:
+    """`--tiles`: the launch of M rows as the engine makes it (`row_plan`: the shape's row bucket, its TMA choice)
+    with 16-row and with 32-row tiles (the MMA's N, swapped), each variant's rows checked bitwise across M and
+    against the engine's product at M = 256."""
+    rows = []
+    for name, (n, k) in fp8_shapes(preset).items():
+        if only not in name:
+            continue
+        fp8, _ = rotated_weights(n, k)
+        x_all = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        engine = linear_fp8_w8a8_triton(x_all, *fp8[0])
+        print(f"\n{name} {n}x{k}: us per call (x 32-row tiles), bits equal to the engine's at M = 256, invariant")
+        for m in TILES_M:
+            plan = row_plan(n, k, m, True, W8A8_ROW_BUCKETS, gemm_plan_w8a8, TMA_LOAD_BUCKETS["w8a8"])
+            row = dict(name=name, n=n, k=k, m=m, plan=dataclasses.asdict(plan), variants={})
+            for rows_a_tile in (16, 32):
+                fn = w8a8(replace(plan, block_m=rows_a_tile))
+                us = graph_us(fn, x_all[:m], fp8)
+                moved = n * k + fp8[0][1].numel() * 4 + 2 * m * (n + k)
+                row["variants"][f"{rows_a_tile}-row tiles"] = dict(
+                    us=us, equal_at_256=torch.equal(fn(x_all, fp8[0]), engine),
+                    invariance_failures=invariance_failures(fn, x_all, fp8[0]) if m == 1 else [],
+                    pct_copy_bw=100 * moved / (us * 1e-6) / bandwidth,
+                )  # fmt: skip
+            base = row["variants"]["32-row tiles"]["us"]
+            cells = "  ".join(f"{label} {v['us']:6.1f} ({v['us'] / base:4.2f}x, {v['pct_copy_bw']:3.0f}% copy bw"
+                              f"{'' if v['equal_at_256'] else ', BITS'}"
+                              f"{', NOT INVARIANT' if v['invariance_failures'] else ''})"
+                              for label, v in row["variants"].items())  # fmt: skip
+            print(f"  M={m:<3d} {cells}")
+            rows.append(row)
+        del fp8
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preset", nargs="?", default="qwen3.5-27b")
     parser.add_argument("only", nargs="?", default="", help="only the shapes whose name contains this")
     parser.add_argument("--family", action="store_true", help="time the W8A8 plan family")
-    parser.add_argument("--out", help="JSON path (default: $OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json)")
+    parser.add_argument("--tiles", action="store_true", help="the engine's launches with 16-row and 32-row tiles")
+    parser.add_argument("--out", help="JSON path (default: $OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json, "
+                        "--tiles: $OUT/gemm-w8a8-tiles.json)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # a log that a timeout cuts still holds every finished line
@@ -250,6 +297,13 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.family:
         family(args.preset, args.only, args.out, args.jobs, bandwidth)
+        return
+    if args.tiles:
+        rows = tiles_table(args.preset, args.only, bandwidth)
+        path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm-w8a8-tiles.json")
+        with open(path, "w") as f:
+            json.dump({"preset": args.preset, "copy_bandwidth": bandwidth, "rows": rows}, f, indent=1)
+        print(f"wrote {path}")
         return
     rows = table(args.preset, args.only, bandwidth)
     path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm-w8a8.json")

@@ -1154,12 +1154,14 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # `gemm_plan_w8a8`'s default. 27B: the H200 family run of 2026-12-01 (docs/img/gemm-w8a8-family-27b.json), 64
 # weight rows on one warpgroup, 4 tiles of 32 rows: 1.05-1.65x the W8A16 plans at M = 1..32, its quantization
 # launch included.
+# 16-row tiles since the fourteenth session (docs/img/gemm-w8a8-in-kernel-27b-fourteenth.json, "16-row two
+# launches"): 0.80-0.97x the 32-row tiles' time at M = 1..16, the same bits; from 17 rows the 32-row plan is a bucket.
 TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
-    (16384, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 32, 4, True),  # gdn in_proj qkv+z
-    (5120, 6144): GemmPlan(64, 128, 16, 4, 4, "stream", 32, 4, True),  # gdn out_proj / attn o_proj
-    (14336, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 32, 4, True),  # attn qkv
-    (34816, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 32, 4, True),  # mlp gate_up
-    (5120, 17408): GemmPlan(64, 128, 46, 4, 4, "stream", 32, 4, True),  # mlp down
+    (16384, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 16, 4, True),  # gdn in_proj qkv+z
+    (5120, 6144): GemmPlan(64, 128, 16, 4, 4, "stream", 16, 4, True),  # gdn out_proj / attn o_proj
+    (14336, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 16, 4, True),  # attn qkv
+    (34816, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 16, 4, True),  # mlp gate_up
+    (5120, 17408): GemmPlan(64, 128, 46, 4, 4, "stream", 16, 4, True),  # mlp down
 }
 
 
@@ -1169,26 +1171,31 @@ TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
 # BEGIN W8A8_ROW_BUCKETS (written by benchmarks/gemm_buckets.py --apply)
 W8A8_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {
     (5120, 6144): (
+        (17, GemmPlan(64, 128, 16, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)),
         (33, GemmPlan(64, 128, 16, 4, 4, family="stream", block_m=64, swap_ab=True)),
         (65, GemmPlan(64, 128, 16, 4, 4, family="stream", block_m=128, swap_ab=True)),
         (129, GemmPlan(64, 128, 16, 4, 4, family="stream", block_m=128, swap_ab=True)),
     ),
     (5120, 17408): (
+        (17, GemmPlan(64, 128, 46, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)),
         (33, GemmPlan(64, 128, 46, 4, 4, family="stream", block_m=64, swap_ab=True)),
         (65, GemmPlan(128, 128, 46, 8, 4, family="stream", block_m=128)),
         (129, GemmPlan(128, 128, 46, 8, 4, family="stream", block_m=128)),
     ),
     (14336, 5120): (
+        (17, GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)),
         (33, GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=64, swap_ab=True)),
         (65, GemmPlan(128, 128, 40, 8, 4, family="stream", block_m=128)),
         (129, GemmPlan(128, 128, 40, 8, 4, family="stream", block_m=128)),
     ),
     (16384, 5120): (
+        (17, GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)),
         (33, GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=64, swap_ab=True)),
         (65, GemmPlan(128, 128, 40, 8, 4, family="stream", block_m=128)),
         (129, GemmPlan(128, 128, 40, 8, 4, family="stream", block_m=128)),
     ),
     (34816, 5120): (
+        (17, GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=32, row_tiles=4, swap_ab=True)),
         (33, GemmPlan(64, 128, 40, 4, 4, family="stream", block_m=64, swap_ab=True)),
         (65, GemmPlan(128, 128, 40, 8, 4, family="stream", block_m=128)),
         (129, GemmPlan(128, 128, 40, 8, 4, family="stream", block_m=128)),
@@ -1213,8 +1220,8 @@ TMA_LOAD_BUCKETS: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {
         (248320, 5120): (129,),
     },
     "w8a8": {
-        (5120, 6144): (1, 65, 129),
-        (5120, 17408): (1, 65, 129),
+        (5120, 6144): (1, 17, 65, 129),
+        (5120, 17408): (1, 17, 65, 129),
         (14336, 5120): (65, 129),
         (16384, 5120): (65, 129),
         (34816, 5120): (33, 65, 129),
@@ -1431,10 +1438,14 @@ def w8a8_matmul_triton(
     q_tiles, w_tiles = (tma and _tile_descriptors(q, weight, plan)) or (q, weight)
     options = triton_utils.launch(q.device)
     options |= l2_prefetch_columns(plan, weight, options["PDL"], q_tiles is not q)
+    # Fewer rows than the plan's row tiles hold: a binary without the loops for tile counts M never reaches (their
+    # registers, their spills). Each loop's code is the same in every binary, so are a row's bits (one row group,
+    # one counter, either way).
+    row_tiles = min(plan.row_tiles, triton.cdiv(m, plan.block_m))
     _w8a8_kernel()[(n_tiles, splits)](
         q_tiles, q_scale, w_tiles, scale, out, part, counters, m, n, k,
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,
-        SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=plan.row_tiles,
+        SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=row_tiles,
         SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, TMA=q_tiles is not q, num_warps=plan.num_warps,
         num_stages=plan.num_stages, **options,
     )  # fmt: skip

@@ -319,7 +319,9 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
     for setting in ${SETTINGS:-0 2 4 8}; do
       path="$PYTHONPATH" blocks=$setting
       [[ $setting == baseline ]] && path="$PWD/${BASELINE:-.baseline}:$PYTHONPATH" blocks=0
-      PYTHONPATH="$path" QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-$model-$setting" "${sets[@]}" \
+      # PYTHONSAFEPATH: `python3 -m` would put the working directory (this tree) ahead of PYTHONPATH, so a
+      # "baseline" run would run this tree; the bench JSON's "package" names the tree that ran.
+      PYTHONSAFEPATH=1 PYTHONPATH="$path" QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-$model-$setting" "${sets[@]}" \
         --set "bench.batch_sizes=${BATCHES:-[1]}"
     done
   done

@@ -266,6 +266,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
         "recipe": recipe.to_dict(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "package": str(Path(__file__).resolve().parent),  # which tree ran: an A/B of two trees says so here
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         "weight_bytes": sizes,
         "rows": [],

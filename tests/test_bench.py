@@ -3,6 +3,7 @@ table are rewritten after every row (a failure late in a run keeps the rows befo
 always drawn (matplotlib is a dependency)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,7 @@ def test_rows_are_written_as_they_come(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["mode"], r["exact"]) for r in report["rows"]] == [("plain", True)]
     assert "plain" in (tmp_path / "bench.txt").read_text()
+    assert report["package"] == str(Path(bench.__file__).resolve().parent)  # which tree ran (an A/B of two trees)
 
 
 def test_a_full_run_writes_json_table_and_plot(tmp_path):

@@ -11,10 +11,10 @@ shape's plan and with plans that change only the tiles (row tile, weight tile, w
 swapped or not); which are bitwise equal to it; their times at M = 1 .. 256 against cuBLAS, with each plan's own
 invariance across M.
 
-`--set buckets`: bucket candidates (plans for 33+, 65+ and 129+ rows that sum as the shape's plan does), the fastest
-per bucket, written to ops/linear.py's table with `--apply`; then the launch as the engine makes it against cuBLAS,
-a row's bits checked across the bucket edges. `--kind w8a8` does the same for the W8A8 kernel at the FP8 shapes
-(`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
+`--set buckets`: bucket candidates (plans for 33+, 65+ and 129+ rows, W8A8 also 17+, that sum as the shape's plan
+does), the fastest per bucket, written to ops/linear.py's table with `--apply`; then the launch as the engine makes
+it against cuBLAS, a row's bits checked across the bucket edges. `--kind w8a8` does the same for the W8A8 kernel at
+the FP8 shapes (`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
 
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_buckets.py [qwen3.5-27b] [name filter]
 [--set tiles|deep|buckets] [--apply] [--kind bf16|w8a8] [--out PATH]
@@ -72,6 +72,7 @@ class Kind:
     weights: object  # (n, k, copies) -> (ours, bf16 for cuBLAS)
     allowed: object  # plan -> whether the kernel runs it
     stage_bytes: int  # bytes of a weight element in a pipeline stage
+    buckets: dict  # a bucket's first row count -> the row counts its plan is chosen by (the sum of their times)
 
 
 def _bf16_weights(n: int, k: int, copies: int):
@@ -84,15 +85,20 @@ def _fp8_weights(n: int, k: int, copies: int):
     return fp8, [dequantize_triton(q, sc, torch.bfloat16) for q, sc in fp8[: max(1, copies // 2)]]
 
 
+# The W8A8 27B plans run 16-row tiles up to 16 rows (`TUNED_W8A8`); 32-row tiles won at 17-32 rows, so that kernel's
+# sweep keeps a bucket from 17 rows.
+BUCKETS = {33: (64,), 65: (96, 128), 129: (256,)}
+W8A8_BUCKETS = {17: (32,), **BUCKETS}
+
 KINDS = {
     "bf16": Kind(
         "bf16", "ROW_BUCKETS", gemm_plan, lambda x, w, p: invariant_matmul_triton(x, w, p), shapes, _bf16_weights,
-        lambda p: True, 2,
+        lambda p: True, 2, BUCKETS,
     ),
     "w8a8": Kind(
         "w8a8", "W8A8_ROW_BUCKETS", gemm_plan_w8a8, lambda x, w, p: linear_fp8_w8a8_triton(x, w[0], w[1], p),
         lambda preset, only: named_once(fp8_shapes(preset), only), _fp8_weights,
-        lambda p: p.block_k == FP8_BLOCK[1] and not p.tail_tiles, 1,
+        lambda p: p.block_k == FP8_BLOCK[1] and not p.tail_tiles, 1, W8A8_BUCKETS,
     ),
 }  # fmt: skip
 
@@ -108,7 +114,7 @@ def variants(base: GemmPlan) -> dict[str, GemmPlan]:
     one = dataclasses.replace(base, family="stream", row_tiles=1, wide_stages=0)
     plain = dataclasses.replace(one, tail_tiles=0, tail_splits=1)  # the tail changes the tail tiles' sums
     out = {"now": base, "rt1": one}
-    for bm in (64, 128, 256):
+    for bm in (16, 64, 128, 256):  # 16: a one-request decode's row tile (the W8A8 plans' up to 16 rows)
         out[f"swap bm{bm}"] = dataclasses.replace(one, block_m=bm, num_stages=stages_for(one.block_n, bm, one.block_k))
     for bn, bm, warps in ((128, 64, 8), (128, 128, 8), (128, 256, 8), (256, 128, 8), (256, 64, 8)):
         stages = stages_for(bn, bm, plain.block_k)
@@ -188,6 +194,7 @@ BUCKET_TILES: dict[str, dict] = {
 }  # fmt: skip
 # The W8A8 kernel's candidates: its K block is one 1x128 activation group, and an e4m3 stage is half a bf16 one.
 W8A8_TILES: dict[str, dict] = {
+    "bm32": dict(block_m=32, num_stages=4),
     "bm64": dict(block_m=64, num_stages=4),
     "bm128": dict(block_m=128, num_stages=4),
     "bm128 s6": dict(block_m=128, num_stages=6),
@@ -199,8 +206,6 @@ W8A8_TILES: dict[str, dict] = {
     "bn128 bm256 w8 s3": dict(block_n=128, block_m=256, num_warps=8, num_stages=3),
     "bm256 s4": dict(block_m=256, num_stages=4),
 }  # fmt: skip
-# A bucket's first row count -> the row counts its plan is chosen by (the sum of their times).
-BUCKETS = {33: (64,), 65: (96, 128), 129: (256,)}
 
 
 def bucket_variants(base: GemmPlan, n: int, k: int, kind: Kind) -> dict[str, GemmPlan]:
@@ -218,12 +223,12 @@ def bucket_variants(base: GemmPlan, n: int, k: int, kind: Kind) -> dict[str, Gem
     return out
 
 
-def pick_buckets(entry: dict, base: GemmPlan) -> tuple[tuple[int, GemmPlan], ...]:
-    """The fastest invariant plan equal to the shape's plan per bucket (the shape's plan itself where it wins);
-    empty when it wins every bucket."""
+def pick_buckets(entry: dict, base: GemmPlan, buckets: dict = BUCKETS) -> tuple[tuple[int, GemmPlan], ...]:
+    """The fastest invariant plan equal to the shape's plan per bucket of `buckets` (the shape's plan itself where
+    it wins); empty when it wins every bucket."""
     ok = {label: r for label, r in entry["plans"].items() if r["equal"] and not r["invariance_failures"]}
     chosen = []
-    for fewest, rows in BUCKETS.items():
+    for fewest, rows in buckets.items():
         label = min(ok, key=lambda lb: sum(ok[lb]["us"][m] for m in rows))
         chosen.append((fewest, GemmPlan(**ok[label]["plan"]) if label != "now" else base))
     return () if all(plan == base for _, plan in chosen) else tuple(chosen)
@@ -354,7 +359,7 @@ def main() -> None:
         report[name] = measure(n, k, plans, kind)
         print_entry(name, report[name])
     if args.set == "buckets":
-        picked = {(e["n"], e["k"]): pick_buckets(e, kind.base(e["n"], e["k"])) for e in report.values()}
+        picked = {(e["n"], e["k"]): pick_buckets(e, kind.base(e["n"], e["k"]), kind.buckets) for e in report.values()}
         table = {nk: entries for nk, entries in picked.items() if entries}
         print("\nRow buckets chosen (first row count: plan):")
         for (n, k), entries in table.items():

@@ -83,6 +83,11 @@ def rotated_weights(n: int, k: int):
     return fp8, dense
 
 
+def bytes_read(n: int, k: int, wq, m: int) -> int:
+    """What a W8A8 product of M rows must move: the e4m3 weight, its fp32 block scales, bf16 rows in and out."""
+    return n * k + 4 * wq[1].numel() + 2 * m * (n + k)
+
+
 def errors(x: torch.Tensor, wq, plan: GemmPlan) -> dict[str, float]:
     """Relative (Frobenius) errors of the kernel against its reference (fp32, on the kernel's own quantized rows:
     the MMA's accumulation within a block, FMA contraction, the bf16 output) and against the bf16 product on the
@@ -107,7 +112,6 @@ def table(preset: str, only: str, bandwidth: float) -> list[dict]:
         plan = gemm_plan_w8a8(n, k)
         fails = invariance_failures(w8a8(plan), x_all, fp8[0])
         err = errors(x_all[:128], fp8[0], plan)
-        scale_bytes = fp8[0][1].numel() * 4
         print(f"\n{name} {n}x{k}: W8A8 plan {plan}, rows invariant: {fails or 'yes'}, error vs reference "
               f"{err['vs_reference']:.1e}, vs dequantized bf16 {err['vs_dequantized_bf16']:.1e}")  # fmt: skip
         for m in DECODE_M:
@@ -121,7 +125,7 @@ def table(preset: str, only: str, bandwidth: float) -> list[dict]:
             row["w8a16_us"] = graph_us(lambda a, wq: invariant_matmul_triton(a, wq[0], scale=wq[1]), x, fp8)
             row["bf16_ours_us"] = graph_us(lambda a, w: invariant_matmul_triton(a, w), x, dense)
             row["cublas_bf16_us"] = graph_us(F.linear, x, dense)
-            moved = n * k + scale_bytes + 2 * m * (n + k)
+            moved = bytes_read(n, k, fp8[0], m)
             row["w8a8_pct_copy_bw"] = 100 * moved / (row["w8a8_us"] * 1e-6) / bandwidth
             row["w8a8_gemm_pct_copy_bw"] = 100 * moved / (row["w8a8_gemm_us"] * 1e-6) / bandwidth
             rows.append(row)
@@ -169,7 +173,7 @@ def measure_family_shape(n: int, k: int, plans: dict[str, GemmPlan], bandwidth: 
                              for m in FAMILY_M}  # fmt: skip
     entry["w8a16_us"] = {m: graph_us(lambda a, wq: invariant_matmul_triton(a, wq[0], gemm_plan_fp8(n, k), scale=wq[1]),
                                      x[:m], fp8) for m in FAMILY_M}  # fmt: skip
-    entry["roofline_us"] = {m: (n * k + 4 * fp8[0][1].numel() + 2 * m * (n + k)) / bandwidth * 1e6 for m in FAMILY_M}
+    entry["roofline_us"] = {m: bytes_read(n, k, fp8[0], m) / bandwidth * 1e6 for m in FAMILY_M}
     results, skipped = {}, {}
     for label, plan in plans.items():
         fn = w8a8(plan)
@@ -263,7 +267,7 @@ def tiles_table(preset: str, only: str, bandwidth: float) -> list[dict]:
             for rows_a_tile in (16, 32):
                 fn = w8a8(replace(plan, block_m=rows_a_tile))
                 us = graph_us(fn, x_all[:m], fp8)
-                moved = n * k + fp8[0][1].numel() * 4 + 2 * m * (n + k)
+                moved = bytes_read(n, k, fp8[0], m)
                 row["variants"][f"{rows_a_tile}-row tiles"] = dict(
                     us=us, equal_at_256=torch.equal(fn(x_all, fp8[0]), engine),
                     invariance_failures=invariance_failures(fn, x_all, fp8[0]) if m == 1 else [],

@@ -801,6 +801,13 @@ def feeds_mma_sync(plan: GemmPlan, arch: int) -> bool:
     return not (arch == 9 and rows % 64 == 0 and plan.num_warps % 4 == 0)
 
 
+def launch_row_tiles(plan: GemmPlan, m: int) -> int:
+    """ROW_TILES for a launch of M rows: the plan's, or fewer where M rows fill fewer tiles. Then the binary lacks
+    the loops for tile counts M never reaches (their registers, their spills). Each loop's code is the same in every
+    binary, so are a row's bits (one row group, one split counter, either way)."""
+    return min(plan.row_tiles, -(-m // plan.block_m))
+
+
 def stream_stages(plan: GemmPlan) -> dict[str, int]:
     """The stream kernel's pipeline depths: STAGES for its one-row-tile K loop, WIDE_STAGES for the loops of 2+
     row tiles. A program reserves the shared memory of its largest loop (stages x (weight block + row_tiles row
@@ -1438,10 +1445,7 @@ def w8a8_matmul_triton(
     q_tiles, w_tiles = (tma and _tile_descriptors(q, weight, plan)) or (q, weight)
     options = triton_utils.launch(q.device)
     options |= l2_prefetch_columns(plan, weight, options["PDL"], q_tiles is not q)
-    # Fewer rows than the plan's row tiles hold: a binary without the loops for tile counts M never reaches (their
-    # registers, their spills). Each loop's code is the same in every binary, so are a row's bits (one row group,
-    # one counter, either way).
-    row_tiles = min(plan.row_tiles, triton.cdiv(m, plan.block_m))
+    row_tiles = launch_row_tiles(plan, m)
     _w8a8_kernel()[(n_tiles, splits)](
         q_tiles, q_scale, w_tiles, scale, out, part, counters, m, n, k,
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,

@@ -260,7 +260,9 @@ def _conv_update_kernel():
     import triton.language as tl
 
     # One binary for every T and every pool width (MAX_T is a constant, T and W runtime values): plain decode,
-    # MTP verify and engines with different K must all run the very same code.
+    # MTP verify and engines with different K must all run the very same code. The token loop runs T times (a
+    # runtime bound): every token's taps and sums are the same loop body whatever T is, and a plain step does not
+    # pay for the MAX_T tokens a verify may bring.
     @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_xt", "stride_ob", "stride_pr"])
     def conv_update_window(
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
@@ -287,7 +289,7 @@ def _conv_update_kernel():
         from_x = tl.load(x_ptrs, mask=new_mask, other=0.0)
         full = tl.where(in_window, from_pool.to(tl.float32), from_x.to(tl.float32))  # [BLOCK_C, FULL]
         tl.debug_barrier()
-        for t in tl.static_range(MAX_T):
+        for t in range(T):
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
             for j in tl.static_range(KERNEL):
                 w = tl.load(w_ptr + cs * KERNEL + j, mask=cmask, other=0.0).to(tl.float32)
@@ -297,7 +299,7 @@ def _conv_update_kernel():
             tl.store(
                 out_ptr + b * stride_ob + t * stride_ot + cs,
                 (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty),
-                mask=cmask & (cs * 0 + t < T),
+                mask=cmask,
             )
         keep = cmask[:, None] & (cols[None, :] >= 1) & (cols[None, :] < KERNEL - 1 + T) & (cols[None, :] - 1 < W)
         tl.store(pool_row + cols[None, :] - 1, full.to(pool_ptr.dtype.element_ty), mask=keep)

@@ -66,9 +66,11 @@ bench_27b() { local limit=$1 name=$2 rc; shift 2
                 --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
               cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
               rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
-# graphed_profile: the 27B step's GPU time by kernel kind under CUDA graphs, B1 and B32, plain and K=3.
-graphed_profile() { timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
-                      --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"; }
+# graphed_profile [NAME [ARGS...]]: the 27B step's GPU time by kernel kind under CUDA graphs, B1 and B32, plain and
+# K=3, into $OUT/NAME.json (default profile-graphed); ARGS go to profile_step.py (e.g. --set model.synthetic=...).
+graphed_profile() { local name=${1:-profile-graphed}; shift || true
+                    timeout 200 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 "$@" \
+                      --out "$OUT/$name.json" 2>&1 | grep -v Warn | tail -80; echo "[at ${SECONDS}s] $name"; }
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
   # -rA: the summary line (pyproject's -q plus this -q would hide it)
   python3 -m pytest -q -rA tests/ops tests/gpu -k "not compiled" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
@@ -312,13 +314,14 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
   # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: the tables; N: every decode plan asks L2 for its first N K
   # blocks before the PDL wait, loading by pointers); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
-  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables. Then, with EXACT=1, the W8A8 MTP-on ==
+  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then, with EXACT=1, the W8A8 MTP-on ==
   # MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.
   for model in ${MODELS:-bf16 fp8}; do
     sets=(); [[ $model == fp8 ]] && sets=(--set model.synthetic=qwen3.5-27b-fp8)
     for setting in ${SETTINGS:-0 2 4 8}; do
       path="$PYTHONPATH" blocks=$setting
       [[ $setting == baseline ]] && path="$PWD/${BASELINE:-.baseline}:$PYTHONPATH" blocks=0
+      [[ $setting == tree:* ]] && path="$PWD/${setting#tree:}:$PYTHONPATH" blocks=0 setting=${setting//[^A-Za-z0-9_-]/}
       # PYTHONSAFEPATH: `python3 -m` would put the working directory (this tree) ahead of PYTHONPATH, so a
       # "baseline" run would run this tree; the bench JSON's "package" names the tree that ran.
       PYTHONSAFEPATH=1 PYTHONPATH="$path" QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-$model-$setting" "${sets[@]}" \

@@ -16,8 +16,8 @@
 #                decode attention plans;
 #   buckets      tune and apply the GEMM row buckets (27B, 0.8B; W8A8_BUCKETS=1: the W8A8 kernel's at 27B too),
 #                their GPU tests, the 27B batch bench (BENCH_SETS: extra --set arguments, e.g. an FP8 preset);
-#   smallkernels the step's kernels other than GEMMs: norm, rope and split-KV op tests, decode attention plans
-#                (CONTEXTS), the graphed B1 / B32 step split;
+#   smallkernels the step's kernels other than GEMMs: norm, rope and split-KV op tests, the quantization and conv
+#                launch choices (small_kernels.py), decode attention plans (CONTEXTS), the graphed B1 / B32 step split;
 #   stepbench    after a change to every step (e.g. a norm): the exactness subset, then the 27B bf16 bench, K=3 at
 #                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k;
 #   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k;
@@ -215,6 +215,8 @@ fi
 if [[ "$STAGE" == smallkernels ]]; then  # one device call (~6 min)
   counted 150 small-ops.log python3 -m pytest -q -rA tests/ops/test_norm.py tests/ops/test_rope.py \
     tests/ops/test_split_kv_attention.py tests/ops/test_backend.py
+  timeout 150 python3 benchmarks/small_kernels.py --out "$OUT/small-kernels.json" 2>&1 | grep -vi warn
+  echo "[at ${SECONDS}s] small kernels (W8A8 activation quantization, conv update)"
   timeout 200 python3 benchmarks/decode_attention.py --contexts ${CONTEXTS:-128 8192 32768 131072} \
     --out "$OUT/decode-attention.json" 2>&1 | sed -n '/^ B /,$p' | head -60; echo "[at ${SECONDS}s] decode attention"
   graphed_profile

@@ -16,8 +16,8 @@
 #                decode attention plans;
 #   buckets      tune and apply the GEMM row buckets (27B, 0.8B; W8A8_BUCKETS=1: the W8A8 kernel's at 27B too),
 #                their GPU tests, the 27B batch bench (BENCH_SETS: extra --set arguments, e.g. an FP8 preset);
-#   smallkernels the step's kernels other than GEMMs: norm, rope and split-KV op tests, decode attention plans
-#                (CONTEXTS), the graphed B1 / B32 step split;
+#   smallkernels the step's kernels other than GEMMs: norm, rope and split-KV op tests, the quantization and conv
+#                launch choices (small_kernels.py), decode attention plans (CONTEXTS), the graphed B1 / B32 step split;
 #   stepbench    after a change to every step (e.g. a norm): the exactness subset, then the 27B bf16 bench, K=3 at
 #                oracle 0.8, B1 and B32 at 128 tokens and B1 at 8k and 32k;
 #   longcontext  the 128k bench row, MTP-on == MTP-off for prompts of 1..32k at K=1..4, then B8 at 32k;
@@ -66,9 +66,11 @@ bench_27b() { local limit=$1 name=$2 rc; shift 2
                 --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
               cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
               rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
-# graphed_profile: the 27B step's GPU time by kernel kind under CUDA graphs, B1 and B32, plain and K=3.
-graphed_profile() { timeout 150 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 \
-                      --out "$OUT/profile-graphed.json" 2>&1 | grep -v Warn | tail -48; echo "[at ${SECONDS}s] profile"; }
+# graphed_profile [NAME [ARGS...]]: the 27B step's GPU time by kernel kind under CUDA graphs, B1 and B32, plain and
+# K=3, into $OUT/NAME.json (default profile-graphed); ARGS go to profile_step.py (e.g. --set model.synthetic=...).
+graphed_profile() { local name=${1:-profile-graphed}; shift || true
+                    timeout 200 python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 "$@" \
+                      --out "$OUT/$name.json" 2>&1 | grep -v Warn | tail -80; echo "[at ${SECONDS}s] $name"; }
 if [[ "$STAGE" == all || "$STAGE" == tests ]]; then
   # -rA: the summary line (pyproject's -q plus this -q would hide it)
   python3 -m pytest -q -rA tests/ops tests/gpu -k "not compiled" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|passed|failed" | tail -80
@@ -213,6 +215,8 @@ fi
 if [[ "$STAGE" == smallkernels ]]; then  # one device call (~6 min)
   counted 150 small-ops.log python3 -m pytest -q -rA tests/ops/test_norm.py tests/ops/test_rope.py \
     tests/ops/test_split_kv_attention.py tests/ops/test_backend.py
+  timeout 150 python3 benchmarks/small_kernels.py --out "$OUT/small-kernels.json" 2>&1 | grep -vi warn
+  echo "[at ${SECONDS}s] small kernels (W8A8 activation quantization, conv update)"
   timeout 200 python3 benchmarks/decode_attention.py --contexts ${CONTEXTS:-128 8192 32768 131072} \
     --out "$OUT/decode-attention.json" 2>&1 | sed -n '/^ B /,$p' | head -60; echo "[at ${SECONDS}s] decode attention"
   graphed_profile
@@ -312,13 +316,14 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
   # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: the tables; N: every decode plan asks L2 for its first N K
   # blocks before the PDL wait, loading by pointers); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
-  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables. Then, with EXACT=1, the W8A8 MTP-on ==
+  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then, with EXACT=1, the W8A8 MTP-on ==
   # MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.
   for model in ${MODELS:-bf16 fp8}; do
     sets=(); [[ $model == fp8 ]] && sets=(--set model.synthetic=qwen3.5-27b-fp8)
     for setting in ${SETTINGS:-0 2 4 8}; do
       path="$PYTHONPATH" blocks=$setting
       [[ $setting == baseline ]] && path="$PWD/${BASELINE:-.baseline}:$PYTHONPATH" blocks=0
+      [[ $setting == tree:* ]] && path="$PWD/${setting#tree:}:$PYTHONPATH" blocks=0 setting=${setting//[^A-Za-z0-9_-]/}
       # PYTHONSAFEPATH: `python3 -m` would put the working directory (this tree) ahead of PYTHONPATH, so a
       # "baseline" run would run this tree; the bench JSON's "package" names the tree that ran.
       PYTHONSAFEPATH=1 PYTHONPATH="$path" QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-$model-$setting" "${sets[@]}" \

@@ -6,6 +6,7 @@ under CUDA graphs; with `--prefill N`, one N-token prefill instead (wall time an
 kernels split by kind (GEMM, GDN, attention, other) with the top kernels.
 Usage (GPU box): python3 benchmarks/profile_step.py recipes/bench-27b.yaml [--prefill 2048]
                  python3 benchmarks/profile_step.py recipes/bench-27b.yaml --graphed 1 32 --k 3 [--out PATH]
+                     [--set model.synthetic=qwen3.5-27b-fp8]
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def profile_prefill(loaded, recipe, length: int, top: int) -> None:
     print_kernels(prof, 1, top)
 
 
-def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, out: str | None) -> None:
+def profile_graphed(
+    recipe_path: str, batches: list[int], k: int, steps: int, out: str | None, extra: tuple[str, ...] = ()
+) -> None:
     """B requests decoding together under CUDA graphs (one engine per batch size and mode, sized as the bench sizes
     them), plain and (k > 0) MTP with k drafts: wall ms per engine step and the profiled kernels of `steps` steps
     split by kind, per step."""
@@ -89,7 +92,7 @@ def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, ou
             settings = [
                 "compile.cuda_graphs=true", f"compile.batch_sizes=[{batch}]", f"cache.max_batch={batch}",
                 f"cache.num_state_rows={batch}", f"cache.num_pages={pages}",
-                f"mtp.enabled={'true' if mode_k else 'false'}", f"mtp.k={mode_k or 1}",
+                f"mtp.enabled={'true' if mode_k else 'false'}", f"mtp.k={mode_k or 1}", *extra,
             ]  # fmt: skip
             recipe = load_recipe(recipe_path, settings)
             loaded = loaded or load_from_recipe(recipe)
@@ -109,7 +112,7 @@ def profile_graphed(recipe_path: str, batches: list[int], k: int, steps: int, ou
             run_steps(steps)
             torch.cuda.synchronize()
             wall = 1e3 * (time.perf_counter() - start) / steps
-            split = gpu_split(functools.partial(run_steps, steps), top=10)
+            split = gpu_split(functools.partial(run_steps, steps), top=16)
             per_step = {key: (v / steps if not isinstance(v, dict) else {n: t / steps for n, t in v.items()})
                         for key, v in split.items()}  # fmt: skip
             label = f"B{batch} " + (f"K={mode_k} verify+draft" if mode_k else "plain")
@@ -134,9 +137,10 @@ def main() -> None:
     parser.add_argument("--graphed", type=int, nargs="*", default=None, help="batch sizes to profile under graphs")
     parser.add_argument("--k", type=int, default=0, help="with --graphed: also MTP with this many drafts")
     parser.add_argument("--out", default=None, help="with --graphed: write the split here as JSON")
+    parser.add_argument("--set", action="append", default=[], help="with --graphed: a recipe override (repeatable)")
     args = parser.parse_args()
     if args.graphed:
-        profile_graphed(args.recipe, args.graphed, args.k, args.steps, args.out)
+        profile_graphed(args.recipe, args.graphed, args.k, args.steps, args.out, tuple(args.set))
         return
     chunk = (f"cache.prefill_chunk={args.prefill}",) if args.prefill else ()
     eager_settings = ("compile.cuda_graphs=false", "compile.enabled=false", "cache.num_pages=64", *chunk)

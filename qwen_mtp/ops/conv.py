@@ -260,21 +260,31 @@ def _conv_update_kernel():
     import triton.language as tl
 
     # One binary for every T and every pool width (MAX_T is a constant, T and W runtime values): plain decode,
-    # MTP verify and engines with different K must all run the very same code.
+    # MTP verify and engines with different K must all run the very same code. The token loop is unrolled to MAX_T
+    # (each token's taps are then fixed columns of the tile) and token t's body runs only when t < T, so a plain
+    # step does not pay for the tokens a verify may bring; a token's code is the same whatever T is.
     @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_xt", "stride_ob", "stride_pr"])
     def conv_update_window(
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
         T, C, W,
         stride_xb, stride_xt, stride_ob, stride_ot, stride_pr, stride_pc,
-        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr, PDL: tl.constexpr = False,
+        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr, TAPS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
-        # One program: one request, BLOCK_C channels, all T tokens. The whole conv input (window + new
-        # tokens) is loaded as one [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so
-        # the window read at offset `committed` survives its overwrite at offset 0.
-        triton_utils.wait_for_previous_kernel(PDL)
-        b = tl.program_id(0)
+        # One program: one request, BLOCK_C channels, all T tokens. The weights never change during a step, so
+        # they load before the wait for the previous kernel; the row's window offset is a chain of two dependent
+        # loads (its pool row, then that row's committed offset) that every program waits on, so few wide
+        # programs beat many narrow ones. The whole conv input (window + new tokens) is loaded as one
+        # [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so the window read at offset
+        # `committed` survives its overwrite at offset 0.
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cs < C
+        taps = tl.arange(0, TAPS)
+        weights = tl.load(
+            w_ptr + cs[:, None] * KERNEL + taps[None, :], mask=cmask[:, None] & (taps[None, :] < KERNEL), other=0.0
+        ).to(tl.float32)  # [BLOCK_C, TAPS]
+        triton_utils.wait_for_previous_kernel(PDL)
+        b = tl.program_id(0)
         cols = tl.arange(0, FULL)
         row = tl.load(rows_ptr + b)
         start = tl.load(committed_ptr + row)
@@ -288,28 +298,41 @@ def _conv_update_kernel():
         full = tl.where(in_window, from_pool.to(tl.float32), from_x.to(tl.float32))  # [BLOCK_C, FULL]
         tl.debug_barrier()
         for t in tl.static_range(MAX_T):
-            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-            for j in tl.static_range(KERNEL):
-                w = tl.load(w_ptr + cs * KERNEL + j, mask=cmask, other=0.0).to(tl.float32)
-                tap = tl.sum(tl.where(cols[None, :] == t + j, full, 0.0), axis=1)
-                acc += w * tap
-            conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the conv's own rounding, as F.conv1d
-            tl.store(
-                out_ptr + b * stride_ob + t * stride_ot + cs,
-                (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty),
-                mask=cmask & (cs * 0 + t < T),
-            )
+            if t < T:
+                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+                for j in tl.static_range(KERNEL):
+                    w = tl.sum(tl.where(taps[None, :] == j, weights, 0.0), axis=1)  # tap j's weight: exact (one term)
+                    tap = tl.sum(tl.where(cols[None, :] == t + j, full, 0.0), axis=1)
+                    acc += w * tap
+                conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the conv's own rounding, as F.conv1d
+                tl.store(
+                    out_ptr + b * stride_ob + t * stride_ot + cs,
+                    (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty),
+                    mask=cmask,
+                )
         keep = cmask[:, None] & (cols[None, :] >= 1) & (cols[None, :] < KERNEL - 1 + T) & (cols[None, :] - 1 < W)
         tl.store(pool_row + cols[None, :] - 1, full.to(pool_ptr.dtype.element_ty), mask=keep)
 
     return conv_update_window
 
 
+# Channels per program and warps of the conv update (`benchmarks/small_kernels.py` times the choices on the GPU);
+# neither changes a number.
+CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS = 128, 4
+
+
 def conv_update_triton(
-    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    rows: torch.Tensor,
+    committed: torch.Tensor,
+    block: int | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `conv_update_reference` (same arguments, same in-place pool update). x may be a
-    strided slice (the fused input projection's qkv part): read in place."""
+    strided slice (the fused input projection's qkv part): read in place. `block` channels per program and
+    `warps` (default `CONV_UPDATE_BLOCK`, `CONV_UPDATE_WARPS`) spread the work and never change a number."""
     import triton
 
     kernel = _conv_update_kernel()
@@ -318,7 +341,7 @@ def conv_update_triton(
     weight = weight.contiguous()
     assert pool.stride(2) == 1
     out = x.new_empty(x.shape)
-    block = 128
+    block, warps = block or CONV_UPDATE_BLOCK, warps or CONV_UPDATE_WARPS
     max_t = 8  # the most tokens one call takes (K + 1 <= 5), fixed so the binary never depends on K or T
     assert length <= max_t
     kernel[(batch, triton.cdiv(channels, block))](
@@ -326,7 +349,7 @@ def conv_update_triton(
         length, channels, pool.shape[2],
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), pool.stride(0), pool.stride(1),
         KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=max_t, FULL=triton.next_power_of_2(weight.shape[1] - 1 + max_t),
-        **triton_utils.launch(x.device),
+        TAPS=triton.next_power_of_2(weight.shape[1]), num_warps=warps, **triton_utils.launch(x.device),
     )  # fmt: skip
     return out
 

@@ -1261,10 +1261,26 @@ def w8a8_supported(weight: torch.Tensor) -> bool:
     return weight.shape[-1] % FP8_BLOCK[1] == 0
 
 
-def quantize_activation_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# Rows per program and warps of the decode activation quantization by row count: (fewest rows, rows per program,
+# warps), by rising bound. Neither choice changes a bit (a row's amax is a max, its division correctly rounded),
+# so a launch may take any. H200, 27B shapes (`benchmarks/small_kernels.py`, docs/img/small-kernels-fifteenth.json):
+# a program per row and 128-column group takes 1.0-1.2 us at M = 1..4 where 16-row programs took 3.1-3.5 us; from
+# 5 rows 4-row programs (1.5-1.8 us at M = 32), from 33 rows 8-row programs (2.2-3.1 us at M = 128).
+QUANTIZE_ROWS_PLANS = ((1, 1, 2), (5, 4, 2), (33, 8, 4))
+
+
+def quantize_rows_plan(m: int) -> tuple[int, int]:
+    """(rows per program, warps) of the activation quantization of m rows (`QUANTIZE_ROWS_PLANS`)."""
+    return next((block, warps) for fewest, block, warps in reversed(QUANTIZE_ROWS_PLANS) if m >= fewest)
+
+
+def quantize_activation_rows_triton(
+    x: torch.Tensor, block_rows: int | None = None, warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_activations_reference` of x [M, K] in one launch (the prefill kernel), unpadded, with the scales
     row-major [M, K/128]: their row stride depends on K alone, so the GEMM that reads them compiles one binary for
-    every M. A row's bytes and scales never depend on the other rows."""
+    every M. A row's bytes and scales never depend on the other rows. `block_rows` rows per program and `warps`
+    (default `quantize_rows_plan(M)`) never change a number."""
     import triton
 
     x = x.contiguous()
@@ -1273,10 +1289,12 @@ def quantize_activation_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torc
     scale = torch.empty(m, k // FP8_BLOCK[1], dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    grid = (triton.cdiv(m, 16), k // FP8_BLOCK[1])
+    planned_rows, planned_warps = quantize_rows_plan(m)
+    block_rows, warps = block_rows or planned_rows, warps or planned_warps
+    grid = (triton.cdiv(m, block_rows), k // FP8_BLOCK[1])
     _quantize_activations_kernel()[grid](
-        x, q, scale, m, m, k, x.stride(0), 1, scale.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=16,
-        **triton_utils.launch(x.device),
+        x, q, scale, m, m, k, x.stride(0), 1, scale.stride(0), FLOOR=SCALE_FLOOR, BLOCK_ROWS=block_rows,
+        num_warps=warps, **triton_utils.launch(x.device),
     )  # fmt: skip
     return q, scale
 

@@ -115,6 +115,21 @@ def test_conv_update_verify_equals_decode_steps(spec):
     assert torch.equal(verify_pool[:, :, spec : spec + kernel - 1], decode_pool[:, :, : kernel - 1])
 
 
+@pytest.mark.parametrize("length", [1, 4])
+def test_conv_update_launch_choices_change_no_bit(length):
+    """Channels per program and warps only spread the work: the same outputs and pool bytes."""
+    channels = 6144 if REAL else 300
+    x, weight = rand(3, length, channels, seed=7), rand(channels, 4, seed=8)
+    pool = rand(4, channels, 3 + 3, seed=9)
+    rows, committed = torch.tensor([3, 0, 1], device=DEVICE), torch.tensor([2, 0, 3, 1], device=DEVICE)
+    want_pool = pool.clone()
+    want = conv_update_triton(x, weight, want_pool, rows, committed)
+    for block, warps in [(64, 1), (256, 8)]:
+        got_pool = pool.clone()
+        assert torch.equal(conv_update_triton(x, weight, got_pool, rows, committed, block, warps), want)
+        assert torch.equal(got_pool, want_pool)
+
+
 def test_conv_update_reads_strided_projection_slices():
     """The qkv slice of the GDN's fused input projection goes into the kernel in place."""
     _, qkv, _ = fused_projection(2, 3, [64, 40, 8], seed=2)

@@ -209,3 +209,22 @@ def test_w8a8_tma_loads_change_no_bit(plan, monkeypatch):
     assert made, "the tensor memory accelerator's path did not run"
     for m in (1, 16, 17):
         assert torch.equal(w8a8_matmul_triton(q[:m], q_scale[:m], weight, scale, loads), full[:m])
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_quantize_rows_launch_choices_change_no_bit(m):
+    """Rows per program and warps (`QUANTIZE_ROWS_PLANS`, picked by M) only spread the work: every choice gives the
+    same bytes and scales (the reference's on the GPU; see above for the interpreter's e4m3 rounding)."""
+    x = rand(m, K_TEST, dtype=torch.bfloat16, seed=m)
+    want_q, want_scale = quantize_activations_reference(x) if REAL else quantize_activation_rows_triton(x, 16, 4)
+    assert linear.quantize_rows_plan(m) in {(block, warps) for _, block, warps in linear.QUANTIZE_ROWS_PLANS}
+    for block_rows, warps in [(None, None), (1, 1), (4, 2), (16, 4)]:
+        q, scale = quantize_activation_rows_triton(x, block_rows, warps)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+def test_quantize_rows_plans_rise():
+    bounds = [fewest for fewest, _, _ in linear.QUANTIZE_ROWS_PLANS]
+    assert bounds[0] == 1 and bounds == sorted(set(bounds))
+    assert linear.quantize_rows_plan(4) == linear.QUANTIZE_ROWS_PLANS[0][1:]
+    assert linear.quantize_rows_plan(256) == linear.QUANTIZE_ROWS_PLANS[-1][1:]

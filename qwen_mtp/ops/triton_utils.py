@@ -31,9 +31,11 @@ def launch(device) -> dict:
 
     Why: a decode step is ~800 dependent kernels of a few microseconds each, and between two of them the GPU
     drains one grid, then launches and ramps up the next. With programmatic dependent launch (Hopper on) a
-    kernel's programs are launched while the previous kernel's last ones still run; each first waits at
-    `triton_helpers.wait_for_previous_kernel` until that kernel has finished and its writes are visible, so
-    nothing it reads or writes can race, and the numbers are the same bits as without it.
+    kernel's programs are launched while the previous kernel's last ones still run; each waits at
+    `triton_helpers.wait_for_previous_kernel` until that kernel has finished and its writes are visible before it
+    touches anything a kernel writes, so nothing it reads or writes can race, and the numbers are the same bits as
+    without it. Only its weights (`w_ptr`: model parameters, never written while a step runs) may be read or
+    prefetched before the wait (`tests/ops/test_pdl.py` checks every kernel's source for this).
 
     Only while a CUDA graph is being captured: there (the decode, verify and draft steps) kernels follow each
     other with no host time between them, and there it was measured (H200, 27B bf16 batch 1: the graphed forward

@@ -1,7 +1,8 @@
 """Programmatic dependent launch (`triton_utils.launch`): a kernel may start while the one before it still runs, so
-every kernel of ours must wait for it before touching memory, and every launch must pass the options that say
-whether it may start early. Read from the source (an early start cannot happen on a CPU), and the instructions
-read from a kernel compiled for the H200 here."""
+every kernel of ours must wait for it before touching memory that a kernel writes (only its weights, `w_ptr`, which
+nothing writes while a step runs, may be read before), and every launch must pass the options that say whether it
+may start early. Read from the source (an early start cannot happen on a CPU), and the instructions read from a
+kernel compiled for the H200 here."""
 
 import ast
 from pathlib import Path
@@ -33,7 +34,22 @@ def _kernels():
                 yield path, node
 
 
-def test_every_kernel_waits_for_the_previous_one_before_anything_else():
+# Pointers a kernel may read before its wait: the weights (model parameters), which no kernel writes.
+CONSTANT_POINTERS = {"w_ptr"}
+WRITES = {"store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min", "atomic_and", "atomic_or"}
+
+
+def _before_the_wait_ok(statement: ast.stmt) -> bool:
+    """A statement a kernel may run before its wait: it writes nothing and names no pointer but the weights'."""
+    for node in ast.walk(statement):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in WRITES:
+            return False
+        if isinstance(node, ast.Name) and node.id.endswith("_ptr") and node.id not in CONSTANT_POINTERS:
+            return False
+    return True
+
+
+def test_every_kernel_waits_for_the_previous_one_before_touching_what_a_kernel_writes():
     kernels = list(_kernels())
     assert len(kernels) > 30  # the walk finds the kernels (35 when this test was written)
     for path, kernel in kernels:
@@ -46,7 +62,17 @@ def test_every_kernel_waits_for_the_previous_one_before_anything_else():
             body = body[1:]
         if ast.unparse(body[0]).startswith("triton_utils.prefetch_weight_rows("):  # the GEMMs: weights to L2 first
             body = body[1:]
-        assert ast.unparse(body[0]) == "triton_utils.wait_for_previous_kernel(PDL)", f"{where} does not wait first"
+        waits = [i for i, stmt in enumerate(body) if ast.unparse(stmt) == "triton_utils.wait_for_previous_kernel(PDL)"]
+        assert waits, f"{where} never waits"
+        early = [ast.unparse(stmt) for stmt in body[: waits[0]] if not _before_the_wait_ok(stmt)]
+        assert not early, f"{where} touches memory a kernel writes before its wait: {early}"
+
+
+def test_the_rule_catches_reads_and_writes_before_the_wait():
+    bad = ["x = tl.load(x_ptr + cols)", "tl.store(w_ptr, x)", "rows = pool_ptr + 3", "tl.atomic_add(c, 1)"]
+    good = ["w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)", "cols = tl.program_id(0) * 4 + tl.arange(0, 4)"]
+    assert not any(_before_the_wait_ok(ast.parse(line).body[0]) for line in bad)
+    assert all(_before_the_wait_ok(ast.parse(line).body[0]) for line in good)
 
 
 def test_the_only_work_before_the_wait_is_an_l2_prefetch_of_weights():

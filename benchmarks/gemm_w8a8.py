@@ -67,6 +67,12 @@ W8A8_VARIANTS: dict[str, GemmPlan] = {
     "s64 16x4 st8": GemmPlan(64, 128, 1, 4, 8, "stream", 16, 4, True),
     "s256 32x4": GemmPlan(256, 128, 1, 8, 3, "stream", 32, 4, True),
     "u64 64x2": GemmPlan(128, 128, 1, 4, 4, "stream", 64, 2, False),
+    # 16-row tiles with deeper pipelines: at M <= 16 (the shape's own plan since the row buckets take 17 rows on)
+    # a program's bytes in flight are its stages x weight block.
+    "s64 16x4 st6": GemmPlan(64, 128, 1, 4, 6, "stream", 16, 4, True),
+    "s64 16x2 st8": GemmPlan(64, 128, 1, 4, 8, "stream", 16, 2, True),
+    "s128 16x4 st8": GemmPlan(128, 128, 1, 8, 8, "stream", 16, 4, True),
+    "s128 16x2 st8 w4": GemmPlan(128, 128, 1, 4, 8, "stream", 16, 2, True),
 }
 
 
@@ -138,13 +144,19 @@ def table(preset: str, only: str, bandwidth: float) -> list[dict]:
     return rows
 
 
-def w8a8_candidates(n: int, k: int, sms: int) -> dict[str, GemmPlan]:
+def w8a8_candidates(n: int, k: int, sms: int, keep_splits: bool = False) -> dict[str, GemmPlan]:
     """The plans timed for one shape: the current one, then each variant at its split choices (those of
-    `gemm_family.split_choices`, which sizes stages as bf16: an upper bound here) and one split."""
-    plans = {"current": gemm_plan_w8a8(n, k)}
+    `gemm_family.split_choices`, which sizes stages as bf16: an upper bound here) and one split. `keep_splits`: at
+    the current plan's K split only, so every candidate sums as the shape's row buckets do (`same_sums`) and can
+    replace its `TUNED_W8A8` entry without a bucket re-tune."""
+    current = gemm_plan_w8a8(n, k)
+    plans = {"current": current}
     for name, tile in W8A8_VARIANTS.items():
-        for splits in sorted({1, *split_choices(tile, n, k, sms)})[:3]:
+        choices = [current.splits(k)] if keep_splits else sorted({1, *split_choices(tile, n, k, sms)})[:3]
+        for splits in choices:
             plan = _with_splits(tile, k, splits)
+            if keep_splits and plan.k_per_split != current.k_per_split:
+                continue  # the split count does not give the current split points
             plans.setdefault(f"{name} s{plan.splits(k)}", plan)
     return plans
 
@@ -161,9 +173,11 @@ def _compile(task: tuple[int, int, GemmPlan]) -> str | None:
         return _error(err)
 
 
-def measure_family_shape(n: int, k: int, plans: dict[str, GemmPlan], bandwidth: float) -> dict:
+def measure_family_shape(
+    n: int, k: int, plans: dict[str, GemmPlan], bandwidth: float, choice_m: tuple[int, ...] = CHOICE_M
+) -> dict:
     """Every W8A8 plan of one shape at `FAMILY_M` (quantization included), rows checked bitwise across M; the
-    W8A16 plan in use, our bf16 plan and cuBLAS bf16 as baselines."""
+    W8A16 plan in use, our bf16 plan and cuBLAS bf16 as baselines; the best: the lowest sum over `choice_m`."""
     fp8, dense = rotated_weights(n, k)
     x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
     entry = dict(n=n, k=k)
@@ -185,7 +199,7 @@ def measure_family_shape(n: int, k: int, plans: dict[str, GemmPlan], bandwidth: 
             continue
         results[label] = dict(plan=dataclasses.asdict(plan), splits=plan.splits(k), us=us, invariance_failures=fails)
     ok = [label for label, r in results.items() if not r["invariance_failures"]]
-    best = min(ok, key=lambda label: sum(results[label]["us"][m] for m in CHOICE_M)) if ok else None
+    best = min(ok, key=lambda label: sum(results[label]["us"][m] for m in choice_m)) if ok else None
     entry.update(plans=results, skipped=skipped, best=best)
     if best is not None:
         entry["best_errors"] = errors(x[:128], fp8[0], plans[best])
@@ -210,19 +224,28 @@ def print_family_shape(name: str, e: dict) -> None:
         print(f"  {label:22s} skipped: {err}")
 
 
-def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: float) -> dict:
+def family(
+    preset: str,
+    only: str,
+    out_path: str | None,
+    jobs: int,
+    bandwidth: float,
+    choice_m: tuple[int, ...] = CHOICE_M,
+    keep_splits: bool = False,
+) -> dict:
     props = torch.cuda.get_device_properties(0)
     t0 = time.time()
     sms = props.multi_processor_count
-    todo = {name: (nk, w8a8_candidates(*nk, sms)) for name, nk in named_once(fp8_shapes(preset), only).items()}
+    shapes = named_once(fp8_shapes(preset), only).items()
+    todo = {name: (nk, w8a8_candidates(*nk, sms, keep_splits)) for name, nk in shapes}
     tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
     errs = precompile(tasks, jobs, _compile)
     print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errs)} errors)")
     report = {}
     for name, ((n, k), plans) in todo.items():
-        report[name] = measure_family_shape(n, k, plans, bandwidth)
+        report[name] = measure_family_shape(n, k, plans, bandwidth, choice_m)
         print_family_shape(name, report[name])
-    print("\nBest W8A8 plan per shape (lowest mean us over M = " + ", ".join(map(str, CHOICE_M)) + ", quantization")
+    print("\nBest W8A8 plan per shape (lowest mean us over M = " + ", ".join(map(str, choice_m)) + ", quantization")
     print("included): x the W8A16 plan in use at each M; then TUNED_W8A8 entries for ops/linear.py")
     for name, e in report.items():
         if e["best"] is None:
@@ -239,7 +262,8 @@ def family(preset: str, only: str, out_path: str | None, jobs: int, bandwidth: f
                   f"{p.swap_ab}),")  # fmt: skip
     print(f"{time.time() - t0:.0f} s in all")
     path = out_path or os.path.join(os.environ.get("OUT", "."), "gemm-w8a8-family.json")
-    meta = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, preset=preset, kind="w8a8")
+    meta = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, preset=preset, kind="w8a8",
+                choice_m=list(choice_m), keep_splits=keep_splits)  # fmt: skip
     with open(path, "w") as f:
         json.dump(dict(meta, copy_bandwidth=bandwidth, shapes=report), f, indent=1)
     print(f"wrote {path}")
@@ -291,6 +315,12 @@ def main() -> None:
     parser.add_argument("only", nargs="?", default="", help="only the shapes whose name contains this")
     parser.add_argument("--family", action="store_true", help="time the W8A8 plan family")
     parser.add_argument("--tiles", action="store_true", help="the engine's launches with 16-row and 32-row tiles")
+    parser.add_argument("--choice-m", default=",".join(map(str, CHOICE_M)),
+                        help="--family: the row counts whose summed time picks the best plan (e.g. 1,8,16: the "
+                        "shape's own plan serves M <= 16 where the row buckets start at 17)")  # fmt: skip
+    parser.add_argument("--keep-splits", action="store_true",
+                        help="--family: only candidates at the current plan's K split (the row buckets stay "
+                        "valid)")  # fmt: skip
     parser.add_argument("--out", help="JSON path (default: $OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json, "
                         "--tiles: $OUT/gemm-w8a8-tiles.json)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
@@ -300,7 +330,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.family:
-        family(args.preset, args.only, args.out, args.jobs, bandwidth)
+        choice_m = tuple(int(m) for m in args.choice_m.split(","))
+        family(args.preset, args.only, args.out, args.jobs, bandwidth, choice_m, args.keep_splits)
         return
     if args.tiles:
         rows = tiles_table(args.preset, args.only, bandwidth)

@@ -342,7 +342,8 @@ fi
 if [[ "$STAGE" == w8a8 ]]; then  # one device call (~5-9 min): kernel benchmarks of two trees
   # Each of MICRO (default: gemm_w8a8, the W8A8 GEMM at the 27B FP8 shapes, M = 1..128, against W8A16, our bf16 and
   # cuBLAS; also gdn_recurrent, the GDN decode / verify kernel per B and T) with this tree, and first with the
-  # qwen_mtp under BASELINE when it is set (carried); FAMILY=1 then sweeps the W8A8 plan family with this tree.
+  # qwen_mtp under BASELINE when it is set (carried); FAMILY=1 then sweeps the W8A8 plan family with this tree
+  # (FAMILY_ARGS: e.g. "--choice-m 1,8,16 --keep-splits", plans for M <= 16 that keep the row buckets valid).
   for micro in ${MICRO:-gemm_w8a8}; do
     for tree in ${BASELINE:+baseline} here; do
       path="$PYTHONPATH"; [[ $tree == baseline ]] && path="$PWD/$BASELINE:$PYTHONPATH"
@@ -352,7 +353,7 @@ if [[ "$STAGE" == w8a8 ]]; then  # one device call (~5-9 min): kernel benchmarks
     done
   done
   if [[ "${FAMILY:-0}" == 1 ]]; then
-    timeout 300 python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family --out "$OUT/gemm-w8a8-family.json" \
+    timeout 300 python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family ${FAMILY_ARGS:-} --out "$OUT/gemm-w8a8-family.json" \
       >"$OUT/gemm-w8a8-family.log" 2>&1
     echo "[rc $? at ${SECONDS}s] gemm_w8a8 --family"; sed -n '/^Best W8A8 plan/,$p' "$OUT/gemm-w8a8-family.log"
   fi

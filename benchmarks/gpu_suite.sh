@@ -316,8 +316,9 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
   # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: the tables; N: every decode plan asks L2 for its first N K
   # blocks before the PDL wait, loading by pointers); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
-  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then, with EXACT=1, the W8A8 MTP-on ==
-  # MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.
+  # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then,
+  # with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT
+  # blocks, each test's line as it ends.
   for model in ${MODELS:-bf16 fp8}; do
     sets=(); [[ $model == fp8 ]] && sets=(--set model.synthetic=qwen3.5-27b-fp8)
     for setting in ${SETTINGS:-0 2 4 8}; do

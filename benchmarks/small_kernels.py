@@ -52,7 +52,7 @@ def quantize_cases() -> list[dict]:
         for m in QUANTIZE_M:
             x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(k + m)).bfloat16()
             default = linear_ops.quantize_activation_rows_triton(x)
-            row = dict(kernel="quantize", k=k, m=m, bits=digest(*default), us={})
+            row = dict(kernel="quantize", k=k, m=m, bits=digest(*default), us={}, differs=[])
             tunable = supported(linear_ops.quantize_activation_rows_triton, x, 1, 1)
             for block, warps in QUANTIZE_VARIANTS if tunable else ((None, None),):
                 args = (block, warps) if tunable else ()
@@ -63,7 +63,8 @@ def quantize_cases() -> list[dict]:
                 label = f"rows{block} w{warps}" if tunable else "default"
                 timed = graphed_us(lambda x=x, args=args: linear_ops.quantize_activation_rows_triton(x, *args))
                 row["us"][label] = round(timed, 2)
-                row.setdefault("differs", []).extend([] if same else [label])
+                if not same:
+                    row["differs"].append(label)
             rows.append(row)
     return rows
 
@@ -82,7 +83,7 @@ def conv_cases() -> list[dict]:
             committed = torch.randint(0, CONV_SPEC + 1, (batch + 3,), device="cuda", generator=gen)
             ref_pool = pool.clone()
             default = conv_ops.conv_update_triton(x, weight, ref_pool, rows_, committed)
-            row = dict(kernel="conv", b=batch, t=length, bits=digest(default, ref_pool), us={})
+            row = dict(kernel="conv", b=batch, t=length, bits=digest(default, ref_pool), us={}, differs=[])
             tunable = supported(conv_ops.conv_update_triton, x, weight, pool.clone(), rows_, committed, 128, 4)
             for block, warps in CONV_VARIANTS if tunable else ((None, None),):
                 args = (block, warps) if tunable else ()
@@ -96,7 +97,8 @@ def conv_cases() -> list[dict]:
                     conv_ops.conv_update_triton(x, weight, scratch, rows_, committed, *args)
 
                 row["us"][label] = round(graphed_us(run), 2)
-                row.setdefault("differs", []).extend([] if same else [label])
+                if not same:
+                    row["differs"].append(label)
             rows.append(row)
     return rows
 

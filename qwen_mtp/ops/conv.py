@@ -272,11 +272,10 @@ def _conv_update_kernel():
         PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one request, BLOCK_C channels, all T tokens. The weights never change during a step, so
-        # they load before the wait for the previous kernel; the row's window offset is a chain of two dependent
-        # loads (its pool row, then that row's committed offset) that every program waits on, so few wide
-        # programs beat many narrow ones. The whole conv input (window + new tokens) is loaded as one
-        # [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so the window read at offset
-        # `committed` survives its overwrite at offset 0.
+        # they load before the wait for the previous kernel. (Wider programs, 256 to 2048 channels, were slower
+        # on the H200 at every B and T: docs/img/small-kernels-fifteenth.json.) The whole conv input (window +
+        # new tokens) is loaded as one [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so
+        # the window read at offset `committed` survives its overwrite at offset 0.
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cs < C
         taps = tl.arange(0, TAPS)

@@ -33,8 +33,10 @@ L2 prefetch. Under a CUDA graph every kernel of ours launches with programmatic 
 programs start while the kernel before it (often a short norm or quantization that leaves HBM idle) still runs,
 and wait. A plan's `l2_prefetch` has each program first ask L2 for its weight slice's first K blocks
 (`triton_utils.prefetch_weight_rows`, `l2_prefetch_columns`); weights are never written during a step, so this
-races with nothing and changes no bit. Pointer-loading plans only. Not measured yet: no table sets it;
-`QWEN_MTP_L2_PREFETCH=N` sets N blocks on every decode plan for the engine-wide A/B (`gpu_suite.sh` STAGE=prefetch).
+races with nothing and changes no bit. Pointer-loading plans only. No table sets it: measured engine-wide (H200,
+sixteenth session, 27B FP8 B1) 4 blocks on every decode plan made the step slower (9.06 -> 9.41 ms plain; it also
+gives up the TMA loads of the buckets that have them). `QWEN_MTP_L2_PREFETCH=N` sets N blocks on every decode plan
+for the engine-wide A/B (`gpu_suite.sh` STAGE=prefetch).
 
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.

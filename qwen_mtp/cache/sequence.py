@@ -17,6 +17,7 @@ from qwen_mtp.ops.attention import causal_attention
 
 class SequenceCache:
     batch_invariant = False  # a fixed batch runs together from start to end: its rows never change company
+    prefill_plans = False
 
     def __init__(self, batch: int, device: torch.device | str = "cpu", state_dtype: torch.dtype = torch.float32):
         self.batch = batch

@@ -56,6 +56,7 @@ class PackedStepCache:
     once (`set_gdn_state`)."""
 
     batch_invariant = True  # the linears see N rows of several requests: each row must be computed on its own
+    prefill_plans = True  # with the prefill plans (`ops.linear.prefill_rows`)
 
     def __init__(self, batch: PackedChunks, pages: PagePool, states: StatePool):
         self.batch, self.states = batch, states

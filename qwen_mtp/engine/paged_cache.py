@@ -43,6 +43,7 @@ class PagedStepCache:
         # Decode, verify and draft rows share a step with whatever else is running: their linears must compute
         # each row as it would be alone. A prefill chunk runs one request alone.
         self.batch_invariant = batch.kind is StepKind.DECODE
+        self.prefill_plans = False
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         return self.batch.positions

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
-from qwen_mtp.model.layers import RMSNorm
+from qwen_mtp.model.layers import RMSNorm, W8A8Input
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.ops import elementwise
@@ -34,10 +34,12 @@ class GatedAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: ForwardCache | None = None,
+        x_w8a8: W8A8Input | None = None,
     ) -> torch.Tensor:
+        """`x_w8a8`: x quantized for the W8A8 qkv projection (`layers.norm_for`)."""
         batch, length, _ = x.shape
         invariant = batch_invariant(cache)
-        q_gate, k, v = self.qkv_proj(x, invariant)
+        q_gate, k, v = self.qkv_proj(x, invariant, x_w8a8)
         q_gate = q_gate.view(batch, length, self.heads, 2 * self.head_dim)
         k = k.view(batch, length, self.kv_heads, self.head_dim)
         v = v.view(batch, length, self.kv_heads, self.head_dim)

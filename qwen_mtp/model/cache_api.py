@@ -15,6 +15,10 @@ class ForwardCache(Protocol):
     """Whether each row must be computed as it would be alone: decode, verify and MTP draft steps, whose tokens
     must not depend on what shares their batch. The layers pass it to every linear (`qwen_mtp::linear`)."""
 
+    prefill_plans: bool
+    """Whether the linears run the prefill plans (a packed prefill step, `ops.linear.prefill_rows`) rather than
+    the decode path's products: with FP8 weights those are W8A16, so no op quantizes an input for W8A8."""
+
     def positions(self, num_tokens: int) -> torch.Tensor:
         """Positions [B, num_tokens] of the tokens about to be fed to the target model."""
 
@@ -85,3 +89,9 @@ def packed_gdn_states(
 def batch_invariant(cache: ForwardCache | None) -> bool:
     """What a layer asks of its linears: batch invariance when the cache's step needs it (no cache: no)."""
     return cache is not None and cache.batch_invariant
+
+
+def decode_rows(cache: ForwardCache | None) -> bool:
+    """Whether the linears run the decode path's products (decode, verify, draft rows): batch-invariant and not
+    the prefill plans. There an op may quantize a W8A8 product's input in its own launch (`Linear.w8a8_input`)."""
+    return batch_invariant(cache) and not cache.prefill_plans

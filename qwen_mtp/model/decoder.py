@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from qwen_mtp.model.attention import GatedAttention
-from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, decode_rows
 from qwen_mtp.model.gdn import GatedDeltaNet
-from qwen_mtp.model.layers import MLP, RMSNorm, add_and_norm
+from qwen_mtp.model.layers import MLP, RMSNorm, add_and_norm, norm_for
 from qwen_mtp.model.moe import SparseMoeBlock
 from qwen_mtp.model.plan import LayerSpec
 from qwen_mtp.model.shapes import RankShapes
@@ -42,17 +42,20 @@ class DecoderLayer(nn.Module):
         pending: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input `x + pending` (pending: the previous layer's MLP output, None for the first layer); returns
-        (h, mlp_out) with the layer's output = h + mlp_out."""
-        if pending is None:
-            normed = self.input_layernorm(x)
-        else:
-            normed, x = add_and_norm(self.input_layernorm, x, pending)
+        (h, mlp_out) with the layer's output = h + mlp_out. On the decode path each norm also quantizes its output
+        where the projection it feeds runs W8A8 (`norm_for`)."""
+        decode = decode_rows(cache)
+        mixer = self.linear_attn.in_proj if self.mixer == "gdn" else self.self_attn.qkv_proj
+        normed, x, x_w8a8 = norm_for(self.input_layernorm, x, pending, mixer, decode)
         if self.mixer == "gdn":
-            mixed = self.linear_attn(normed, cache)
+            mixed = self.linear_attn(normed, cache, x_w8a8)
         else:
-            mixed = self.self_attn(normed, rope, cache)
-        normed, x = add_and_norm(self.post_attention_layernorm, x, mixed)
-        return x, self.mlp(normed, batch_invariant(cache))
+            mixed = self.self_attn(normed, rope, cache, x_w8a8)
+        mlp = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None
+        normed, x, x_w8a8 = norm_for(self.post_attention_layernorm, x, mixed, mlp, decode)
+        if x_w8a8 is None:
+            return x, self.mlp(normed, batch_invariant(cache))
+        return x, self.mlp(normed, batch_invariant(cache), x_w8a8)
 
 
 def run_layers(

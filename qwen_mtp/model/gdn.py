@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, packed_gdn_states, sequences
-from qwen_mtp.model.layers import GatedRMSNorm
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, decode_rows, packed_gdn_states, sequences
+from qwen_mtp.model.layers import GatedRMSNorm, W8A8Input
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.ops.conv import conv_prefill, conv_prefill_varlen
@@ -38,10 +38,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, eps)
         self.out_proj = Linear(self.value_dim, hidden)
 
-    def forward(self, x: torch.Tensor, cache: ForwardCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: ForwardCache | None = None, x_w8a8: W8A8Input | None = None
+    ) -> torch.Tensor:
+        """`x_w8a8`: x quantized for the W8A8 input projection (`layers.norm_for`)."""
         batch, length, _ = x.shape
         invariant = batch_invariant(cache)
-        raw, z, b, a = self.in_proj(x, invariant)  # raw [B, T, C]: pre-conv [q | k | v]
+        raw, z, b, a = self.in_proj(x, invariant, x_w8a8)  # raw [B, T, C]: pre-conv [q | k | v]
         z = z.reshape(batch, length, -1, self.dv)
         weight = self.conv1d.weight.squeeze(1)
         if cache is not None and cache.gdn_recurrent(length):
@@ -52,6 +55,9 @@ class GatedDeltaNet(nn.Module):
             out = self._chunked(raw, a, b, weight, entries[0][1])  # prefill of whole sequences ([B, T] rows)
         else:
             out = self._packed(raw, a, b, weight, cache)  # prefill of a packed step: several chunks end to end
+        if decode_rows(cache) and self.dv % 128 == 0 and self.out_proj.takes_w8a8_input(out):
+            out, out_w8a8 = self.norm.quantized(out, z, invariant)  # the norm quantizes out_proj's input
+            return self.out_proj(out.reshape(batch, length, self.value_dim), invariant, out_w8a8)
         out = self.norm(out, z, invariant)  # [B, T, Hv, dv]: per head, z read in place
         return self.out_proj(out.reshape(batch, length, self.value_dim), invariant)
 

@@ -12,7 +12,9 @@ from torch import nn
 
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.ops import norm as norm_ops
-from qwen_mtp.ops.swiglu import swiglu
+from qwen_mtp.ops.swiglu import swiglu, swiglu_w8a8
+
+W8A8Input = tuple[torch.Tensor, torch.Tensor]  # rows quantized for a W8A8 product: (e4m3 [M, K], scales [M, K/128])
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +35,20 @@ def add_and_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor) -> tuple[t
     return norm_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
 
 
+def norm_for(
+    norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, consumer: nn.Module | None, decode: bool
+) -> tuple[torch.Tensor, torch.Tensor, W8A8Input | None]:
+    """(norm(s), s, the W8A8 input of `consumer` or None) with s = x + delta (delta None: s = x): the residual add
+    fused into the norm (`add_and_norm`), and, on the decode path (`decode`) when `consumer` (the linear that reads
+    the normed rows) quantizes them for W8A8 (`takes_w8a8_input`), that quantization too, all in one launch."""
+    if decode and consumer is not None and consumer.takes_w8a8_input(x):
+        normed, summed, q, q_scale = norm_ops.norm_w8a8(x, norm.weight, norm.eps, delta=delta)
+        return normed, x if delta is None else summed, (q, q_scale)
+    if delta is None:
+        return norm(x), x, None
+    return *add_and_norm(norm, x, delta), None
+
+
 class GatedRMSNorm(nn.Module):
     """The GDN output norm: plain weight, normalise then gate with silu(z).
 
@@ -47,6 +63,12 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         return norm_ops.gated_rms_norm(x, gate, self.weight, self.eps, invariant)
 
+    def quantized(self, x: torch.Tensor, gate: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, W8A8Input]:
+        """`forward` and its rows quantized for the W8A8 product it feeds, in one launch (`qwen_mtp::norm_w8a8`);
+        rows of x are per head, so a head of 128 channels is one quantization group of the product's input."""
+        normed, _, q, q_scale = norm_ops.norm_w8a8(x, self.weight, self.eps, gate=gate, invariant=invariant)
+        return normed, (q, q_scale)
+
 
 class MLP(nn.Module):
     """SwiGLU MLP: `down(silu(gate(x)) * up(x))`, gate and up one `MergedLinear` read by the SwiGLU op."""
@@ -56,8 +78,14 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])
         self.down_proj = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj.fused(x, invariant), invariant), invariant)
+    def forward(self, x: torch.Tensor, invariant: bool = False, x_w8a8: W8A8Input | None = None) -> torch.Tensor:
+        """`x_w8a8`: x quantized for the W8A8 gate_up product (`norm_for`), which marks the decode path: then SwiGLU
+        quantizes the down projection's input too, where that product wants it."""
+        gate_up = self.gate_up_proj.fused(x, invariant, x_w8a8)
+        if x_w8a8 is not None and self.down_proj.takes_w8a8_input(gate_up):
+            hidden, q, q_scale = swiglu_w8a8(gate_up, invariant)
+            return self.down_proj(hidden, invariant, (q, q_scale))
+        return self.down_proj(swiglu(gate_up, invariant), invariant)
 
 
 class RotaryEmbedding(nn.Module):

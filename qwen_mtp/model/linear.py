@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from qwen_mtp.ops.linear import linear, linear_fp8
+from qwen_mtp.ops.linear import linear, linear_fp8, w8a8_input_wanted
 from qwen_mtp.quant.fp8 import FP8_BLOCK, check_kernel_scales, quantize_fp8_block, scale_grid
 
 
@@ -74,13 +74,22 @@ class Linear(nn.Module):
         fp8 = ", fp8_block=128x128" if self.weight_scale_inv is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}{fp8}"
 
-    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path)."""
+    def forward(
+        self, x: torch.Tensor, invariant: bool = False, x_w8a8: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """x [..., in] -> [..., out]; `invariant`: each row computed as it would be alone (decode path); `x_w8a8`:
+        x's rows already quantized for W8A8 (e4m3, scales) by the op that made x (`takes_w8a8_input`)."""
         if self.weight_scale_inv is not None:
-            out = linear_fp8(x, self.weight, self.weight_scale_inv, invariant, self.fp8_decode == "w8a8")
+            w8a8 = self.fp8_decode == "w8a8"
+            out = linear_fp8(x, self.weight, self.weight_scale_inv, invariant, w8a8, *(x_w8a8 or (None, None)))
         else:
             out = linear(x, self.weight, invariant)
         return out if self.reduce is None else self.reduce(out, invariant)
+
+    def takes_w8a8_input(self, x: torch.Tensor) -> bool:
+        """Whether the decode-path product quantizes x for W8A8 (`ops.linear.w8a8_input_wanted`): then the op that
+        makes x may quantize it in its own launch and pass it as `x_w8a8` (one launch fewer, the same bits)."""
+        return w8a8_input_wanted(x, self.weight, self.weight_scale_inv, self.fp8_decode == "w8a8")
 
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor) -> None:
@@ -221,30 +230,43 @@ class MergedLinear(nn.Module):
     def _uses_one_gemm(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.one_gemm is None else self.one_gemm
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant: bool):
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, invariant: bool, x_w8a8=None):
         if scale is None:
             return linear(x, weight, invariant)
-        return linear_fp8(x, weight, scale, invariant, self.fp8_decode == "w8a8")
+        return linear_fp8(x, weight, scale, invariant, self.fp8_decode == "w8a8", *(x_w8a8 or (None, None)))
 
     def _segment_product(self, x: torch.Tensor, segment: str, invariant: bool) -> torch.Tensor:
         scale = self.segment_scale(segment) if self.is_fp8(segment) else None
         return self._product(x, self.segment_weight(segment), scale, invariant)
 
-    def forward(self, x: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, ...]:
+    def takes_w8a8_input(self, x: torch.Tensor) -> bool:
+        """Whether the one-GEMM decode-path product of the FP8 segments quantizes x for W8A8 (`Linear`'s)."""
+        fp8 = self.weight_scale_inv is not None
+        return (
+            fp8
+            and self._uses_one_gemm(x)
+            and w8a8_input_wanted(x, self.weight, self.weight_scale_inv, self.fp8_decode == "w8a8")
+        )
+
+    def forward(
+        self, x: torch.Tensor, invariant: bool = False, x_w8a8: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """x [..., K] -> one output [..., N_i] per segment, in order (strided slices of one GEMM's output per
-        stored weight on the one-GEMM path)."""
+        stored weight on the one-GEMM path). `x_w8a8`: as for `Linear` (the FP8 segments' product takes it)."""
         if not self._uses_one_gemm(x):
             return tuple(self._segment_product(x, name, invariant) for name in self.segments)
         outputs = {}
         for home, scale in (("weight", self.weight_scale_inv), ("unquantized_weight", None)):
             names = self.stored_segments(home)
             if names:
-                out = self._product(x, getattr(self, home), scale, invariant)
+                out = self._product(x, getattr(self, home), scale, invariant, x_w8a8)
                 outputs.update(zip(names, torch.split(out, [self.segments[n] for n in names], dim=-1), strict=True))
         return tuple(outputs[name] for name in self.segments)
 
-    def fused(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    def fused(
+        self, x: torch.Tensor, invariant: bool = False, x_w8a8: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """All segments side by side, [..., sum N] (for an op that reads them together, like SwiGLU)."""
         if self._uses_one_gemm(x) and self.unquantized_weight is None:
-            return self._product(x, self.weight, self.weight_scale_inv, invariant)
-        return torch.cat(self.forward(x, invariant), dim=-1)
+            return self._product(x, self.weight, self.weight_scale_inv, invariant, x_w8a8)
+        return torch.cat(self.forward(x, invariant, x_w8a8), dim=-1)

@@ -31,12 +31,14 @@ OPS = frozenset(
         "linear_fp8",
         "moe",
         "moe_route",
+        "norm_w8a8",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",
         "rms_norm",
         "sample_tokens",
         "swiglu",
+        "swiglu_w8a8",
     }
 )
 

@@ -966,31 +966,59 @@ def linear_fp8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 @torch.library.custom_op("qwen_mtp::linear_fp8", mutates_args=())
 def linear_fp8_op(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool, w8a8: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    invariant: bool,
+    w8a8: bool = False,
+    x_q: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Custom op: x [..., K] @ dequantized(weight e4m3 [N, K], scale [ceil(N/128), ceil(K/128)])^T -> [..., N]
     in x's dtype; `invariant` as for `qwen_mtp::linear`; `w8a8`: on CUDA the invariant product quantizes the
-    activations to e4m3 (the reference, CPU included, is W8A16 either way)."""
+    activations to e4m3 (the reference, CPU included, is W8A16 either way), or takes them so quantized from the op
+    that made x (x_q, x_scale: `quantize_activations_reference(x)`, see `w8a8_input_wanted`)."""
     return linear_fp8_reference(x, weight, scale, invariant)
 
 
 def linear_fp8(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False, w8a8: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    invariant: bool = False,
+    w8a8: bool = False,
+    x_q: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`qwen_mtp::linear_fp8`: `linear` with an FP8 block weight; batch-invariant when `invariant`; `w8a8`: the
-    CUDA decode path runs W8A8 (`linear_fp8_w8a8_triton`) where the weight allows (`w8a8_supported`)."""
-    return linear_fp8_op(x, weight, scale, invariant, w8a8)
+    CUDA decode path runs W8A8 (`linear_fp8_w8a8_triton`) where the weight allows (`w8a8_supported`), on x_q and
+    x_scale when given (x's rows quantized by the op that made them: one launch fewer, the same bits)."""
+    return linear_fp8_op(x, weight, scale, invariant, w8a8, x_q, x_scale)
+
+
+def w8a8_input_wanted(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, w8a8: bool) -> bool:
+    """Whether the decode-path product `linear_fp8(x, weight, scale, True, w8a8)` quantizes x for the W8A8 kernel:
+    an FP8 weight whose K is whole 1x128 groups, W8A8 chosen, on CUDA, its Triton kernel not forced off. Then the
+    op that makes x (a norm, SwiGLU) quantizes it in its own launch and hands it over (`x_q`, `x_scale`). Decided
+    from what a compiled step knows when it is traced; packed prefill rows (`prefill_rows`), whose product runs
+    W8A16 and would ignore the quantized input, are the caller's to exclude (`cache_api.decode_rows`)."""
+    return scale is not None and w8a8 and x.is_cuda and w8a8_supported(weight) and not reference_forced("linear_fp8")
 
 
 @linear_fp8_op.register_kernel("cuda")
-def _(x, weight, scale, invariant, w8a8=False):
+def _(x, weight, scale, invariant, w8a8=False, x_q=None, x_scale=None):
     if reference_forced("linear_fp8"):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
     if invariant:
         plan = _invariant_plan(*weight.shape, x.device, fp8=True)
         if plan is None and w8a8 and w8a8_supported(weight):
-            out = linear_fp8_w8a8_triton(rows, weight, scale)
+            if x_q is None:
+                out = linear_fp8_w8a8_triton(rows, weight, scale)
+            else:
+                k = weight.shape[1]
+                q_scale = x_scale.reshape(-1, k // FP8_BLOCK[1])
+                out = w8a8_matmul_triton(x_q.reshape(-1, k), q_scale, weight, scale, None, x.dtype)
         else:
             out = invariant_matmul_triton(rows, weight, plan, scale=scale)
     else:
@@ -999,7 +1027,7 @@ def _(x, weight, scale, invariant, w8a8=False):
 
 
 @linear_fp8_op.register_fake
-def _(x, weight, scale, invariant, w8a8=False):
+def _(x, weight, scale, invariant, w8a8=False, x_q=None, x_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -1010,7 +1038,7 @@ def _setup_linear_fp8_backward(ctx, inputs, output):
 def _linear_fp8_backward(ctx, grad):
     """grad_x = grad @ W (dequantized); the FP8 weight and its scales are frozen (no gradient)."""
     weight, scale = ctx.saved_tensors
-    return grad.matmul(dequantize_weight(weight, scale, grad.dtype)), None, None, None, None
+    return grad.matmul(dequantize_weight(weight, scale, grad.dtype)), None, None, None, None, None, None
 
 
 linear_fp8_op.register_autograd(_linear_fp8_backward, setup_context=_setup_linear_fp8_backward)

@@ -15,6 +15,8 @@ import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.linear import quantize_activations_reference
+from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,18 +53,24 @@ def _norm_kernel():
 
     @triton.jit
     def rms_norm_rows(
-        x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, N, eps, g_heads, g_s0, g_s1,
-        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr = False,
+        x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, q_ptr, qs_ptr, N, eps, g_heads, g_s0, g_s1,
+        GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+        QUANT: tl.constexpr = False, FLOOR: tl.constexpr = 0.0, PDL: tl.constexpr = False,
     ):  # fmt: skip
-        # One program per row. WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers, one tree sum.
-        # (`_row_block` says which rows.)
+        # One program per row. WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers, one tree sum;
+        # its weights are loaded before the PDL wait (a parameter, which no kernel writes: at batch 1 a norm is
+        # all latency, and the load overlaps the previous kernel's tail). (`_row_block` says which rows.)
         # Otherwise the sum of squares runs over BLOCK-wide chunks in order, then one tree sum, and a second pass
         # normalizes. ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and
         # stored. GATED: row r's gate is at (r // g_heads) * g_s0 + (r % g_heads) * g_s1 (per-head rows of a
-        # strided projection slice, read in place).
-        triton_utils.wait_for_previous_kernel(PDL)
+        # strided projection slice, read in place). QUANT: the output row is also quantized for the W8A8 product
+        # it feeds (q_ptr [rows, N] e4m3, qs_ptr [rows, N / 128] fp32; N and BLOCK multiples of 128).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
+        if WHOLE_ROW:
+            w_row = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+        triton_utils.wait_for_previous_kernel(PDL)
+        q_row, qs_row = q_ptr + row * N, qs_ptr + row * (N // 128)
         if WHOLE_ROW:
             mask = cols < N
             x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
@@ -72,9 +80,11 @@ def _norm_kernel():
                 tl.store(sum_ptr + row * N + cols, x, mask=mask)
             x = x.to(tl.float32)
             inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-            y = triton_utils.scale_norm_row(x, inv, w, g_ptr, row, cols, mask, g_heads, g_s0, g_s1, GATED)
-            tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+            y = triton_utils.scale_norm_row(x, inv, w_row, g_ptr, row, cols, mask, g_heads, g_s0, g_s1, GATED)
+            y = y.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * N + cols, y, mask=mask)
+            if QUANT:
+                triton_utils.store_e4m3_groups(y.to(tl.float32), q_row, qs_row, 0, N, BLOCK // 128, FLOOR)
         else:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, N, BLOCK):
@@ -95,7 +105,10 @@ def _norm_kernel():
                     x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
                 y = triton_utils.scale_norm_row(x, inv, w, g_ptr, row, start + cols, mask, g_heads, g_s0, g_s1, GATED)
-                tl.store(out_ptr + row * N + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+                y = y.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + row * N + start + cols, y, mask=mask)
+                if QUANT:
+                    triton_utils.store_e4m3_groups(y.to(tl.float32), q_row, qs_row, start, N, BLOCK // 128, FLOOR)
 
     return rms_norm_rows
 
@@ -106,9 +119,12 @@ def norm_triton(
     eps: float,
     gate: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    quantize: bool = False,
+):
     """Triton version of `rms_norm_reference` (gate None), `gated_rms_norm_reference`, or (delta given)
-    `add_rms_norm_reference`, which returns (normed, x + delta)."""
+    `add_rms_norm_reference`, which returns (normed, x + delta). `quantize`: also the normed rows' W8A8 activation
+    quantization, (e4m3 [rows, N], fp32 scales [rows, N / 128]), appended to what it returns: the bytes and scales
+    `quantize_activation_rows_triton` gives the normed rows (N a multiple of 128)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
     gates = rows[:, None] if gate is None else _per_head_rows(gate)
@@ -116,14 +132,17 @@ def norm_triton(
     out = torch.empty_like(rows)
     summed = out if delta is None else torch.empty_like(rows)
     block, warps, whole_row = _row_block(n)
+    if quantize and (n % FP8_BLOCK[1] or block % FP8_BLOCK[1]):
+        raise ValueError(f"norm_triton(quantize=True) needs rows of a multiple of {FP8_BLOCK[1]}, got {n}")
+    q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
+    q_scale = torch.empty(rows.shape[0], n // FP8_BLOCK[1], dtype=torch.float32, device=x.device) if quantize else out
     _norm_kernel()[(rows.shape[0],)](
-        rows, gates, weight, out, deltas, summed, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
-        GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, num_warps=warps,
-        **triton_utils.launch(rows.device),
+        rows, gates, weight, out, deltas, summed, q, q_scale, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
+        GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, QUANT=quantize,
+        FLOOR=SCALE_FLOOR, num_warps=warps, **triton_utils.launch(rows.device),
     )  # fmt: skip
-    if delta is not None:
-        return out.reshape(x.shape), summed.reshape(x.shape)
-    return out.reshape(x.shape)
+    results = (out.reshape(x.shape),) + (() if delta is None else (summed.reshape(x.shape),))
+    return results + (q, q_scale) if quantize else (results if delta is not None else results[0])
 
 
 def _row_block(n: int) -> tuple[int, int, bool]:
@@ -211,6 +230,62 @@ def _(x, delta, weight, eps):
 @add_rms_norm.register_fake
 def _(x, delta, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def norm_w8a8_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed, summed, q, q_scale): normed (and summed = x + delta, else an empty tensor) as the norm's own
+    reference gives them (`gated_rms_norm_reference` with a gate, `add_rms_norm_reference` with a delta, else
+    `rms_norm_reference`), then the normed rows' W8A8 quantization (`quantize_activations_reference`)."""
+    if gate is not None:
+        normed, summed = gated_rms_norm_reference(x, gate, weight, eps, invariant), x.new_empty(0)
+    elif delta is not None:
+        normed, summed = add_rms_norm_reference(x, delta, weight, eps)
+    else:
+        normed, summed = rms_norm_reference(x, weight, eps), x.new_empty(0)
+    q, q_scale = quantize_activations_reference(normed.reshape(-1, x.shape[-1]))
+    return normed.contiguous(), summed.contiguous(), q, q_scale
+
+
+@torch.library.custom_op("qwen_mtp::norm_w8a8", mutates_args=())
+def norm_w8a8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Custom op: a norm that also quantizes its output for the W8A8 product it feeds (`norm_w8a8_reference`).
+    q and q_scale are the very bytes the product's own quantization launch would write, so `linear_fp8(...,
+    x_q=q, x_scale=q_scale)` skips that launch and changes no bit. On CUDA one launch (the norm kernel with
+    QUANT: 240 of the 256 quantization launches of a 27B FP8 step are a norm's or SwiGLU's), on CPU the
+    reference."""
+    return norm_w8a8_reference(x, weight, eps, gate, delta, invariant)
+
+
+@norm_w8a8.register_kernel("cuda")
+def _(x, weight, eps, gate=None, delta=None, invariant=False):
+    if reference_forced("norm_w8a8"):
+        return norm_w8a8_reference(x, weight, eps, gate, delta, invariant)
+    results = norm_triton(x, weight, eps, gate, delta, quantize=True)
+    if delta is None:
+        return results[0], x.new_empty(0), *results[1:]
+    return results
+
+
+@norm_w8a8.register_fake
+def _(x, weight, eps, gate=None, delta=None, invariant=False):
+    rows, n = x.numel() // x.shape[-1], x.shape[-1]
+    summed = x.new_empty(x.shape) if delta is not None else x.new_empty(0)
+    q_scale = x.new_empty(rows, n // FP8_BLOCK[1], dtype=torch.float32)
+    return x.new_empty(x.shape), summed, x.new_empty(rows, n, dtype=torch.float8_e4m3fn), q_scale
 
 
 from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)

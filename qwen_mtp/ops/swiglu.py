@@ -14,6 +14,8 @@ import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.linear import quantize_activations_reference
+from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
 
 def swiglu_reference(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
@@ -34,30 +36,50 @@ def _swiglu_kernel():
     import triton.language as tl
 
     @triton.jit
-    def swiglu_rows(gu_ptr, out_ptr, INTER, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def swiglu_rows(
+        gu_ptr, out_ptr, q_ptr, qs_ptr, INTER, BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
+        FLOOR: tl.constexpr = 0.0, PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        # QUANT: the output is also quantized for the W8A8 product it feeds (q_ptr [rows, INTER] e4m3, qs_ptr
+        # [rows, INTER / 128] fp32; BLOCK a multiple of 128).
         triton_utils.wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        first = tl.program_id(1) * BLOCK
+        cols = first + tl.arange(0, BLOCK)
         mask = cols < INTER
         gate = tl.load(gu_ptr + row * 2 * INTER + cols, mask=mask, other=0.0)
         up = tl.load(gu_ptr + row * 2 * INTER + INTER + cols, mask=mask, other=0.0).to(tl.float32)
         g = gate.to(tl.float32)
         silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + row * INTER + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (silu * up).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * INTER + cols, y, mask=mask)
+        if QUANT:
+            q_row, qs_row = q_ptr + row * INTER, qs_ptr + row * (INTER // 128)
+            triton_utils.store_e4m3_groups(y.to(tl.float32), q_row, qs_row, first, INTER, BLOCK // 128, FLOOR)
 
     return swiglu_rows
 
 
-def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu_triton(gate_up: torch.Tensor, quantize: bool = False):
+    """Triton version of `swiglu_reference`; `quantize`: (out, e4m3 [rows, I], fp32 scales [rows, I / 128]), the
+    output and its W8A8 activation quantization (I a multiple of 128), as `quantize_activation_rows_triton`
+    gives it."""
     import triton
 
     inter = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * inter).contiguous()
     out = rows.new_empty(rows.shape[0], inter)
+    if quantize and inter % FP8_BLOCK[1]:
+        raise ValueError(f"swiglu_triton(quantize=True) needs a width of a multiple of {FP8_BLOCK[1]}, got {inter}")
+    q = rows.new_empty(out.shape, dtype=torch.float8_e4m3fn) if quantize else out
+    q_scale = rows.new_empty(rows.shape[0], inter // FP8_BLOCK[1], dtype=torch.float32) if quantize else out
     block = 1024
-    launch = triton_utils.launch(rows.device)
-    _swiglu_kernel()[(rows.shape[0], triton.cdiv(inter, block))](rows, out, inter, BLOCK=block, **launch)
-    return out.reshape(*gate_up.shape[:-1], inter)
+    _swiglu_kernel()[(rows.shape[0], triton.cdiv(inter, block))](
+        rows, out, q, q_scale, inter, BLOCK=block, QUANT=quantize, FLOOR=SCALE_FLOOR,
+        **triton_utils.launch(rows.device),
+    )  # fmt: skip
+    out = out.reshape(*gate_up.shape[:-1], inter)
+    return (out, q, q_scale) if quantize else out
 
 
 @torch.library.custom_op("qwen_mtp::swiglu", mutates_args=())
@@ -76,6 +98,39 @@ def _(gate_up, invariant=False):
 @swiglu.register_fake
 def _(gate_up, invariant=False):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def swiglu_w8a8_reference(gate_up: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, ...]:
+    """(out, q, q_scale): `swiglu_reference`, then its rows' W8A8 quantization (`quantize_activations_reference`)."""
+    out = swiglu_reference(gate_up, invariant).contiguous()
+    return out, *quantize_activations_reference(out.reshape(-1, out.shape[-1]))
+
+
+@torch.library.custom_op("qwen_mtp::swiglu_w8a8", mutates_args=())
+def swiglu_w8a8(gate_up: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Custom op: SwiGLU that also quantizes its output for the W8A8 down projection (`swiglu_w8a8_reference`),
+    the bytes that product's own quantization launch would write (`qwen_mtp::norm_w8a8` says why). On CUDA one
+    launch, on CPU the reference."""
+    return swiglu_w8a8_reference(gate_up, invariant)
+
+
+@swiglu_w8a8.register_kernel("cuda")
+def _(gate_up, invariant=False):
+    if reference_forced("swiglu_w8a8"):
+        return swiglu_w8a8_reference(gate_up, invariant)
+    return swiglu_triton(gate_up, quantize=True)
+
+
+@swiglu_w8a8.register_fake
+def _(gate_up, invariant=False):
+    inter = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1]
+    q_scale = gate_up.new_empty(rows, inter // FP8_BLOCK[1], dtype=torch.float32)
+    return (
+        gate_up.new_empty(*gate_up.shape[:-1], inter),
+        gate_up.new_empty(rows, inter, dtype=torch.float8_e4m3fn),
+        q_scale,
+    )
 
 
 from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)

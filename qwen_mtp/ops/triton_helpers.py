@@ -1,8 +1,9 @@
 """The `@triton.jit` helpers that several kernels call, written once: a dot product whose result rows never depend
 on the other rows (also under the CPU interpreter), the paged-attention key loop shared by decode/verify and
-prefill attention (int64 page-slot addresses, the online-softmax update), and the sampler's order keys and
-fixed-point masses, and the norm kernel's row scaling (shared by its one-pass and chunked paths). Kernels reach
-them as `triton_utils.<helper>` (see there why); this module needs Triton.
+prefill attention (int64 page-slot addresses, the online-softmax update), the sampler's order keys and fixed-point
+masses, the norm kernel's row scaling (shared by its one-pass and chunked paths), and the W8A8 activation
+quantization that a norm or SwiGLU kernel does for the product it feeds. Kernels reach them as
+`triton_utils.<helper>` (see there why); this module needs Triton.
 """
 
 import triton
@@ -160,6 +161,22 @@ def scale_norm_row(x, inv, w, g_ptr, row, cols, mask, g_heads, g_s0, g_s1, GATED
     else:
         y = x * inv * (1.0 + w.to(tl.float32))
     return y
+
+
+@triton.jit
+def store_e4m3_groups(y, q_ptr, s_ptr, first, N, GROUPS: tl.constexpr, FLOOR: tl.constexpr):  # noqa: N803
+    """The W8A8 activation quantization of one row's columns first .. first + GROUPS * 128 (first a multiple of
+    128), done by the kernel that produced them: y [GROUPS * 128] fp32, already rounded to the activation dtype as
+    stored; q_ptr [K] e4m3 and s_ptr [K / 128] fp32 point at the row. Each 1x128 group's amax maps to 448, one
+    correctly rounded division an element: the very operations of the separate quantization kernel
+    (`linear._quantize_activations_kernel`), so the same bytes and scales. Columns from N on are not stored."""
+    groups = tl.reshape(y, (GROUPS, 128))
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1), FLOOR) / 448.0
+    q = tl.minimum(tl.maximum(tl.math.div_rn(groups, scale[:, None]), -448.0), 448.0)
+    cols = first + tl.arange(0, GROUPS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=cols < N)
+    group = first // 128 + tl.arange(0, GROUPS)
+    tl.store(s_ptr + group, scale, mask=group * 128 < N)
 
 
 @triton.jit

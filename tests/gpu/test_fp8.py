@@ -1,14 +1,17 @@
 """On CUDA with FP8 block weights: the W8A16 GEMMs at real shapes equal the bf16 GEMMs on the dequantized weights
 bit for bit and never depend on M, the W8A8 decode GEMMs never depend on M either and are within stated
 tolerances of their reference, the prefill GEMMs are within a stated tolerance of the dequantized model, and
-MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs (K = 2, 4 with W8A8 decode)."""
+MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs (K = 2, 4 with W8A8 decode), and the W8A8
+inputs quantized by the norms and SwiGLU give the tokens of the products quantizing them."""
 
 import pytest
 import torch
 from helpers import random_prompt
 
 from qwen_mtp import Engine, load_model
+from qwen_mtp.model import linear as model_linear
 from qwen_mtp.ops import linear as linear_ops
+from qwen_mtp.ops import norm as norm_ops
 from qwen_mtp.ops.linear import (
     dequantize_weight,
     gemm_plan_fp8,
@@ -137,3 +140,23 @@ def test_fp8_mtp_equals_plain_batch_1_8_32_graphs(k, fp8_decode, monkeypatch):
     eager = engine_for(mode_graphs=False, max_batch=8, fp8_decode=fp8_decode)
     assert [r.token_ids for r in eager.generate(prompts[:8], max_new_tokens=24, ignore_eos=True)] == expected[:8]
     assert bool(runs) == (fp8_decode == "w8a8")  # captured into the engines' graphs: counted when captured
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "K=3"])
+def test_w8a8_inputs_quantized_by_their_producers_change_no_token(k, monkeypatch):
+    """The norms and SwiGLU quantize the W8A8 products' inputs in their own launches (`layers.norm_for`, one
+    launch fewer a product): the same tokens as the products quantizing for themselves, at batch 1, 8 and 32
+    with CUDA graphs, and the quantizing kernels were what the graphs captured."""
+    quantizing = []
+    norm_triton = norm_ops.norm_triton
+    monkeypatch.setattr(
+        norm_ops, "norm_triton", lambda *a, **kw: quantizing.append(kw.get("quantize")) or norm_triton(*a, **kw)
+    )
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, 5, 7, 130, 64, 300, 2, 33) * 4]
+    fused = engine_for(k=k)
+    assert any(quantizing)
+    monkeypatch.setattr(model_linear, "w8a8_input_wanted", lambda *args: False)
+    separate = engine_for(k=k)
+    for batch in (1, 8, 32):
+        want = [r.token_ids for r in separate.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
+        assert [r.token_ids for r in fused.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)] == want

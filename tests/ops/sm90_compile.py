@@ -4,7 +4,8 @@ instructions the H200 would run can be read here), or with "kwidth" first, the d
 plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's kernel on
 bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8" first, the W8A8
 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions of a kernel compiled
-with and without programmatic dependent launch, or with "tma" first, the "tma" kernel's MMA and tensor-memory-
+with and without programmatic dependent launch, with "quantizing" first, the e4m3 conversions of the norm and
+SwiGLU kernels that quantize their output, or with "tma" first, the "tma" kernel's MMA and tensor-memory-
 accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`; with "binaries", a hash of every
 27B decode GEMM binary). Run without TRITON_INTERPRET (the interpreter replaces `triton.jit`);
 `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`, `test_pdl.py` and `test_linear_tma.py` run
@@ -194,10 +195,37 @@ def pdl_instructions() -> dict[str, list[str]]:
     kernel = swiglu._swiglu_kernel()
     found = {}
     for pdl in (False, True):
-        signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "INTER": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}
-        src = ASTSource(kernel, signature, constexprs={"BLOCK": 1024, "PDL": pdl})
+        signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "INTER": "i32"}
+        constexprs = {"BLOCK": 1024, "QUANT": False, "FLOOR": 0.0, "PDL": pdl}
+        src = ASTSource(kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"]
         found[str(pdl)] = re.findall(r"griddepcontrol\.\w+", ptx)
+    return found
+
+
+def quantizing_kernels() -> dict[str, int]:
+    """The norm kernel (one-pass, chunked, gated per head) and the SwiGLU kernel compiled for sm_90 with QUANT
+    (their output's W8A8 quantization, `triton_helpers.store_e4m3_groups`): per variant, the e4m3 conversions in
+    its PTX."""
+    from qwen_mtp.ops import norm, swiglu
+
+    found = {}
+    norm_signature = {"x_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16",
+                      "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "N": "i32", "eps": "fp32",
+                      "g_heads": "i32", "g_s0": "i32", "g_s1": "i32"}  # fmt: skip
+    variants = {"one pass, add": (True, False, True, 8192, 16), "chunked": (False, False, False, 1024, 4),
+                "gated heads": (False, True, False, 128, 4)}  # fmt: skip
+    for name, (whole_row, gated, add, block, warps) in variants.items():
+        constexprs = {"GATED": gated, "ADD": add, "BLOCK": block, "WHOLE_ROW": whole_row, "QUANT": True,
+                      "FLOOR": 1e-12, "PDL": True}  # fmt: skip
+        src = ASTSource(norm._norm_kernel(), norm_signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+        found[f"norm {name}"] = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx))
+    signature = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "INTER": "i32"}
+    constexprs = {"BLOCK": 1024, "QUANT": True, "FLOOR": 1e-12, "PDL": True}
+    src = ASTSource(swiglu._swiglu_kernel(), signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    found["swiglu"] = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx))
     return found
 
 
@@ -292,6 +320,8 @@ if __name__ == "__main__":
         print(json.dumps(tma_loads_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, w8a8)))
     elif sys.argv[1] == "pdl":
         print(json.dumps(pdl_instructions()))
+    elif sys.argv[1] == "quantizing":
+        print(json.dumps(quantizing_kernels()))
     elif sys.argv[1] == "tma":
         fields = json.loads(sys.argv[2])
         print(json.dumps(tma_instructions(GemmPlan(*fields[:-1], **fields[-1]))))

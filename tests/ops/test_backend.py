@@ -92,6 +92,8 @@ CUDA_PATHS = {
     "gated_rms_norm": (norm, "norm_triton", lambda: norm_args(1)),
     "add_rms_norm": (norm, "norm_triton", lambda: norm_args(1)),
     "swiglu": (swiglu, "swiglu_triton", lambda: (rand(2, 3, 16),)),
+    "norm_w8a8": (norm, "norm_triton", lambda: (rand(2, 3, 256), rand(256, seed=2, scale=0.1), 1e-6)),
+    "swiglu_w8a8": (swiglu, "swiglu_triton", lambda: (rand(2, 3, 512), True)),
     "qk_norm_rope": (rope, "qk_norm_rope_triton", rope_args),
     "conv_update": (conv, "conv_update_triton", conv_args),
     "conv_prefill": (

@@ -1,11 +1,19 @@
 """RMSNorm, the GDN's gated norm and the fused residual add + norm (`qwen_mtp::rms_norm`, `gated_rms_norm`,
-`add_rms_norm`): equal to their references and batch-invariant."""
+`add_rms_norm`): equal to their references and batch-invariant; with their output's W8A8 quantization
+(`norm_w8a8`), the bytes of the separate quantization launch."""
 
 import pytest
 import torch
-from op_helpers import DTYPES, REAL, VERIFY_DTYPE, check_op, close, fused_projection, rand
+from op_helpers import DTYPES, REAL, VERIFY_DTYPE, check_op, close, fused_projection, rand, sm90_report
 
-from qwen_mtp.ops.norm import add_rms_norm_reference, gated_rms_norm_reference, norm_triton, rms_norm_reference
+from qwen_mtp.ops.linear import quantize_activation_rows_triton, quantize_activations_reference
+from qwen_mtp.ops.norm import (
+    add_rms_norm_reference,
+    gated_rms_norm_reference,
+    norm_triton,
+    norm_w8a8_reference,
+    rms_norm_reference,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -73,3 +81,73 @@ def test_norm_ops_pass_opcheck_with_the_models_strided_inputs():
     check_op(ops.add_rms_norm, (strided, x, w, 1e-6))
     check_op(ops.gated_rms_norm, (strided, x, w, 1e-6))
     check_op(ops.gated_rms_norm, (strided, x, w, 1e-6, True))  # decode path
+
+
+# The norms that quantize their output for the W8A8 product they feed (`qwen_mtp::norm_w8a8`): the one-pass path
+# (a 27B hidden row), the chunked one (rows over 8192 wide, `_row_block`), and the per-head gated norm (heads of
+# 128, one quantization group each).
+W8A8_NORM_CASES = {  # (width, heads, residual add)
+    "whole row": (5120, None, False),
+    "whole row, add": (5120, None, True),
+    "chunked": (9216, None, False),
+    "chunked, add": (9216, None, True),
+    "gated heads": (128, 4, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(W8A8_NORM_CASES))
+def test_norm_quantizing_its_output_equals_the_separate_quantization_bitwise(dtype, case):
+    """The norm launch with QUANT writes the normed rows unchanged, and the very bytes and scales the W8A8
+    product's own quantization launch (`quantize_activation_rows_triton`) gives them, row by row alone too."""
+    width, heads, add = W8A8_NORM_CASES[case]
+    shape = (3, heads, width) if heads else (3, width)
+    x, delta = rand(*shape, dtype=dtype, seed=1), rand(*shape, dtype=dtype, seed=2) if add else None
+    gate = rand(*shape, dtype=dtype, seed=3) if heads else None
+    weight = rand(width, dtype=dtype, seed=4, scale=0.1)
+    plain = norm_triton(x, weight, 1e-6, gate, delta)
+    normed, *rest = norm_triton(x, weight, 1e-6, gate, delta, quantize=True)
+    q, q_scale = rest[-2:]
+    assert torch.equal(normed, plain[0] if add else plain)
+    if add:
+        assert torch.equal(rest[0], plain[1])
+    product_width = width * (heads or 1)  # the gated norm's rows are heads of one product row
+    want_q, want_scale = quantize_activation_rows_triton(normed.reshape(-1, product_width))
+    assert torch.equal(q.reshape(want_q.shape).view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(q_scale.reshape(want_scale.shape), want_scale)
+    if REAL:  # the interpreter rounds to e4m3 otherwise than torch (`test_activation_rows_quantize_alone`)
+        ref_q, ref_scale = quantize_activations_reference(normed.reshape(-1, product_width))
+        assert torch.equal(q.reshape(ref_q.shape).view(torch.uint8), ref_q.view(torch.uint8))
+        assert torch.equal(q_scale.reshape(ref_scale.shape), ref_scale)
+    per_row = q.view(torch.uint8).reshape(x.shape[0], -1)
+    for r in range(x.shape[0]):  # a row alone: the same bytes
+        one = [None if t is None else t[r : r + 1] for t in (x, gate, delta)]
+        alone_q = norm_triton(one[0], weight, 1e-6, one[1], one[2], quantize=True)[-2]
+        assert torch.equal(alone_q.view(torch.uint8).reshape(1, -1), per_row[r : r + 1])
+
+
+def test_norm_w8a8_op_passes_opcheck_and_its_reference_is_the_norms():
+    ops = torch.ops.qwen_mtp
+    x, delta, w = rand(2, 3, 256), rand(2, 3, 256, seed=2), rand(256, seed=3, scale=0.1)
+    heads, gate, head_w = rand(2, 3, 2, 128, seed=4), rand(2, 3, 2, 128, seed=5), rand(128, seed=6, scale=0.1)
+    check_op(ops.norm_w8a8, (x, w, 1e-6))
+    check_op(ops.norm_w8a8, (x, w, 1e-6, None, delta))
+    check_op(ops.norm_w8a8, (heads, head_w, 1e-6, gate, None, True))
+    normed, summed, q, q_scale = norm_w8a8_reference(x, w, 1e-6, delta=delta)
+    want_normed, want_summed = add_rms_norm_reference(x, delta, w, 1e-6)
+    assert torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
+    want_q, want_scale = quantize_activations_reference(want_normed.reshape(-1, 256))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(q_scale, want_scale)
+    assert norm_w8a8_reference(x, w, 1e-6)[1].numel() == 0  # no residual add, no sum
+
+
+def test_norm_quantizing_rows_not_of_whole_groups_is_an_error():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        norm_triton(rand(2, 200), rand(200), 1e-6, quantize=True)
+
+
+def test_quantizing_norm_and_swiglu_kernels_compile_for_hopper():
+    """The kernels with QUANT compiled for the H200: each converts to e4m3 (`cvt.rn.satfinite.e4m3x2`)."""
+    found = sm90_report("quantizing")
+    assert set(found) == {"norm one pass, add", "norm chunked", "norm gated heads", "swiglu"}
+    assert all(count >= 1 for count in found.values()), found

@@ -13,6 +13,7 @@ def _fused_op_cases():
     from qwen_mtp.ops.gdn import chunked_gated_delta_rule
     from qwen_mtp.ops.gdn.chunked import gdn_chunked
     from qwen_mtp.ops.norm import add_rms_norm, add_rms_norm_reference
+    from qwen_mtp.ops.output_gate import output_gate, output_gate_reference
     from qwen_mtp.ops.rope import qk_norm_rope, qk_norm_rope_reference
     from qwen_mtp.ops.swiglu import swiglu, swiglu_reference
 
@@ -23,6 +24,7 @@ def _fused_op_cases():
     decay, beta = -_rand(1, 5, 4, seed=9).abs(), _rand(1, 5, 4, seed=10).sigmoid()
     initial = _rand(1, 4, 8, 8, seed=11, scale=0.1)
     head_norms = (_rand(8, seed=15), _rand(8, seed=16))
+    attention_out = _rand(2, 4, 3, 8, seed=18).transpose(1, 2)  # [B, H, T, D] as [B, T, H, D]
 
     def gdn_reference(q, k, v, g, b, state):
         return chunked_gated_delta_rule(q, k, v, g, b, initial_state=state)
@@ -30,13 +32,16 @@ def _fused_op_cases():
     return {
         "add_rms_norm": (add_rms_norm, add_rms_norm_reference, (x, _rand(2, 3, 8, seed=12), _rand(8, seed=13), 1e-6)),
         "swiglu": (swiglu, swiglu_reference, (_rand(2, 3, 16, seed=14),)),
+        "output_gate": (output_gate, output_gate_reference, (attention_out, _rand(2, 3, 4, 16, seed=17)[..., 8:])),
         "qk_norm_rope": (qk_norm_rope, qk_norm_rope_reference, (q, k, *head_norms, 1e-6, cos, sin)),
         "gdn_chunked": (gdn_chunked, gdn_reference, (gq, gk, gv, decay, beta, initial)),
         "gdn_chunked_fresh": (gdn_chunked, gdn_reference, (gq, gk, gv, decay, beta, None)),
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["add_rms_norm", "swiglu", "qk_norm_rope", "gdn_chunked", "gdn_chunked_fresh"])
+@pytest.mark.parametrize(
+    "case", ["add_rms_norm", "swiglu", "output_gate", "qk_norm_rope", "gdn_chunked", "gdn_chunked_fresh"]
+)
 def test_fused_op_gradients_are_the_references(case):
     """Backward through each fused op equals backward through its plain-torch reference, for every tensor input
     and every output (so the model trains through the ops it infers with)."""

@@ -1,5 +1,6 @@
 """The W8A8 products' inputs quantized by the ops that make them (`layers.norm_for`, `GatedRMSNorm.quantized`,
-`MLP`): on the decode path each norm and SwiGLU that feeds a W8A8 projection hands it its rows already quantized,
+`MLP`, the attention's output gate): on the decode path each norm, SwiGLU and output gate that feeds a W8A8
+projection hands it its rows already quantized,
 the very bytes the projection's own quantization launch would write, and nothing else changes.
 
 On CPU every FP8 product is the W8A16 reference either way, so this checks the plumbing, with the CUDA-only
@@ -32,8 +33,9 @@ def _kind(name: str) -> str:
 
 
 def test_decode_path_products_take_their_inputs_quantized_by_the_producer(checkpoint, monkeypatch):
-    # heads of 128 values: the GDN's gated norm quantizes out_proj's input too (a head is one group)
-    path = checkpoint("tiny-fp8", "text", dtype="bfloat16", fp8=True, linear_value_head_dim=128)
+    # heads of 128: the GDN's gated norm and the attention's output gate quantize out_proj's and o_proj's inputs
+    # too (a head is a whole number of groups)
+    path = checkpoint("tiny-fp8", "text", dtype="bfloat16", fp8=True, linear_value_head_dim=128, head_dim=128)
     monkeypatch.setattr(model_linear.MergedLinear, "_uses_one_gemm", lambda self, x: True)  # as on CUDA
     _, want_tokens = _run(path)
 
@@ -64,16 +66,17 @@ def test_decode_path_products_take_their_inputs_quantized_by_the_producer(checkp
         "model.layers.N.linear_attn.in_proj",
         "model.layers.N.linear_attn.out_proj",
         "model.layers.N.self_attn.qkv_proj",
+        "model.layers.N.self_attn.o_proj",
         "model.layers.N.mlp.gate_up_proj",
         "model.layers.N.mlp.down_proj",
         "mtp.layers.N.self_attn.qkv_proj",
+        "mtp.layers.N.self_attn.o_proj",
         "mtp.layers.N.mlp.gate_up_proj",
         "mtp.layers.N.mlp.down_proj",
     }
-    # the decode-path products that still quantize for themselves: the attention's output is gated, not normed
-    # (mtp.fc stays bf16 in Qwen's FP8 releases)
-    own = {_kind(names[id(weight)]) for weight, decode, quantized in calls if decode and not quantized}
-    assert own == {"model.layers.N.self_attn.o_proj", "mtp.layers.N.self_attn.o_proj"}
+    # no decode-path product quantizes for itself (mtp.fc, whose input is two norms side by side, stays bf16 in
+    # Qwen's FP8 releases)
+    assert not [names[id(weight)] for weight, decode, quantized in calls if decode and not quantized]
 
 
 def test_no_input_is_quantized_off_cuda(checkpoint, monkeypatch):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen_mtp.model.cache_api import ForwardCache, batch_invariant
+from qwen_mtp.model.cache_api import ForwardCache, batch_invariant, decode_rows
 from qwen_mtp.model.layers import RMSNorm, W8A8Input
 from qwen_mtp.model.linear import Linear, MergedLinear
 from qwen_mtp.model.shapes import RankShapes
-from qwen_mtp.ops import elementwise
 from qwen_mtp.ops.attention import causal_attention
+from qwen_mtp.ops.output_gate import output_gate, output_gate_w8a8
 from qwen_mtp.ops.rope import qk_norm_rope
 
 
@@ -51,5 +51,8 @@ class GatedAttention(nn.Module):
             out = causal_attention(q, k, v, self.scale)
         else:
             out = cache.attend(self.name, q, k, v, self.scale)
-        out = out.transpose(1, 2) * elementwise.sigmoid(gate, invariant)  # [B, T, H, D]
-        return self.o_proj(out.reshape(batch, length, -1), invariant)
+        out = out.transpose(1, 2)  # [B, T, H, D]: the output gate reads it in place
+        if decode_rows(cache) and self.head_dim % 128 == 0 and self.o_proj.takes_w8a8_input(out):
+            gated, q, q_scale = output_gate_w8a8(out, gate, invariant)  # and quantizes o_proj's input
+            return self.o_proj(gated, invariant, (q, q_scale))
+        return self.o_proj(output_gate(out, gate, invariant), invariant)

@@ -32,6 +32,8 @@ OPS = frozenset(
         "moe",
         "moe_route",
         "norm_w8a8",
+        "output_gate",
+        "output_gate_w8a8",
         "paged_attention",
         "paged_prefill_attention",
         "qk_norm_rope",

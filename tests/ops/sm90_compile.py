@@ -4,10 +4,10 @@ instructions the H200 would run can be read here), or with "kwidth" first, the d
 plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's kernel on
 bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8" first, the W8A8
 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions of a kernel compiled
-with and without programmatic dependent launch, with "quantizing" first, the e4m3 conversions of the norm and
-SwiGLU kernels that quantize their output, or with "tma" first, the "tma" kernel's MMA and tensor-memory-
-accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`; with "binaries", a hash of every
-27B decode GEMM binary). Run without TRITON_INTERPRET (the interpreter replaces `triton.jit`);
+with and without programmatic dependent launch, with "quantizing" first, the e4m3 conversions of the norm,
+SwiGLU and output gate kernels that quantize their output, or with "tma" first, the "tma" kernel's MMA and
+tensor-memory-accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`; with "binaries", a
+hash of every 27B decode GEMM binary). Run without TRITON_INTERPRET (the interpreter replaces `triton.jit`);
 `test_linear_fp8_sass.py`, `test_linear_sass.py`, `test_linear_w8a8.py`, `test_pdl.py` and `test_linear_tma.py` run
 it."""
 
@@ -204,10 +204,10 @@ def pdl_instructions() -> dict[str, list[str]]:
 
 
 def quantizing_kernels() -> dict[str, int]:
-    """The norm kernel (one-pass, chunked, gated per head) and the SwiGLU kernel compiled for sm_90 with QUANT
-    (their output's W8A8 quantization, `triton_helpers.store_e4m3_groups`): per variant, the e4m3 conversions in
-    its PTX."""
-    from qwen_mtp.ops import norm, swiglu
+    """The norm kernel (one-pass, chunked, gated per head), the SwiGLU and the output gate kernels compiled for
+    sm_90 with QUANT (their output's W8A8 quantization, `triton_helpers.store_e4m3_groups`): per variant, the e4m3
+    conversions in its PTX."""
+    from qwen_mtp.ops import norm, output_gate, swiglu
 
     found = {}
     norm_signature = {"x_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16",
@@ -226,6 +226,12 @@ def quantizing_kernels() -> dict[str, int]:
     src = ASTSource(swiglu._swiglu_kernel(), signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     found["swiglu"] = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx))
+    signature = {"o_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
+                 **dict.fromkeys(("T", "H", "so_b", "so_t", "so_h", "sg_b", "sg_t", "sg_h"), "i32")}  # fmt: skip
+    constexprs = {"D": 256, "BLOCK": 256, "QUANT": True, "FLOOR": 1e-12, "PDL": True}
+    src = ASTSource(output_gate._output_gate_kernel(), signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    found["output gate"] = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx))
     return found
 
 

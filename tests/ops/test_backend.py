@@ -10,7 +10,7 @@ import torch
 from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_attention_step
 
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
-from qwen_mtp.ops import backend, conv, linear, moe, norm, paged_attention, rope, sampling, swiglu
+from qwen_mtp.ops import backend, conv, linear, moe, norm, output_gate, paged_attention, rope, sampling, swiglu
 from qwen_mtp.ops.backend import reference_ops
 from qwen_mtp.ops.gdn import chunked, gates, recurrent
 
@@ -94,6 +94,8 @@ CUDA_PATHS = {
     "swiglu": (swiglu, "swiglu_triton", lambda: (rand(2, 3, 16),)),
     "norm_w8a8": (norm, "norm_triton", lambda: (rand(2, 3, 256), rand(256, seed=2, scale=0.1), 1e-6)),
     "swiglu_w8a8": (swiglu, "swiglu_triton", lambda: (rand(2, 3, 512), True)),
+    "output_gate": (output_gate, "output_gate_triton", lambda: (rand(2, 2, 3, 16).transpose(1, 2), rand(2, 3, 2, 16))),
+    "output_gate_w8a8": (output_gate, "output_gate_triton", lambda: (rand(2, 3, 2, 128), rand(2, 3, 2, 128), True)),
     "qk_norm_rope": (rope, "qk_norm_rope_triton", rope_args),
     "conv_update": (conv, "conv_update_triton", conv_args),
     "conv_prefill": (

@@ -146,8 +146,8 @@ def test_norm_quantizing_rows_not_of_whole_groups_is_an_error():
         norm_triton(rand(2, 200), rand(200), 1e-6, quantize=True)
 
 
-def test_quantizing_norm_and_swiglu_kernels_compile_for_hopper():
+def test_quantizing_norm_swiglu_and_output_gate_kernels_compile_for_hopper():
     """The kernels with QUANT compiled for the H200: each converts to e4m3 (`cvt.rn.satfinite.e4m3x2`)."""
     found = sm90_report("quantizing")
-    assert set(found) == {"norm one pass, add", "norm chunked", "norm gated heads", "swiglu"}
+    assert set(found) == {"norm one pass, add", "norm chunked", "norm gated heads", "swiglu", "output gate"}
     assert all(count >= 1 for count in found.values()), found

@@ -62,9 +62,12 @@ def _norm_kernel():
         # all latency, and the load overlaps the previous kernel's tail). (`_row_block` says which rows.)
         # Otherwise the sum of squares runs over BLOCK-wide chunks in order, then one tree sum, and a second pass
         # normalizes. ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and
-        # stored. GATED: row r's gate is at (r // g_heads) * g_s0 + (r % g_heads) * g_s1 (per-head rows of a
-        # strided projection slice, read in place). QUANT: the output row is also quantized for the W8A8 product
-        # it feeds (q_ptr [rows, N] e4m3, qs_ptr [rows, N / 128] fp32; N and BLOCK multiples of 128).
+        # stored (the second pass adds again rather than reading the stores back: a thread may not read what
+        # another thread of its program stored without a barrier, and with QUANT's regrouping the compiler lays
+        # the second pass out otherwise than the first). GATED: row r's gate is at (r // g_heads) * g_s0 +
+        # (r % g_heads) * g_s1 (per-head rows of a strided projection slice, read in place). QUANT: the output row
+        # is also quantized for the W8A8 product it feeds (q_ptr [rows, N] e4m3, qs_ptr [rows, N / 128] fp32; N
+        # and BLOCK multiples of 128).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         if WHOLE_ROW:
@@ -99,10 +102,11 @@ def _norm_kernel():
             inv = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
             for start in range(0, N, BLOCK):
                 mask = start + cols < N
-                if ADD:  # this program's own stores: the same addresses, read back in the same thread layout
-                    x = tl.load(sum_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0)
+                if ADD:  # the sum again, not read back from sum_ptr: no thread relies on another's store
+                    d = tl.load(d_ptr + row * N + start + cols, mask=mask, other=0.0)
+                    x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+                x = x.to(tl.float32)
                 w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
                 y = triton_utils.scale_norm_row(x, inv, w, g_ptr, row, start + cols, mask, g_heads, g_s0, g_s1, GATED)
                 y = y.to(out_ptr.dtype.element_ty)

@@ -89,6 +89,7 @@ def test_norm_ops_pass_opcheck_with_the_models_strided_inputs():
 W8A8_NORM_CASES = {  # (width, heads, residual add)
     "whole row": (5120, None, False),
     "whole row, add": (5120, None, True),
+    "one chunk, add": (1024, None, True),  # a 0.8B hidden row
     "chunked": (9216, None, False),
     "chunked, add": (9216, None, True),
     "gated heads": (128, 4, False),

@@ -23,7 +23,7 @@ def test_swiglu_passes_opcheck():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inter", [384, 1280], ids=["one block", "two blocks, the second partial"])
+@pytest.mark.parametrize("inter", [384, 1280, 3584], ids=["one block", "two blocks, the second partial", "0.8B"])
 def test_swiglu_quantizing_its_output_equals_the_separate_quantization_bitwise(dtype, inter):
     """The SwiGLU launch with QUANT writes the same output, and the very bytes and scales the W8A8 down
     projection's own quantization launch (`quantize_activation_rows_triton`) gives it, a row alone too."""

@@ -127,9 +127,9 @@ def test_fp8_mtp_equals_plain_batch_1_8_32_graphs(k, fp8_decode, monkeypatch):
     """MTP-on == MTP-off at batch 1, 8 and 32 with CUDA graphs (and eager at 8), with either FP8 decode product;
     the W8A8 kernel is what the decode path ran with `fp8_decode: w8a8` (the default; every FP8 projection of the
     0.8B preset has K a multiple of 128), and never with w8a16."""
-    runs = []
-    w8a8 = linear_ops.linear_fp8_w8a8_triton
-    monkeypatch.setattr(linear_ops, "linear_fp8_w8a8_triton", lambda *args: runs.append(1) or w8a8(*args))
+    runs = []  # the W8A8 GEMM, whoever quantized its input (the product itself or the op that made it)
+    w8a8 = linear_ops.w8a8_matmul_triton
+    monkeypatch.setattr(linear_ops, "w8a8_matmul_triton", lambda *args: runs.append(1) or w8a8(*args))
     prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, k + 1, 7, 130, 64, 300, 2, 33) * 4]
     plain, spec = engine_for(fp8_decode=fp8_decode), engine_for(k=k, fp8_decode=fp8_decode)
     for batch in (1, 8, 32):
@@ -144,19 +144,19 @@ def test_fp8_mtp_equals_plain_batch_1_8_32_graphs(k, fp8_decode, monkeypatch):
 
 @pytest.mark.parametrize("k", [None, 3], ids=["plain", "K=3"])
 def test_w8a8_inputs_quantized_by_their_producers_change_no_token(k, monkeypatch):
-    """The norms and SwiGLU quantize the W8A8 products' inputs in their own launches (`layers.norm_for`, one
-    launch fewer a product): the same tokens as the products quantizing for themselves, at batch 1, 8 and 32
-    with CUDA graphs, and the quantizing kernels were what the graphs captured."""
+    """The norms, SwiGLU and the output gate quantize the W8A8 products' inputs in their own launches
+    (`layers.norm_for`, one launch fewer a product): the same tokens for 32 prompts with CUDA graphs as the
+    products quantizing for themselves, and the quantizing norms ran in the one and not in the other."""
     quantizing = []
     norm_triton = norm_ops.norm_triton
     monkeypatch.setattr(
         norm_ops, "norm_triton", lambda *a, **kw: quantizing.append(kw.get("quantize")) or norm_triton(*a, **kw)
     )
     prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, 5, 7, 130, 64, 300, 2, 33) * 4]
-    fused = engine_for(k=k)
-    assert any(quantizing)
+    fused = [r.token_ids for r in engine_for(k=k).generate(prompts, max_new_tokens=24, ignore_eos=True)]
+    assert any(quantizing)  # the graphs are captured as the engine first meets a bucket
     monkeypatch.setattr(model_linear, "w8a8_input_wanted", lambda *args: False)
+    quantizing.clear()
     separate = engine_for(k=k)
-    for batch in (1, 8, 32):
-        want = [r.token_ids for r in separate.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)]
-        assert [r.token_ids for r in fused.generate(prompts[:batch], max_new_tokens=24, ignore_eos=True)] == want
+    assert [r.token_ids for r in separate.generate(prompts, max_new_tokens=24, ignore_eos=True)] == fused
+    assert not any(quantizing)

@@ -145,8 +145,11 @@ def norm_triton(
         GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, QUANT=quantize,
         FLOOR=SCALE_FLOOR, num_warps=warps, **triton_utils.launch(rows.device),
     )  # fmt: skip
-    results = (out.reshape(x.shape),) + (() if delta is None else (summed.reshape(x.shape),))
-    return results + (q, q_scale) if quantize else (results if delta is not None else results[0])
+    normed = out.reshape(x.shape)
+    results = (normed,) if delta is None else (normed, summed.reshape(x.shape))
+    if quantize:
+        return *results, q, q_scale
+    return normed if delta is None else results
 
 
 def _row_block(n: int) -> tuple[int, int, bool]:

@@ -1202,7 +1202,7 @@ TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
     (5120, 6144): GemmPlan(64, 128, 16, 4, 6, "stream", 16, 4, True),  # gdn out_proj / attn o_proj
     (14336, 5120): GemmPlan(64, 128, 40, 4, 8, "stream", 16, 4, True),  # attn qkv
     (34816, 5120): GemmPlan(64, 128, 40, 4, 4, "stream", 16, 4, True),  # mlp gate_up
-    (5120, 17408): GemmPlan(64, 128, 46, 4, 4, "stream", 16, 4, True),  # mlp down
+    (5120, 17408): GemmPlan(64, 128, 46, 4, 8, "stream", 16, 4, True),  # mlp down
 }
 
 

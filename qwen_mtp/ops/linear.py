@@ -1196,7 +1196,8 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # Deeper pipelines at M <= 16 since the sixteenth session (`gemm_w8a8.py --family --choice-m 1,8,16 --keep-splits`,
 # docs/img/gemm-w8a8-family-27b-sixteenth.log): gdn in_proj 25.8/28.0/28.7 -> 25.1/26.2/26.4 us at M = 1/8/16 with
 # 8 stages, attn qkv 23.9/26.9/27.7 -> 23.0/23.8/24.2, o_proj 12.9/13.7/14.3 -> 12.5/13.4/14.3 with 6; gate_up kept
-# its 4 (8 stages: 54.6 us at M=1); mlp down was not reached. The same K splits: the same bits.
+# its 4 (8 stages: 54.6 us at M=1); mlp down 29.6/31.3/31.4 -> 27.2/28.7/29.5 with 8 (seventeenth session,
+# docs/img/gemm-w8a8-family-mlp-down-seventeenth.json). The same K splits: the same bits.
 TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
     (16384, 5120): GemmPlan(64, 128, 40, 4, 8, "stream", 16, 4, True),  # gdn in_proj qkv+z
     (5120, 6144): GemmPlan(64, 128, 16, 4, 6, "stream", 16, 4, True),  # gdn out_proj / attn o_proj

@@ -9,7 +9,10 @@
           requests' gaps between token updates;
 4. exact: packed tokens == each prompt's tokens alone (packing on: must hold), packed == packing off (reported:
           the prefill GEMM differs, so bf16 near-ties may flip), and with --k MTP-on == MTP-off (packing on).
-With --profile, also the GPU time of one more packed 32 x 128 burst by kind of kernel, and its top kernels.
+With --profile, also the GPU time of one more packed 32 x 128 burst by kind of kernel, and its top kernels, and in
+the ITL run (both modes) the GPU time split of one step carrying a long prompt's first chunk beside the running
+requests' decode rows, and of one decode-only step. The ITL run also reports how many steps carried a chunk and
+their mean wall time against the decode-only steps'.
 Writes JSON to --out (default $OUT/mixed-steps.json) and prints a summary.
 Usage (GPU box): python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml [--k 2] [--set cache.max_step_tokens=16384]
 CPU smoke run:   python3 benchmarks/mixed_steps.py recipes/bench-tiny.yaml --scale 0.0625 --arrivals 2
@@ -162,31 +165,61 @@ def inter_token(engine: Engine, args, vocab: int) -> dict:
     last = dict.fromkeys(running, time.perf_counter())
     gaps: list[float] = []
     start, arrived, arrivals = time.perf_counter(), 0, []
+    chunk_steps: list[float] = []  # wall seconds of the steps that ran an arrival's prefill chunk
+    decode_steps: list[float] = []  # and of the others
     while arrived < args.arrivals or any(not engine.requests[r].done for r in arrivals):
         if arrived < args.arrivals and time.perf_counter() - start >= arrived * args.interval:
             prompt = tokens(args.long, seed=700 + arrived, vocab=vocab)
             arrivals.append(engine.submit(prompt, SamplingParams(1, ignore_eos=True)))
             arrived += 1
+        chunk = any(engine.requests[r].in_prefill for r in arrivals)
+        before = time.perf_counter()
         updates = engine.step()
         now = time.perf_counter()
+        (chunk_steps if chunk else decode_steps).append(now - before)
         for update in updates:
             if update.request_id in last and update.new_token_ids:
                 gaps.append(now - last[update.request_id])
                 last[update.request_id] = now
         if any(engine.requests[r].done for r in running):
             raise SystemExit(f"--itl-tokens {args.itl_tokens} ran out before the arrivals ended: raise it")
+    profiled = profile_chunk_step(engine, args, vocab) if args.profile else None
     for rid in running:
         engine.cancel(rid)
         engine.result(rid)
     for rid in arrivals:
         engine.result(rid)
     gaps.sort()
-    return {
+    report = {
         "p50_ms": 1e3 * gaps[len(gaps) // 2],
         "p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
         "max_ms": 1e3 * gaps[-1],
         "updates": len(gaps),
+        "chunk_steps": step_times(chunk_steps),
+        "decode_steps": step_times(decode_steps),
     }
+    if profiled is not None:
+        report["chunk_step_gpu_ms"], report["decode_step_gpu_ms"] = profiled
+    return report
+
+
+def step_times(seconds: list[float]) -> dict:
+    """Count, mean and max of some steps' wall times (ms): the ITL run's p50 is a decode step's time or a chunk
+    step's, depending on which kind is the majority of the steps."""
+    if not seconds:
+        return {"count": 0}
+    return {"count": len(seconds), "mean_ms": 1e3 * statistics.mean(seconds), "max_ms": 1e3 * max(seconds)}
+
+
+def profile_chunk_step(engine: Engine, args, vocab: int) -> tuple[dict, dict]:
+    """With the running requests still decoding: the GPU time split of one step that carries a new long
+    prompt's first chunk beside their decode rows, then of one decode-only step (`gpu_split`)."""
+    arrival = engine.submit(tokens(args.long, seed=799, vocab=vocab), SamplingParams(1, ignore_eos=True))
+    chunk = gpu_split(engine.step)
+    while not engine.requests[arrival].done:
+        engine.step()
+    engine.result(arrival)
+    return chunk, gpu_split(engine.step)
 
 
 def main() -> None:
@@ -202,7 +235,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens of the TTFT bursts")
     parser.add_argument("--solo", type=int, default=4, help="prompts of each burst also run alone (exactness)")
     parser.add_argument("--gemm-rows", default="128,512,2048,4096,8192")
-    parser.add_argument("--profile", action="store_true", help="GPU time split of one more packed 32 x 128 burst")
+    parser.add_argument("--profile", action="store_true", help="GPU time splits: a packed 32 x 128 burst, a chunk step")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mixed-steps.json"))
     args = parser.parse_args()
     args.short, args.long = max(1, int(128 * args.scale)), max(1, int(2048 * args.scale))
@@ -274,8 +307,17 @@ def main() -> None:
               + (f", MTP == plain {entry['mtp_equals_plain']}" if args.k else ""))  # fmt: skip
     report["itl"] = {name: results[name, "itl"] for name in ("unpacked", "packed")}
     for name, itl in report["itl"].items():
+        chunk, decode = itl["chunk_steps"], itl["decode_steps"]
         print(f"ITL {args.running} running + a {args.long}-token prompt every {args.interval} s, {name:8s}: "
-              f"p50 {itl['p50_ms']:.1f} ms, p99 {itl['p99_ms']:.1f} ms, max {itl['max_ms']:.1f} ms")  # fmt: skip
+              f"p50 {itl['p50_ms']:.1f} ms, p99 {itl['p99_ms']:.1f} ms, max {itl['max_ms']:.1f} ms; "
+              f"{chunk['count']} chunk steps (mean {chunk.get('mean_ms', 0):.1f} ms), {decode['count']} decode "
+              f"steps (mean {decode.get('mean_ms', 0):.1f} ms)")  # fmt: skip
+        for part in ("chunk_step_gpu_ms", "decode_step_gpu_ms"):
+            if part in itl:
+                split = itl[part]
+                print(f"  {name} {part}: " + "  ".join(f"{k} {v:.1f}" for k, v in split.items() if k != "top kernels"))
+                for kernel, ms in split["top kernels"].items():
+                    print(f"      {ms:9.2f} ms  {kernel}")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")

@@ -241,12 +241,8 @@ class MergedLinear(nn.Module):
 
     def takes_w8a8_input(self, x: torch.Tensor) -> bool:
         """Whether the one-GEMM decode-path product of the FP8 segments quantizes x for W8A8 (`Linear`'s)."""
-        fp8 = self.weight_scale_inv is not None
-        return (
-            fp8
-            and self._uses_one_gemm(x)
-            and w8a8_input_wanted(x, self.weight, self.weight_scale_inv, self.fp8_decode == "w8a8")
-        )
+        wanted = w8a8_input_wanted(x, self.weight, self.weight_scale_inv, self.fp8_decode == "w8a8")
+        return self._uses_one_gemm(x) and wanted
 
     def forward(
         self, x: torch.Tensor, invariant: bool = False, x_w8a8: tuple[torch.Tensor, torch.Tensor] | None = None

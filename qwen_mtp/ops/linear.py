@@ -1309,6 +1309,14 @@ def quantize_rows_plan(m: int) -> tuple[int, int]:
     return next((block, warps) for fewest, block, warps in reversed(QUANTIZE_ROWS_PLANS) if m >= fewest)
 
 
+def empty_w8a8_input(like: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised room for `rows` rows of K quantized for the W8A8 product, on `like`'s device: e4m3 [rows, K]
+    and fp32 scales [rows, K/128], row-major (`quantize_activation_rows_triton`'s layout, which every op that
+    quantizes a W8A8 input in its own launch writes)."""
+    q = like.new_empty(rows, k, dtype=torch.float8_e4m3fn)
+    return q, like.new_empty(rows, k // FP8_BLOCK[1], dtype=torch.float32)
+
+
 def quantize_activation_rows_triton(
     x: torch.Tensor, block_rows: int | None = None, warps: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1320,8 +1328,7 @@ def quantize_activation_rows_triton(
 
     x = x.contiguous()
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, k // FP8_BLOCK[1], dtype=torch.float32, device=x.device)
+    q, scale = empty_w8a8_input(x, m, k)
     if m == 0:
         return q, scale
     planned_rows, planned_warps = quantize_rows_plan(m)

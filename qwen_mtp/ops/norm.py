@@ -15,7 +15,7 @@ import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
-from qwen_mtp.ops.linear import quantize_activations_reference
+from qwen_mtp.ops.linear import empty_w8a8_input, quantize_activations_reference
 from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
 
@@ -138,8 +138,7 @@ def norm_triton(
     block, warps, whole_row = _row_block(n)
     if quantize and (n % FP8_BLOCK[1] or block % FP8_BLOCK[1]):
         raise ValueError(f"norm_triton(quantize=True) needs rows of a multiple of {FP8_BLOCK[1]}, got {n}")
-    q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
-    q_scale = torch.empty(rows.shape[0], n // FP8_BLOCK[1], dtype=torch.float32, device=x.device) if quantize else out
+    q, q_scale = empty_w8a8_input(rows, *rows.shape) if quantize else (out, out)
     _norm_kernel()[(rows.shape[0],)](
         rows, gates, weight, out, deltas, summed, q, q_scale, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
         GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, QUANT=quantize,
@@ -289,10 +288,8 @@ def _(x, weight, eps, gate=None, delta=None, invariant=False):
 
 @norm_w8a8.register_fake
 def _(x, weight, eps, gate=None, delta=None, invariant=False):
-    rows, n = x.numel() // x.shape[-1], x.shape[-1]
     summed = x.new_empty(x.shape) if delta is not None else x.new_empty(0)
-    q_scale = x.new_empty(rows, n // FP8_BLOCK[1], dtype=torch.float32)
-    return x.new_empty(x.shape), summed, x.new_empty(rows, n, dtype=torch.float8_e4m3fn), q_scale
+    return x.new_empty(x.shape), summed, *empty_w8a8_input(x, x.numel() // x.shape[-1], x.shape[-1])
 
 
 from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)

@@ -17,7 +17,7 @@ import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
-from qwen_mtp.ops.linear import quantize_activations_reference
+from qwen_mtp.ops.linear import empty_w8a8_input, quantize_activations_reference
 from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
 
@@ -79,8 +79,7 @@ def output_gate_triton(out: torch.Tensor, gate: torch.Tensor, quantize: bool = F
     if quantize and (dim % FP8_BLOCK[1] or block != dim):
         raise ValueError(f"output_gate_triton(quantize=True) needs heads of a multiple of {FP8_BLOCK[1]}, got {dim}")
     tokens = batch * length
-    q = out.new_empty(tokens, heads * dim, dtype=torch.float8_e4m3fn) if quantize else gated
-    q_scale = out.new_empty(tokens, heads * dim // FP8_BLOCK[1], dtype=torch.float32) if quantize else gated
+    q, q_scale = empty_w8a8_input(out, tokens, heads * dim) if quantize else (gated, gated)
     if tokens:
         _output_gate_kernel()[(tokens, heads)](
             out, gate, gated, q, q_scale, length, heads, out.stride(0), out.stride(1), out.stride(2),
@@ -128,9 +127,7 @@ def _(out, gate, invariant=False):
 @output_gate_w8a8.register_fake
 def _(out, gate, invariant=False):
     batch, length, heads, dim = out.shape
-    q = out.new_empty(batch * length, heads * dim, dtype=torch.float8_e4m3fn)
-    q_scale = out.new_empty(batch * length, heads * dim // FP8_BLOCK[1], dtype=torch.float32)
-    return out.new_empty(batch, length, heads * dim), q, q_scale
+    return out.new_empty(batch, length, heads * dim), *empty_w8a8_input(out, batch * length, heads * dim)
 
 
 from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)

@@ -14,7 +14,7 @@ import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
 from qwen_mtp.ops.backend import reference_forced
-from qwen_mtp.ops.linear import quantize_activations_reference
+from qwen_mtp.ops.linear import empty_w8a8_input, quantize_activations_reference
 from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
 
@@ -71,8 +71,7 @@ def swiglu_triton(gate_up: torch.Tensor, quantize: bool = False):
     out = rows.new_empty(rows.shape[0], inter)
     if quantize and inter % FP8_BLOCK[1]:
         raise ValueError(f"swiglu_triton(quantize=True) needs a width of a multiple of {FP8_BLOCK[1]}, got {inter}")
-    q = rows.new_empty(out.shape, dtype=torch.float8_e4m3fn) if quantize else out
-    q_scale = rows.new_empty(rows.shape[0], inter // FP8_BLOCK[1], dtype=torch.float32) if quantize else out
+    q, q_scale = empty_w8a8_input(rows, *out.shape) if quantize else (out, out)
     block = 1024
     _swiglu_kernel()[(rows.shape[0], triton.cdiv(inter, block))](
         rows, out, q, q_scale, inter, BLOCK=block, QUANT=quantize, FLOOR=SCALE_FLOOR,
@@ -125,12 +124,7 @@ def _(gate_up, invariant=False):
 def _(gate_up, invariant=False):
     inter = gate_up.shape[-1] // 2
     rows = gate_up.numel() // gate_up.shape[-1]
-    q_scale = gate_up.new_empty(rows, inter // FP8_BLOCK[1], dtype=torch.float32)
-    return (
-        gate_up.new_empty(*gate_up.shape[:-1], inter),
-        gate_up.new_empty(rows, inter, dtype=torch.float8_e4m3fn),
-        q_scale,
-    )
+    return gate_up.new_empty(*gate_up.shape[:-1], inter), *empty_w8a8_input(gate_up, rows, inter)
 
 
 from qwen_mtp.ops.autograd import register_reference_autograd  # noqa: E402  (autograd: the reference's gradient)

@@ -1,8 +1,8 @@
 """On CUDA with FP8 block weights: the W8A16 GEMMs at real shapes equal the bf16 GEMMs on the dequantized weights
 bit for bit and never depend on M, the W8A8 decode GEMMs never depend on M either and are within stated
 tolerances of their reference, the prefill GEMMs are within a stated tolerance of the dequantized model, and
-MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs (K = 2, 4 with W8A8 decode), and the W8A8
-inputs quantized by the norms and SwiGLU give the tokens of the products quantizing them."""
+MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs (W8A8 and W8A16 decode), and the W8A8
+inputs quantized by the norms, SwiGLU and the output gate give the tokens of the products quantizing them."""
 
 import pytest
 import torch

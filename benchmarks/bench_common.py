@@ -4,8 +4,11 @@ as a sibling module (a script's directory is first on sys.path)."""
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import pstats
 import random
+import time
 from collections import defaultdict
 
 import torch
@@ -67,3 +70,31 @@ def gpu_split(fn, top: int = 12) -> dict:
             kernels[event.key[:80]] += us / 1e3
     totals["top kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])
     return dict(totals)
+
+
+def host_split(fn, top: int = 25) -> dict:
+    """Wall milliseconds of one call of `fn` (the GPU waited for), and the host functions that took the most of
+    it under cProfile (their own time, `tottime`, in ms; cProfile's overhead inflates them all alike). A step
+    whose wall time is well above its GPU time is bound by these: the GPU waits for the host's launches."""
+    sync()
+    started = time.perf_counter()
+    with cProfile.Profile() as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - started
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    functions = {f"{name} ({file.rsplit('/', 1)[-1]}:{line}) x{calls}": 1e3 * tottime
+                 for (file, line, name), (calls, _, tottime, _, _) in ranked}  # fmt: skip
+    return {"wall_ms": 1e3 * wall, "top functions": functions}
+
+
+def cpu_split(fn, top: int = 20) -> dict:
+    """Host milliseconds of one call of `fn` by operator, as torch's profiler records them on the CPU (each
+    op's self time, C++ included: the dispatcher, allocations, kernel launches), its `top` entries."""
+    sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    ranked = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)[:top]
+    return {f"{event.key[:70]} x{event.count}": event.self_cpu_time_total / 1e3 for event in ranked}

@@ -11,7 +11,8 @@
           the prefill GEMM differs, so bf16 near-ties may flip), and with --k MTP-on == MTP-off (packing on).
 With --profile, also the GPU time of one more packed 32 x 128 burst by kind of kernel, and its top kernels, and in
 the ITL run (both modes) the GPU time split of one step carrying a long prompt's first chunk beside the running
-requests' decode rows, and of one decode-only step. The ITL run also reports how many steps carried a chunk and
+requests' decode rows, and of one decode-only step, and the host time of two more chunk steps (by function, by
+operator). The ITL run also reports how many steps carried a chunk and
 their mean wall time against the decode-only steps'.
 Writes JSON to --out (default $OUT/mixed-steps.json) and prints a summary.
 Usage (GPU box): python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml [--k 2] [--set cache.max_step_tokens=16384]
@@ -28,7 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_common import free_memory, gpu_split, sync, tokens  # (a sibling module: benchmarks/bench_common.py)
+from bench_common import cpu_split, free_memory, gpu_split, host_split, sync, tokens  # benchmarks/bench_common.py
 
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
@@ -199,7 +200,7 @@ def inter_token(engine: Engine, args, vocab: int) -> dict:
         "decode_steps": step_times(decode_steps),
     }
     if profiled is not None:
-        report["chunk_step_gpu_ms"], report["decode_step_gpu_ms"] = profiled
+        report["chunk_step_gpu_ms"], report["decode_step_gpu_ms"], report["chunk_step_host"] = profiled
     return report
 
 
@@ -211,15 +212,19 @@ def step_times(seconds: list[float]) -> dict:
     return {"count": len(seconds), "mean_ms": 1e3 * statistics.mean(seconds), "max_ms": 1e3 * max(seconds)}
 
 
-def profile_chunk_step(engine: Engine, args, vocab: int) -> tuple[dict, dict]:
+def profile_chunk_step(engine: Engine, args, vocab: int) -> tuple[dict, dict, dict]:
     """With the running requests still decoding: the GPU time split of one step that carries a new long
-    prompt's first chunk beside their decode rows, then of one decode-only step (`gpu_split`)."""
-    arrival = engine.submit(tokens(args.long, seed=799, vocab=vocab), SamplingParams(1, ignore_eos=True))
-    chunk = gpu_split(engine.step)
-    while not engine.requests[arrival].done:
-        engine.step()
-    engine.result(arrival)
-    return chunk, gpu_split(engine.step)
+    prompt's first chunk beside their decode rows, then of one decode-only step (`gpu_split`), then the host
+    functions of another such chunk step (`host_split`) and the host time by operator of a third (`cpu_split`)."""
+    splits = []
+    for seed, split in ((799, gpu_split), (798, host_split), (797, cpu_split)):
+        arrival = engine.submit(tokens(args.long, seed=seed, vocab=vocab), SamplingParams(1, ignore_eos=True))
+        splits.append(split(engine.step))
+        while not engine.requests[arrival].done:
+            engine.step()
+        engine.result(arrival)
+    splits[1]["top ops"] = splits.pop()
+    return splits[0], gpu_split(engine.step), splits[1]
 
 
 def main() -> None:
@@ -318,6 +323,14 @@ def main() -> None:
                 print(f"  {name} {part}: " + "  ".join(f"{k} {v:.1f}" for k, v in split.items() if k != "top kernels"))
                 for kernel, ms in split["top kernels"].items():
                     print(f"      {ms:9.2f} ms  {kernel}")
+        if "chunk_step_host" in itl:
+            host = itl["chunk_step_host"]
+            print(f"  {name} chunk step under cProfile: {host['wall_ms']:.1f} ms wall; its host functions (own ms):")
+            for function, ms in host["top functions"].items():
+                print(f"      {ms:9.2f} ms  {function}")
+            print(f"  {name} chunk step, host time by operator (torch profiler, self ms):")
+            for op, ms in host["top ops"].items():
+                print(f"      {ms:9.2f} ms  {op}")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")

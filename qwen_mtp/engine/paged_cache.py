@@ -12,7 +12,10 @@ import torch
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine.sampling import SamplingRows
-from qwen_mtp.ops import conv, gdn, paged_attention, prefill_attention  # noqa: F401  (registers the ops)
+from qwen_mtp.ops.conv import conv_update
+from qwen_mtp.ops.gdn import gdn_recurrent
+from qwen_mtp.ops.paged_attention import paged_attention
+from qwen_mtp.ops.prefill_attention import paged_prefill_attention
 
 
 class StepKind(enum.Enum):
@@ -53,8 +56,7 @@ class PagedStepCache:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, heads, D]
         # Decode / verify: one query at a time over exactly its visible keys, so position p of a (K+1)-token
         # verify is computed as a 1-token decode at p computes it. Prefill: a chunk's queries in tiles.
-        ops = torch.ops.qwen_mtp
-        op = ops.paged_attention if batch.kind is StepKind.DECODE else ops.paged_prefill_attention
+        op = paged_attention if batch.kind is StepKind.DECODE else paged_prefill_attention
         out = op(q, k, v, kv, batch.block_tables, batch.context_lens, batch.positions, scale)
         return out.transpose(1, 2)
 
@@ -74,8 +76,8 @@ class PagedStepCache:
 
     def gdn_conv_update(self, layer: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         pool = self.states.layer_conv(layer)
-        return torch.ops.qwen_mtp.conv_update(x, weight, pool, self.batch.state_rows, self.states.committed)
+        return conv_update(x, weight, pool, self.batch.state_rows, self.states.committed)
 
     def gdn_delta_rule(self, layer, q, k, v, a, b, A_log, dt_bias) -> torch.Tensor:  # noqa: N803
         pool, rows, committed = self.states.layer_ssm(layer), self.batch.state_rows, self.states.committed
-        return torch.ops.qwen_mtp.gdn_recurrent(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)
+        return gdn_recurrent(q, k, v, a, b, A_log, dt_bias, pool, rows, committed)

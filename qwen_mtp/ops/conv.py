@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mtp.ops import elementwise, triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 
 
 def causal_conv1d(
@@ -193,7 +193,7 @@ def conv_prefill(
     return conv_prefill_reference(x, weight, window)
 
 
-@conv_prefill.register_kernel("cuda")
+@cuda_kernel(conv_prefill)
 def _(x, weight, window):
     if reference_forced("conv_prefill"):
         return conv_prefill_reference(x, weight, window)
@@ -220,7 +220,7 @@ def conv_prefill_varlen(
     return conv_prefill_varlen_reference(x, weight, cu_seqlens, list(windows))
 
 
-@conv_prefill_varlen.register_kernel("cuda")
+@cuda_kernel(conv_prefill_varlen)
 def _(x, weight, cu_seqlens, windows):
     if reference_forced("conv_prefill_varlen"):
         return conv_prefill_varlen_reference(x, weight, cu_seqlens, list(windows))
@@ -361,7 +361,7 @@ def conv_update(
     return conv_update_reference(x, weight, pool, rows, committed).contiguous()
 
 
-@conv_update.register_kernel("cuda")
+@cuda_kernel(conv_update)
 def _(x, weight, pool, rows, committed):
     if reference_forced("conv_update"):
         return conv_update_reference(x, weight, pool, rows, committed).contiguous()

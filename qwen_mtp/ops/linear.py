@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mtp.ops import triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.triton_utils import INTERPRET
 from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_block
 
@@ -906,7 +906,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> to
     return linear_op(x, weight, invariant)
 
 
-@linear_op.register_kernel("cuda")
+@cuda_kernel(linear_op)
 def _(x, weight, invariant):
     if not invariant:
         return F.linear(x, weight).contiguous()
@@ -1005,7 +1005,7 @@ def w8a8_input_wanted(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return scale is not None and w8a8 and x.is_cuda and w8a8_supported(weight) and not reference_forced("linear_fp8")
 
 
-@linear_fp8_op.register_kernel("cuda")
+@cuda_kernel(linear_fp8_op)
 def _(x, weight, scale, invariant, w8a8=False, x_q=None, x_scale=None):
     if reference_forced("linear_fp8"):
         return linear_fp8_reference(x, weight, scale, invariant)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mtp.ops import elementwise, triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.linear import dequantize_weight, rowwise_products
 from qwen_mtp.ops.triton_utils import INTERPRET
 from qwen_mtp.quant.fp8 import FP8_BLOCK
@@ -478,7 +478,7 @@ def moe_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.
     return weights.contiguous(), ids.contiguous()
 
 
-@moe_route.register_kernel("cuda")
+@cuda_kernel(moe_route)
 def _(logits, top_k, normalize):
     if reference_forced("moe_route"):
         weights, ids = route_reference(logits, top_k, normalize)
@@ -512,7 +512,7 @@ def moe(
     ).contiguous()
 
 
-@moe.register_kernel("cuda")
+@cuda_kernel(moe)
 def _(x, gate_up, down, weights, ids, shared, shared_gate, invariant, gate_up_scale=None, down_scale=None):
     # Prefill (not invariant): bf16 experts run the grouped GEMM (at 35B-A3B shapes on the H200, 0.92 ms against
     # the fused kernels' 2.2 ms at 2048 tokens; 0.70 against 0.64 at 512). FP8 experts always take the fused

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.linear import empty_w8a8_input, quantize_activations_reference
 from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
@@ -182,7 +182,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps).contiguous()
 
 
-@rms_norm.register_kernel("cuda")
+@cuda_kernel(rms_norm)
 def _(x, weight, eps):
     if reference_forced("rms_norm"):
         return rms_norm_reference(x, weight, eps).contiguous()
@@ -203,7 +203,7 @@ def gated_rms_norm(
     return gated_rms_norm_reference(x, gate, weight, eps, invariant).contiguous()
 
 
-@gated_rms_norm.register_kernel("cuda")
+@cuda_kernel(gated_rms_norm)
 def _(x, gate, weight, eps, invariant=False):
     if reference_forced("gated_rms_norm"):
         return gated_rms_norm_reference(x, gate, weight, eps, invariant).contiguous()
@@ -225,7 +225,7 @@ def add_rms_norm(
     return normed.contiguous(), summed.contiguous()
 
 
-@add_rms_norm.register_kernel("cuda")
+@cuda_kernel(add_rms_norm)
 def _(x, delta, weight, eps):
     if reference_forced("add_rms_norm"):
         normed, summed = add_rms_norm_reference(x, delta, weight, eps)
@@ -276,7 +276,7 @@ def norm_w8a8(
     return norm_w8a8_reference(x, weight, eps, gate, delta, invariant)
 
 
-@norm_w8a8.register_kernel("cuda")
+@cuda_kernel(norm_w8a8)
 def _(x, weight, eps, gate=None, delta=None, invariant=False):
     if reference_forced("norm_w8a8"):
         return norm_w8a8_reference(x, weight, eps, gate, delta, invariant)

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.linear import empty_w8a8_input, quantize_activations_reference
 from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
@@ -96,7 +96,7 @@ def output_gate(out: torch.Tensor, gate: torch.Tensor, invariant: bool = False) 
     return output_gate_reference(out, gate, invariant).contiguous()
 
 
-@output_gate.register_kernel("cuda")
+@cuda_kernel(output_gate)
 def _(out, gate, invariant=False):
     if reference_forced("output_gate"):
         return output_gate_reference(out, gate, invariant).contiguous()
@@ -117,7 +117,7 @@ def output_gate_w8a8(
     return output_gate_w8a8_reference(out, gate, invariant)
 
 
-@output_gate_w8a8.register_kernel("cuda")
+@cuda_kernel(output_gate_w8a8)
 def _(out, gate, invariant=False):
     if reference_forced("output_gate_w8a8"):
         return output_gate_w8a8_reference(out, gate, invariant)

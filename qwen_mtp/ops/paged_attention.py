@@ -30,7 +30,7 @@ import torch
 
 from qwen_mtp.ops import triton_utils
 from qwen_mtp.ops.attention import causal_attention
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 
 
 def write_kv(
@@ -390,7 +390,7 @@ def register_paged_attention(
     ) -> torch.Tensor:
         return on_reference(q, k, v, kv, block_tables, context_lens, positions, scale)
 
-    @op.register_kernel("cuda")
+    @cuda_kernel(op)
     def _(q, k, v, kv, block_tables, context_lens, positions, scale):
         if reference_forced(name) or not supported(q):
             return on_reference(q, k, v, kv, block_tables, context_lens, positions, scale)

@@ -17,7 +17,7 @@ import functools
 import torch
 
 from qwen_mtp.ops import triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.norm import rms_norm_reference
 
 
@@ -132,7 +132,7 @@ def qk_norm_rope(
     return q_out.contiguous(), k_out.contiguous()
 
 
-@qk_norm_rope.register_kernel("cuda")
+@cuda_kernel(qk_norm_rope)
 def _(q, k, q_weight, k_weight, eps, cos, sin):
     if reference_forced("qk_norm_rope"):
         q_out, k_out = qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)

@@ -29,7 +29,7 @@ import struct
 import torch
 
 from qwen_mtp.ops import triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 
 BLOCK = 4096  # tokens per program: a row of 248k tokens runs as 61 programs, combined in chunk order
 _M32 = 0xFFFFFFFF
@@ -703,7 +703,7 @@ def sample_tokens(
     return sample_tokens_reference(logits, inv_temperature, threshold, seed, position)
 
 
-@sample_tokens.register_kernel("cuda")
+@cuda_kernel(sample_tokens)
 def _(logits, inv_temperature, threshold, seed, position):
     if reference_forced("sample_tokens"):
         return sample_tokens_reference(logits, inv_temperature, threshold, seed, position)
@@ -728,7 +728,7 @@ def filter_threshold(
     return filter_threshold_reference(logits, keep, inv_temperature, top_p, min_p_offset)
 
 
-@filter_threshold.register_kernel("cuda")
+@cuda_kernel(filter_threshold)
 def _(logits, keep, inv_temperature, top_p, min_p_offset):
     if reference_forced("filter_threshold"):
         return filter_threshold_reference(logits, keep, inv_temperature, top_p, min_p_offset)

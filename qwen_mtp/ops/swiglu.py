@@ -13,7 +13,7 @@ import functools
 import torch
 
 from qwen_mtp.ops import elementwise, triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.linear import empty_w8a8_input, quantize_activations_reference
 from qwen_mtp.quant.fp8 import FP8_BLOCK, SCALE_FLOOR
 
@@ -87,7 +87,7 @@ def swiglu(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     return swiglu_reference(gate_up, invariant).contiguous()
 
 
-@swiglu.register_kernel("cuda")
+@cuda_kernel(swiglu)
 def _(gate_up, invariant=False):
     if reference_forced("swiglu"):
         return swiglu_reference(gate_up, invariant).contiguous()
@@ -113,7 +113,7 @@ def swiglu_w8a8(gate_up: torch.Tensor, invariant: bool = False) -> tuple[torch.T
     return swiglu_w8a8_reference(gate_up, invariant)
 
 
-@swiglu_w8a8.register_kernel("cuda")
+@cuda_kernel(swiglu_w8a8)
 def _(gate_up, invariant=False):
     if reference_forced("swiglu_w8a8"):
         return swiglu_w8a8_reference(gate_up, invariant)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mtp.ops import triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.gdn.naive import _prepare, chunked_gated_delta_rule, chunked_gated_delta_rule_varlen
 
 # Tokens per chunk (`invert` is written for four 16x16 diagonal blocks): fixed, so a prompt's rounding never depends
@@ -426,7 +426,7 @@ def gdn_chunked(
     return chunked_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
 
 
-@gdn_chunked.register_kernel("cuda")
+@cuda_kernel(gdn_chunked)
 def _(q, k, v, g, beta, initial_state):
     if reference_forced("gdn_chunked") or not supported(q, v):
         return chunked_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
@@ -465,7 +465,7 @@ def gdn_chunked_varlen(
     return chunked_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=initial_state)
 
 
-@gdn_chunked_varlen.register_kernel("cuda")
+@cuda_kernel(gdn_chunked_varlen)
 def _(q, k, v, g, beta, cu_seqlens, initial_state):
     if reference_forced("gdn_chunked_varlen") or not supported(q, v):
         return chunked_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_state=initial_state)

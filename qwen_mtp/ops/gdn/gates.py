@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.gdn.naive import gate_values
 
 
@@ -47,7 +47,7 @@ def gate_values_at_once(a, b, A_log, dt_bias):  # noqa: N803
     return g.contiguous(), beta.contiguous()
 
 
-@gate_values_varlen.register_kernel("cuda")
+@cuda_kernel(gate_values_varlen)
 def _(a, b, A_log, dt_bias, cu_seqlens):  # noqa: N803
     if reference_forced("gate_values_varlen"):
         return gate_values_varlen_reference(a, b, A_log, dt_bias, cu_seqlens)

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from qwen_mtp.ops import triton_utils
-from qwen_mtp.ops.backend import reference_forced
+from qwen_mtp.ops.backend import cuda_kernel, reference_forced
 from qwen_mtp.ops.gdn.naive import gate_values, recurrent_gated_delta_rule
 
 
@@ -149,7 +149,7 @@ def gdn_recurrent(
     return gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, pool, rows, committed).contiguous()
 
 
-@gdn_recurrent.register_kernel("cuda")
+@cuda_kernel(gdn_recurrent)
 def _(q, k, v, a, b, A_log, dt_bias, pool, rows, committed):  # noqa: N803
     if reference_forced("gdn_recurrent"):
         return gdn_recurrent_reference(q, k, v, a, b, A_log, dt_bias, pool, rows, committed).contiguous()

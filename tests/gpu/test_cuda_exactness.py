@@ -2,6 +2,7 @@
 K = 1..4 at batch 1, 8 and 32 in bf16 (eager, CUDA graphs, and torch.compile + graphs), and a stress run with
 a changing batch mix under CUDA graphs."""
 
+import importlib.util
 import random
 
 import pytest
@@ -42,7 +43,10 @@ def test_logits_match_hf_on_cuda(checkpoint, preset, layout):
         ours = load_model(path, dtype=torch.bfloat16, device="cuda")(ids).float()
         ref = load_hf(path, torch.bfloat16).cuda()(ids).logits.float()
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp(min=2**-10)
-    assert ((ours - ref).abs() <= 2 * ulp).float().mean() > 0.999
+    # transformers runs flash-linear-attention's chunked kernel in place of its torch delta rule wherever `fla`
+    # imports (the device's carried wheels include it): then the reference itself sums in another order
+    fla = importlib.util.find_spec("fla") is not None
+    assert ((ours - ref).abs() <= 2 * ulp).float().mean() > 0.999, "fla importable: HF ran its kernel" if fla else ""
 
 
 @pytest.mark.parametrize("preset,layout", [("tiny", "text"), ("tiny-8l", "text")])

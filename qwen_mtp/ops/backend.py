@@ -107,7 +107,8 @@ class DirectKernels(CustomOpDef):
             and first.device.type in self._direct
             and (first.device.index is None or first.device.index == torch.cuda.current_device())
         ):
-            return self._direct[first.device.type](*args, **kwargs)
+            implementation = self._direct[first.device.type]
+            return implementation(*args, **kwargs)
         return self._opoverload(*args, **kwargs)  # what `CustomOpDef.__call__` does
 
 

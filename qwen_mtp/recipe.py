@@ -88,6 +88,9 @@ class CompileSection:
     batch_sizes: list[int] = field(default_factory=list)  # buckets; empty: 1, 2, 4, ... up to cache.max_batch
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # aot_eager / eager: for debugging
     prefill: bool = False  # with `enabled`: also compile prefill chunks (any length, no CUDA graphs)
+    # full prefill chunks (cache.prefill_chunk tokens, unpacked) in CUDA graphs, with cuda_graphs; not with
+    # compile.prefill; off by default until measured on the H200 (docs/benchmarks.md)
+    prefill_graphs: bool = False
 
 
 @dataclass
@@ -352,6 +355,11 @@ def _validate(r: Recipe, trains: bool = False) -> None:
         all(b >= 1 for b in r.compile.batch_sizes), f"compile.batch_sizes must be positive, got {r.compile.batch_sizes}"
     )
     _require(not r.compile.prefill or r.compile.enabled, "compile.prefill needs compile.enabled: true")
+    _require(
+        not (r.compile.prefill_graphs and r.compile.prefill),
+        "compile.prefill_graphs and compile.prefill exclude each other: full chunks run either in CUDA graphs of "
+        "the eager kernels or through torch.compile",
+    )
     b = r.bench
     _require(all(n >= 1 for n in b.batch_sizes) and b.batch_sizes, "bench.batch_sizes must be positive integers")
     _require(all(k == "auto" or 1 <= k <= 4 for k in b.ks), f"bench.ks must be in 1..4 or auto, got {b.ks}")

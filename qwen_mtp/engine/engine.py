@@ -31,7 +31,7 @@ from qwen_mtp.cache.prefix import PrefixCache
 from qwen_mtp.cache.state import StatePool, StateSnapshots
 from qwen_mtp.dtypes import STATE_DTYPES
 from qwen_mtp.engine.draft_vocab import draft_ids
-from qwen_mtp.engine.graphs import StepGraphs, bucket_sizes
+from qwen_mtp.engine.graphs import ChunkGraphs, StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
 from qwen_mtp.engine.params import SamplingParams, as_token_ids, is_token_id
 from qwen_mtp.engine.request import Request, SpecStats
@@ -140,6 +140,8 @@ class Engine:
         self.decode_path = compiled if compile.enabled else "CUDA graphs" if graphs else "eager"
         if compile.enabled and compile.prefill:
             self.runner.compile_prefill(compile.backend, log)  # compiles on the first chunk
+        if compile.prefill_graphs:
+            self.runner.chunk_graphs = self._build_chunk_graphs(cache.prefill_chunk, graphs, log)
         self.speculator = None
         if mtp.enabled:
             if mtp.k == "auto" and self.parallel is not None:
@@ -243,18 +245,29 @@ class Engine:
                 f"compile.batch_sizes {sizes} must cover cache.max_batch ({max_batch}): a request "
                 "must never switch between graphed and eager steps"
             )
-        pool_tokens = self.pages.num_pages * self.pages.page_size
-        # one request's table at most: its verify and draft chain write up to 2K positions past its tokens
-        longest = min(self.config.max_position_embeddings + 2 * self.spec_tokens, pool_tokens)
         return StepGraphs(
             self.runner.steps,
             sizes,
-            pages_for(longest, self.pages.page_size),
+            self._widest_table(),
             compile=settings.enabled,
             capture=capture,
             backend=settings.backend,
             log=log,
         )
+
+    def _build_chunk_graphs(self, chunk: int, capture: bool, log: Callable[[str], None]) -> ChunkGraphs:
+        if self.parallel is not None:
+            raise RecipeError("compile.prefill_graphs is not available with tensor parallelism yet (parallel.tp > 1)")
+        if capture and self.device.type != "cuda":
+            raise RecipeError(f"compile.prefill_graphs captures CUDA graphs: the model is on {self.device}")
+        return ChunkGraphs(self.runner.prefill_steps, chunk, self._widest_table(), capture, log)
+
+    def _widest_table(self) -> int:
+        """Pages in one request's table at most: its positions, and the 2K past them that a verify and its draft
+        chain write, within the pool (the static page-table width of the graphs)."""
+        pool_tokens = self.pages.num_pages * self.pages.page_size
+        longest = min(self.config.max_position_embeddings + 2 * self.spec_tokens, pool_tokens)
+        return pages_for(longest, self.pages.page_size)
 
     def _draft_head(self, mtp: MTPSection) -> DraftLmHead | None:
         """What the drafts score with (`model/mtp.py`): the lm_head's rows for `mtp.draft_vocab`, an FP8 copy for
@@ -274,9 +287,12 @@ class Engine:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile and capture every decode-path step now (otherwise each is built the first time it runs);
-        with `mtp.k: auto` also time each bucket's steps for the K policy."""
+        """Compile and capture every decode-path step now (otherwise each is built the first time it runs), and
+        the full-chunk prefill graphs (`compile.prefill_graphs`); with `mtp.k: auto` also time each bucket's steps
+        for the K policy."""
         with self._lock:
+            if self.runner.chunk_graphs is not None:
+                self.runner.chunk_graphs.warmup(mtp=self.speculator is not None)
             if self.runner.graphs is not None:
                 spec = self.speculator
                 auto = spec is not None and spec.policy is not None

@@ -27,7 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from qwen_mtp.engine.sampling import GREEDY, Mode, padding_rows
-from qwen_mtp.engine.steps import DecodeSteps
+from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
 from qwen_mtp.errors import RecipeError
 
 
@@ -195,6 +195,76 @@ class StepGraphs:
             accepted=accepted, override=override, use_override=use_override, **sampling,
         )  # fmt: skip
         return drafts[:count]
+
+
+class ChunkGraphs:
+    """Full prefill chunks (`cache.prefill_chunk` tokens of one request) in CUDA graphs (`compile.prefill_graphs`):
+    the target over the chunk (one graph for a prompt's first chunk, which reads no state, one for the others) and
+    the MTP head over its positions.
+
+    Why: an eager 27B chunk step launches ~1,500 kernels from Python, and on the H200 machine's host that took
+    longer than the GPU's work (docs/benchmarks.md, eighteenth session). Every full chunk has the same shape, so
+    one capture serves them all. A graph replays the very kernels an eager chunk launches, at the same shapes, so
+    a chunk's numbers do not depend on whether it ran in a graph (the page table is padded to the widest a request
+    can have: only its stride changes, and the kernels read only the pages a chunk's positions reach). Shorter
+    chunks (a prompt's last) run eagerly. Without capture (CPU, `compile.cuda_graphs: false`) the same static
+    inputs are used and the step functions called directly, which the CPU tests run."""
+
+    def __init__(self, steps: PrefillSteps, length: int, table_width: int, capture: bool, log: Callable[[str], None]):
+        self.steps, self.length, self.width, self.capture, self.log = steps, length, table_width, capture, log
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._steps: dict[str, StaticStep] = {}
+
+    def fits(self, tokens: torch.Tensor, tables: torch.Tensor) -> bool:
+        """Whether a chunk runs in a graph: one request, a full chunk, its page table within the padded width."""
+        return tokens.shape == (1, self.length) and tables.shape[1] <= self.width
+
+    def _padding(self) -> dict[str, torch.Tensor]:
+        pages, states = self.steps.pages, self.steps.states
+        device = pages.storage.device
+        return {
+            "tokens": torch.zeros(1, self.length, dtype=torch.long, device=device),
+            "positions": torch.arange(self.length, device=device)[None],
+            "rows": torch.full((1,), states.scratch_row, dtype=torch.long, device=device),
+            "tables": torch.full((1, self.width), pages.scratch_page, dtype=torch.int32, device=device),
+            "lens": torch.full((1,), self.length, dtype=torch.int32, device=device),
+        }
+
+    def _get(self, kind: str) -> StaticStep:
+        if kind not in self._steps:
+            started = time.perf_counter()
+            self.log(f"capturing the {kind} prefill step for chunks of {self.length} tokens ...")
+            padding = self._padding()
+            if kind == "mtp":
+                model = self.steps.model
+                padding["hidden"] = torch.zeros(
+                    1, self.length, model.config.hidden_size, dtype=model.lm_head_weight.dtype,
+                    device=padding["tokens"].device,
+                )  # fmt: skip
+                fn = self.steps.mtp
+            else:
+                fn = functools.partial(self.steps.target, fresh=kind == "first")
+            self._steps[kind] = StaticStep(fn, padding, self.capture, self.pool)
+            self.log(f"... {kind} prefill step ready in {time.perf_counter() - started:.1f} s")
+        return self._steps[kind]
+
+    def warmup(self, mtp: bool) -> None:
+        """Capture the target's two graphs now, and the MTP head's when `mtp` (otherwise each at its first chunk)."""
+        for kind in ("first", "next", "mtp") if mtp else ("first", "next"):
+            self._get(kind)
+
+    def target(self, tokens, positions, rows, tables, lens, fresh: bool) -> torch.Tensor:
+        """`PrefillSteps.target` on a full chunk: its post-norm hidden states [1, T, H], a copy of its own (the
+        graph's outputs are overwritten by the next chunk, and the speculator keeps reading this one)."""
+        step = self._get("first" if fresh else "next")
+        hidden = step(1, tokens=tokens, positions=positions, rows=rows, tables=tables, lens=lens)
+        return hidden.clone()
+
+    def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
+        """`PrefillSteps.mtp` on a full chunk's positions: post-`mtp.norm` hidden [1, T, H], a copy of its own."""
+        step = self._get("mtp")
+        out = step(1, tokens=tokens, hidden=hidden, positions=positions, rows=rows, tables=tables, lens=lens)
+        return out.clone()
 
 
 def compile_step(fn: Callable, backend: str, dynamic: bool | None = False) -> Callable:

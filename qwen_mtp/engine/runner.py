@@ -22,7 +22,7 @@ import torch
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
-from qwen_mtp.engine.graphs import StepGraphs, compile_chunk_step
+from qwen_mtp.engine.graphs import ChunkGraphs, StepGraphs, compile_chunk_step
 from qwen_mtp.engine.packed import PackedChunks
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request
@@ -75,6 +75,7 @@ class Runner:
         self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
         self.steps = DecodeSteps(model, pages, states, k)
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
+        self.chunk_graphs: ChunkGraphs | None = None  # full prefill chunks in graphs (compile.prefill_graphs)
         self.prefill_steps = PrefillSteps(model, pages, states)
         self.prefill_target, self.prefill_head = self.prefill_steps.target, self.prefill_steps.mtp
 
@@ -136,12 +137,13 @@ class Runner:
         copied.record()
         return PendingRead(host, [part.numel() for part in parts], floating, copied)
 
-    # ---- prefill (one request's chunk; compiled for any length when enabled, never in graphs) ---------------
+    # ---- prefill (one request's chunk; compiled for any length when enabled, or full chunks in graphs) -------
     def prefill(self, batch: StepBatch) -> torch.Tensor:
         """Target model over a prompt chunk: post-norm hidden states [1, T, H]."""
-        return self.prefill_target(
-            batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens, batch.fresh
-        )
+        args = (batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
+        if self.chunk_graphs is not None and self.chunk_graphs.fits(batch.token_ids, batch.block_tables):
+            return self.chunk_graphs.target(*args, batch.fresh)
+        return self.prefill_target(*args, batch.fresh)
 
     def prefill_packed(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
         """Target model over several requests' prompt chunks in one packed forward (mixed steps; eager: the
@@ -165,6 +167,8 @@ class Runner:
         """MTP head over a prompt chunk's positions (writing its own KV there): `token_ids` hold the *next*
         tokens (token i+1 at position i), `hidden` [1, T, H] the target's. Returns post-`mtp.norm` hidden."""
         args = (batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
+        if self.chunk_graphs is not None and self.chunk_graphs.fits(batch.token_ids, batch.block_tables):
+            return self.chunk_graphs.mtp(batch.token_ids, hidden, *args)
         return self.prefill_head(batch.token_ids, hidden, *args)
 
     def choose(

@@ -1,0 +1,56 @@
+"""Full prefill chunks on static inputs (`compile.prefill_graphs`): on CUDA they replay a captured graph; here on
+CPU the same static buffers feed the step functions directly. A chunk's numbers must not depend on it: the same
+tokens as without, for prompts of several full chunks and a partial last one, plain and with MTP, in fp32 and
+bf16, and the static steps must be the ones that ran."""
+
+import pytest
+import torch
+from helpers import random_prompt
+
+from qwen_mtp import Engine
+from qwen_mtp.errors import RecipeError
+from qwen_mtp.recipe import load_recipe
+
+CHUNK = 16
+
+
+def make_engine(path, dtype, prefill_graphs, k=None):
+    recipe = {
+        "model": {"path": str(path), "dtype": dtype, "device": "cpu"},
+        "cache": {"max_batch": 4, "prefill_chunk": CHUNK},
+        "compile": {"cuda_graphs": False, "prefill_graphs": prefill_graphs},
+    }
+    if k is not None:
+        recipe["mtp"] = {"enabled": True, "k": k}
+    return Engine.from_recipe(recipe, log=lambda _: None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [None, 2])
+def test_static_full_chunks_give_the_same_tokens(checkpoint, dtype, k):
+    path = checkpoint("tiny", dtype=dtype)
+    prompts = [random_prompt(n, seed=700 + n) for n in (CHUNK, 3 * CHUNK + 5, 7, 2 * CHUNK)]
+    expected = [r.token_ids for r in make_engine(path, dtype, False, k).generate(prompts, max_new_tokens=8)]
+    engine = make_engine(path, dtype, True, k)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=8)] == expected
+    ran = set(engine.runner.chunk_graphs._steps)
+    assert ran == ({"first", "next", "mtp"} if k else {"first", "next"})
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+def test_warmup_builds_the_static_chunk_steps_on_scratch_only(checkpoint):
+    """`Engine.warmup` builds the three static chunk steps, on the scratch state row and page only."""
+    engine = make_engine(checkpoint("tiny"), "float32", True, k=2)
+    conv, ssm = engine.states.conv[:, :-1].clone(), engine.states.ssm[:, :-1].clone()
+    kv = engine.pages.storage[:, :, :-1].clone()
+    engine.warmup()
+    assert set(engine.runner.chunk_graphs._steps) == {"first", "next", "mtp"}
+    assert torch.equal(engine.states.conv[:, :-1], conv) and torch.equal(engine.states.ssm[:, :-1], ssm)
+    assert torch.equal(engine.pages.storage[:, :, :-1], kv)
+
+
+def test_prefill_graphs_and_compiled_prefill_exclude_each_other():
+    overrides = ("model.fixture=tiny", "compile.enabled=true", "compile.prefill=true", "compile.prefill_graphs=true")
+    with pytest.raises(RecipeError, match="exclude each other"):
+        load_recipe(None, overrides)

@@ -14,10 +14,10 @@ from qwen_mtp.recipe import load_recipe
 CHUNK = 16
 
 
-def make_engine(path, dtype, prefill_graphs, k=None):
+def make_engine(path, dtype, prefill_graphs, k=None, **cache):
     recipe = {
         "model": {"path": str(path), "dtype": dtype, "device": "cpu"},
-        "cache": {"max_batch": 4, "prefill_chunk": CHUNK},
+        "cache": {"max_batch": 4, "prefill_chunk": CHUNK, **cache},
         "compile": {"cuda_graphs": False, "prefill_graphs": prefill_graphs},
     }
     if k is not None:
@@ -37,6 +37,26 @@ def test_static_full_chunks_give_the_same_tokens(checkpoint, dtype, k):
     assert ran == ({"first", "next", "mtp"} if k else {"first", "next"})
     stats = engine.stats()
     assert stats["free_pages"] == stats["total_pages"]
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_packed_steps_of_one_full_chunk_give_the_same_tokens(checkpoint, k):
+    """Mixed steps: a packed step that holds a single full chunk runs its static step (the packed forward's
+    own, not the unpacked one); steps packing several chunks stay eager. Same tokens either way."""
+    path = checkpoint("tiny")
+    batch = [random_prompt(n, seed=800 + n) for n in (CHUNK, 3 * CHUNK + 5, 7, 2 * CHUNK)]
+    alone = random_prompt(2 * CHUNK + 3, seed=899)  # its first chunk is a step's only one
+
+    def run(engine):
+        return [r.token_ids for r in engine.generate(batch, max_new_tokens=8)] + [
+            engine.generate([alone], max_new_tokens=8)[0].token_ids
+        ]
+
+    expected = run(make_engine(path, "float32", False, k, mixed_steps=True))
+    engine = make_engine(path, "float32", True, k, mixed_steps=True)
+    assert run(engine) == expected
+    assert {"packed-first", "packed-next"} <= set(engine.runner.chunk_graphs._steps)
+    assert not {"first", "next"} & set(engine.runner.chunk_graphs._steps)  # every chunk went through the packed path
 
 
 def test_warmup_builds_the_static_chunk_steps_on_scratch_only(checkpoint):

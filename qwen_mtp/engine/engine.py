@@ -292,7 +292,7 @@ class Engine:
         for the K policy."""
         with self._lock:
             if self.runner.chunk_graphs is not None:
-                self.runner.chunk_graphs.warmup(mtp=self.speculator is not None)
+                self.runner.chunk_graphs.warmup(mtp=self.speculator is not None, packed=self.mixed_steps)
             if self.runner.graphs is not None:
                 spec = self.speculator
                 auto = spec is not None and spec.policy is not None

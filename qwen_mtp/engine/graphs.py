@@ -199,8 +199,8 @@ class StepGraphs:
 
 class ChunkGraphs:
     """Full prefill chunks (`cache.prefill_chunk` tokens of one request) in CUDA graphs (`compile.prefill_graphs`):
-    the target over the chunk (one graph for a prompt's first chunk, which reads no state, one for the others) and
-    the MTP head over its positions.
+    the target over the chunk (one graph for a prompt's first chunk, which reads no state, one for the others), the
+    same for a packed step (`cache.mixed_steps`) that holds a single full chunk, and the MTP head over its positions.
 
     Why: an eager 27B chunk step launches ~1,500 kernels from Python, and on the H200 machine's host that took
     longer than the GPU's work (docs/benchmarks.md, eighteenth session). Every full chunk has the same shape, so
@@ -235,6 +235,7 @@ class ChunkGraphs:
             started = time.perf_counter()
             self.log(f"capturing the {kind} prefill step for chunks of {self.length} tokens ...")
             padding = self._padding()
+            fresh = kind.endswith("first")
             if kind == "mtp":
                 model = self.steps.model
                 padding["hidden"] = torch.zeros(
@@ -242,15 +243,22 @@ class ChunkGraphs:
                     device=padding["tokens"].device,
                 )  # fmt: skip
                 fn = self.steps.mtp
+            elif kind.startswith("packed"):
+                padding["cu_seqlens"] = torch.tensor(
+                    [0, self.length], dtype=torch.int32, device=padding["tokens"].device
+                )
+                fn = functools.partial(self.steps.packed_alone, fresh=fresh)
             else:
-                fn = functools.partial(self.steps.target, fresh=kind == "first")
+                fn = functools.partial(self.steps.target, fresh=fresh)
             self._steps[kind] = StaticStep(fn, padding, self.capture, self.pool)
             self.log(f"... {kind} prefill step ready in {time.perf_counter() - started:.1f} s")
         return self._steps[kind]
 
-    def warmup(self, mtp: bool) -> None:
-        """Capture the target's two graphs now, and the MTP head's when `mtp` (otherwise each at its first chunk)."""
-        for kind in ("first", "next", "mtp") if mtp else ("first", "next"):
+    def warmup(self, mtp: bool, packed: bool) -> None:
+        """Capture the target's two graphs now (the packed forward's, when `packed`: mixed steps), and the MTP
+        head's when `mtp` (otherwise each at its first chunk)."""
+        kinds = ("packed-first", "packed-next") if packed else ("first", "next")
+        for kind in (*kinds, "mtp") if mtp else kinds:
             self._get(kind)
 
     def target(self, tokens, positions, rows, tables, lens, fresh: bool) -> torch.Tensor:
@@ -259,6 +267,12 @@ class ChunkGraphs:
         step = self._get("first" if fresh else "next")
         hidden = step(1, tokens=tokens, positions=positions, rows=rows, tables=tables, lens=lens)
         return hidden.clone()
+
+    def packed_alone(self, tokens, positions, rows, tables, lens, fresh: bool) -> torch.Tensor:
+        """`PrefillSteps.packed_alone` on a full chunk: [1, T, H], a copy of its own (its `cu_seqlens` are always
+        [0, T]: the static buffer's)."""
+        step = self._get("packed-first" if fresh else "packed-next")
+        return step(1, tokens=tokens, positions=positions, rows=rows, tables=tables, lens=lens).clone()
 
     def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
         """`PrefillSteps.mtp` on a full chunk's positions: post-`mtp.norm` hidden [1, T, H], a copy of its own."""

@@ -160,6 +160,13 @@ class Runner:
             lengths=tuple(c.length for c in chunks),
             fresh=tuple(c.start == 0 for c in chunks),
         )
+        if (
+            len(chunks) == 1
+            and self.chunk_graphs is not None
+            and self.chunk_graphs.fits(batch.token_ids, batch.block_tables)
+        ):
+            args = (batch.token_ids, batch.positions, batch.state_rows, batch.block_tables, batch.context_lens)
+            return [self.chunk_graphs.packed_alone(*args, batch.fresh[0])]
         hidden = self.prefill_steps.packed(batch)
         return [hidden[:, part] for part in batch.slices()]
 

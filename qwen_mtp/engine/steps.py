@@ -154,6 +154,12 @@ class PrefillSteps:
         with prefill_rows():
             return self.model.hidden_states(batch.token_ids, batch.positions, cache)
 
+    def packed_alone(self, tokens, positions, rows, tables, lens, cu_seqlens, fresh: bool) -> torch.Tensor:
+        """`packed` over one chunk (a packed step that holds a single request's chunk): the same forward, with
+        every input a tensor, so that a full chunk can replay it from a CUDA graph (`graphs.ChunkGraphs`)."""
+        length = tokens.shape[1]
+        return self.packed(PackedChunks(tokens, positions, rows, tables, lens, cu_seqlens, (length,), (fresh,)))
+
     def mtp(self, tokens, hidden, positions, rows, tables, lens) -> torch.Tensor:
         """The MTP head over the chunk: `tokens` hold the *next* tokens (token i+1 at position i), `hidden`
         [1, T, H] the target's. Returns post-`mtp.norm` hidden [1, T, H]. The MTP layers are attention layers:

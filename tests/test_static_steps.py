@@ -148,3 +148,21 @@ def test_static_outputs_copy_every_tensor_and_keep_none():
         pairs = zip(pytree.tree_leaves(static), pytree.tree_leaves(later), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs if a is not None)
         assert (static[2] is None) == (logprobs is None)
+
+
+def test_no_collection_turns_the_collector_off_and_back_as_it_was():
+    import gc
+
+    from qwen_mtp.engine.graphs import no_collection
+
+    assert gc.isenabled()
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()

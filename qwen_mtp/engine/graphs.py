@@ -19,9 +19,11 @@ eagerly and some compiled could round differently than in a run that did not. So
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -64,7 +66,7 @@ class StaticStep:
             self.outputs = static_copies(warm)
             del warm
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with no_collection(), torch.cuda.graph(self.graph, pool=pool):
                 copy_outputs(self.outputs, fn(**self.inputs))
         else:
             fn(**self.inputs)  # torch.compile compiles on the first call: now, on padding rows only
@@ -84,6 +86,24 @@ class StaticStep:
             return self.fn(**self.inputs)
         self.graph.replay()
         return self.outputs
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was before, after it).
+
+    Why, around a capture: an engine that was dropped lives on in reference cycles until the collector runs, and
+    the collector runs when allocations make it (torch no longer collects before a capture). Run inside a capture,
+    it destroys that engine's CUDA graphs, which CUDA refuses while a stream captures ("operation not permitted
+    when stream is capturing"): the capture fails, and so does the step that asked for it (seen on the H200: a
+    test's second engine, its requests ended after one token). Outside the capture the same destruction is fine."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def static_copies(outputs):

@@ -10,9 +10,9 @@ from helpers import random_prompt
 from qwen_mtp import Engine, RequestError, SamplingParams
 
 
-def make_engine(path, **cache):
+def make_engine(path, compile_settings=None, **cache):
     recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": cache}
-    return Engine.from_recipe(recipe, log=lambda _: None)
+    return Engine.from_recipe({**recipe, "compile": compile_settings or {}}, log=lambda _: None)
 
 
 def assert_all_reclaimed(engine):
@@ -115,17 +115,20 @@ def test_bad_requests_are_refused_and_allocate_nothing(path):
 
 
 @pytest.mark.parametrize(
-    "mixed, arrivals, least", [(False, 300, (40, 3)), (True, 150, (30, 5))], ids=["unpacked", "mixed-steps"]
+    "mixed, arrivals, least, prefill_graphs",
+    [(False, 300, (40, 3), False), (True, 150, (30, 5), False), (True, 150, (30, 5), True)],
+    ids=["unpacked", "mixed-steps", "mixed-steps-prefill-graphs"],
 )
-def test_randomized_lifecycle_no_leaks_and_solo_tokens(path, mixed, arrivals, least):
+def test_randomized_lifecycle_no_leaks_and_solo_tokens(path, mixed, arrivals, least, prefill_graphs):
     """Seeded arrivals, cancellations and lengths over hundreds of steps under memory pressure (arrivals for
     the first `arrivals` steps); with mixed steps the chunks are packed under a budget of 3 decode rows + 24
-    prefill tokens (a chunk and a short one)."""
+    prefill tokens (a chunk and a short one). With `compile.prefill_graphs` (its static inputs; no capture on CPU)
+    the full chunks that run alone reuse one set of static buffers; the reference runs without them."""
     rng = random.Random(1234)
     cache = {"page_size": 8, "num_pages": 24, "num_state_rows": 3, "max_batch": 3, "prefill_chunk": 16}
     if mixed:
         cache.update(mixed_steps=True, max_step_tokens=3 + 16 + 8)
-    engine = make_engine(path, **cache)
+    engine = make_engine(path, {"cuda_graphs": False, "prefill_graphs": prefill_graphs}, **cache)
     submitted, cancelled, steps = {}, set(), 0
     while steps < arrivals or engine.has_unfinished():
         if steps < arrivals and rng.random() < 0.3:
@@ -144,6 +147,8 @@ def test_randomized_lifecycle_no_leaks_and_solo_tokens(path, mixed, arrivals, le
     assert_all_reclaimed(engine)
     finished = [rid for rid in submitted if rid not in cancelled]
     assert len(finished) > least[0] and len(cancelled) > least[1]
+    if prefill_graphs:
+        assert set(engine.runner.chunk_graphs._steps) == {"packed-first", "packed-next"}
     reference = make_engine(path, **cache)
     for rid in finished:
         prompt, max_new = submitted[rid]

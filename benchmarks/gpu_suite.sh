@@ -43,7 +43,8 @@
 #                (EXACT=1) the W8A8 and bf16 exactness tests with PREFETCH_EXACT blocks;
 #   w8a8         kernel benchmarks (MICRO: gemm_w8a8, gdn_recurrent) with this tree and a carried BASELINE tree;
 #                FAMILY=1 adds the W8A8 plan family sweep;
-#   prefillgraphs compile.prefill_graphs: its GPU test, then mixed_steps.py's bursts and ITL without and with it;
+#   prefillgraphs compile.prefill_graphs: its GPU test, then mixed_steps.py's bursts and ITL without and with it,
+#                and the 27B B32 bench with cache.mixed_steps off and on;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -292,7 +293,7 @@ if [[ "$STAGE" == prefillgemm ]]; then  # one device call (~9 min)
     --gemm-rows 4096 --itl-tokens 384 --arrivals 4 --out "$OUT/mixed-steps.json" >"$OUT/mixed-steps.log" 2>&1
   echo "[rc $? at ${SECONDS}s] mixed_steps"; grep -E "^(TTFT|ITL|gemm M)" "$OUT/mixed-steps.log"
 fi
-if [[ "$STAGE" == prefillgraphs ]]; then  # one device call (~8 min): compile.prefill_graphs, tested and measured
+if [[ "$STAGE" == prefillgraphs ]]; then  # one device call (~9 min): compile.prefill_graphs, tested and measured
   # the GPU test (graphed full chunks == eager chunks, plain and K=2), then the mixed-steps benchmark (TTFT of the
   # bursts, ITL of running requests while long prompts arrive) without and with prefill graphs, in the same call
   counted 150 prefillgraphs-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefill_graphs_cuda.py
@@ -301,6 +302,11 @@ if [[ "$STAGE" == prefillgraphs ]]; then  # one device call (~8 min): compile.pr
       --set cache.max_step_tokens=16384 --gemm-rows 512 --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 \
       --out "$OUT/mixed-steps-prefill-graphs-$graphs.json" >"$OUT/mixed-steps-$graphs.log" 2>&1
     echo "[rc $? at ${SECONDS}s] mixed_steps prefill_graphs=$graphs"; grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$graphs.log"
+  done
+  # issue #20's "decode throughput at B32 not lower than without packing", in steady state: the bench's B32 plain
+  # and K=3 steps with mixed steps on and off (a decode-only step runs the same code either way)
+  for mixed in false true; do
+    bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
   done
 fi
 if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
-from qwen_mtp.ops import sampling as _ops  # noqa: F401  (registers qwen_mtp::sample_tokens / filter_threshold)
+from qwen_mtp.ops import sampling as sampling_ops
 
 if TYPE_CHECKING:
     from qwen_mtp.parallel.vocab import VocabShard
@@ -150,7 +150,7 @@ def choose(
     threshold = None
     if mode.filtered:
         threshold = filter_threshold(flat, inv_t, per_row(top_k), per_row(top_p), per_row(min_p_offset))
-    tokens, lse = torch.ops.qwen_mtp.sample_tokens(flat, inv_t, threshold, per_row(seed), positions.reshape(-1))
+    tokens, lse = sampling_ops.sample_tokens(flat, inv_t, threshold, per_row(seed), positions.reshape(-1))
     if not mode.logprobs:
         return tokens.view(lead), None
     chosen = flat.gather(1, tokens[:, None])[:, 0].float() - lse
@@ -167,7 +167,7 @@ def filter_threshold(
     verify more than the rest of the sampler)."""
     vocab = logits.shape[-1]
     keep = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    return torch.ops.qwen_mtp.filter_threshold(logits, keep, inv_t, top_p, min_p_offset)
+    return sampling_ops.filter_threshold(logits, keep, inv_t, top_p, min_p_offset)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, n: int) -> Logprobs:

@@ -106,6 +106,19 @@ def no_collection() -> Iterator[None]:
             gc.enable()
 
 
+def scratch_inputs(pages, states, size: int, length: int, width: int) -> dict[str, torch.Tensor]:
+    """A static step's padding: `size` rows of `length` tokens on the pools' scratch state row and scratch page
+    (page tables `width` wide), which no request owns, so a padded row or a warm-up run touches nothing else."""
+    device = pages.storage.device
+    return {
+        "tokens": torch.zeros(size, length, dtype=torch.long, device=device),
+        "positions": torch.zeros(size, length, dtype=torch.long, device=device),
+        "rows": torch.full((size,), states.scratch_row, dtype=torch.long, device=device),
+        "tables": torch.full((size, width), pages.scratch_page, dtype=torch.int32, device=device),
+        "lens": torch.full((size,), length, dtype=torch.int32, device=device),
+    }
+
+
 def static_copies(outputs):
     """A step's outputs (tensors, tuples of them, None) with each tensor cloned into memory of its own."""
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
@@ -148,17 +161,6 @@ class StepGraphs:
                 return size
         raise RecipeError(f"a decode batch of {count} exceeds the largest compile.batch_sizes ({self.buckets[-1]})")
 
-    def _padding(self, size: int, length: int) -> dict[str, torch.Tensor]:
-        pages, states = self.steps.pages, self.steps.states
-        device = pages.storage.device
-        return {
-            "tokens": torch.zeros(size, length, dtype=torch.long, device=device),
-            "positions": torch.zeros(size, length, dtype=torch.long, device=device),
-            "rows": torch.full((size,), states.scratch_row, dtype=torch.long, device=device),
-            "tables": torch.full((size, self.width), pages.scratch_page, dtype=torch.int32, device=device),
-            "lens": torch.full((size,), length, dtype=torch.int32, device=device),
-        }
-
     def _get(self, kind: str, size: int, length: int, mode: Mode = GREEDY) -> StaticStep:
         key = (kind, size, length) if mode.greedy else (kind, size, length, mode)
         if key not in self._steps:
@@ -166,7 +168,7 @@ class StepGraphs:
             what = "compiling" + (" and capturing" if self.capture else "") if self.compiled else "capturing"
             sampler = "" if mode.greedy else f" ({mode})"
             self.log(f"{what} the {kind} step for batch {size} x {length} tokens{sampler} ...")
-            padding = self._padding(size, length)
+            padding = scratch_inputs(self.steps.pages, self.steps.states, size, length, self.width)
             if not mode.greedy:
                 padding |= padding_rows(size, padding["tokens"].device)
             if kind == "target":
@@ -239,22 +241,11 @@ class ChunkGraphs:
         """Whether a chunk runs in a graph: one request, a full chunk, its page table within the padded width."""
         return tokens.shape == (1, self.length) and tables.shape[1] <= self.width
 
-    def _padding(self) -> dict[str, torch.Tensor]:
-        pages, states = self.steps.pages, self.steps.states
-        device = pages.storage.device
-        return {
-            "tokens": torch.zeros(1, self.length, dtype=torch.long, device=device),
-            "positions": torch.arange(self.length, device=device)[None],
-            "rows": torch.full((1,), states.scratch_row, dtype=torch.long, device=device),
-            "tables": torch.full((1, self.width), pages.scratch_page, dtype=torch.int32, device=device),
-            "lens": torch.full((1,), self.length, dtype=torch.int32, device=device),
-        }
-
     def _get(self, kind: str) -> StaticStep:
         if kind not in self._steps:
             started = time.perf_counter()
             self.log(f"capturing the {kind} prefill step for chunks of {self.length} tokens ...")
-            padding = self._padding()
+            padding = scratch_inputs(self.steps.pages, self.steps.states, 1, self.length, self.width)
             fresh = kind.endswith("first")
             if kind == "mtp":
                 model = self.steps.model

@@ -44,7 +44,7 @@
 #   w8a8         kernel benchmarks (MICRO: gemm_w8a8, gdn_recurrent) with this tree and a carried BASELINE tree;
 #                FAMILY=1 adds the W8A8 plan family sweep;
 #   prefillgraphs compile.prefill_graphs: its GPU test, then mixed_steps.py's bursts and ITL without and with it,
-#                and the 27B B32 bench with cache.mixed_steps off and on;
+#                and the 27B B32 bench with cache.mixed_steps off and on (B32=0 leaves it out);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -305,7 +305,7 @@ if [[ "$STAGE" == prefillgraphs ]]; then  # one device call (~9 min): compile.pr
   done
   # issue #20's "decode throughput at B32 not lower than without packing", in steady state: the bench's B32 plain
   # and K=3 steps with mixed steps on and off (a decode-only step runs the same code either way)
-  for mixed in false true; do
+  for mixed in $([[ "${B32:-1}" == 1 ]] && echo false true); do  # B32=0: not in this call
     bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
   done
 fi

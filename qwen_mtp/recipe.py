@@ -88,9 +88,9 @@ class CompileSection:
     batch_sizes: list[int] = field(default_factory=list)  # buckets; empty: 1, 2, 4, ... up to cache.max_batch
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # aot_eager / eager: for debugging
     prefill: bool = False  # with `enabled`: also compile prefill chunks (any length, no CUDA graphs)
-    # full prefill chunks (cache.prefill_chunk tokens, unpacked) in CUDA graphs, with cuda_graphs; not with
-    # compile.prefill; off by default until measured on the H200 (docs/benchmarks.md)
-    prefill_graphs: bool = False
+    # full prefill chunks (cache.prefill_chunk tokens of one request) replayed from CUDA graphs; None: on where
+    # the decode steps are graphed (cuda_graphs), unless compile.prefill or parallel.tp > 1 (which it excludes)
+    prefill_graphs: bool | None = None
 
 
 @dataclass

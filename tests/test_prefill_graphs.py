@@ -8,8 +8,9 @@ import torch
 from helpers import random_prompt
 
 from qwen_mtp import Engine
+from qwen_mtp.engine.engine import prefill_graphs_on
 from qwen_mtp.errors import RecipeError
-from qwen_mtp.recipe import load_recipe
+from qwen_mtp.recipe import CompileSection, load_recipe
 
 CHUNK = 16
 
@@ -74,3 +75,24 @@ def test_prefill_graphs_and_compiled_prefill_exclude_each_other():
     overrides = ("model.fixture=tiny", "compile.enabled=true", "compile.prefill=true", "compile.prefill_graphs=true")
     with pytest.raises(RecipeError, match="exclude each other"):
         load_recipe(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "settings, graphs, tensor_parallel, on",
+    [
+        ({}, True, False, True),  # null: on wherever the decode steps are graphed
+        ({}, False, False, False),  # CPU, or compile.cuda_graphs: false
+        ({}, True, True, False),  # tensor parallelism
+        ({"enabled": True, "prefill": True}, True, False, False),  # compiled prefill chunks
+        ({"prefill_graphs": False}, True, False, False),
+        ({"prefill_graphs": True}, False, False, True),  # the static inputs without capture
+    ],
+)
+def test_prefill_graphs_default_follows_the_decode_graphs(settings, graphs, tensor_parallel, on):
+    assert prefill_graphs_on(CompileSection(**settings), graphs, tensor_parallel) is on
+
+
+def test_default_cpu_engine_runs_chunks_eagerly(checkpoint):
+    """The default (null) on CPU, where nothing is graphed: no static chunk steps."""
+    recipe = {"model": {"path": str(checkpoint("tiny")), "device": "cpu"}, "cache": {"prefill_chunk": CHUNK}}
+    assert Engine.from_recipe(recipe, log=lambda _: None).runner.chunk_graphs is None

@@ -84,6 +84,14 @@ class _Launched:
     verified: Ahead | None = None  # a verify batch's device results, which a lookahead verify starts from
 
 
+def prefill_graphs_on(compile: CompileSection, graphs: bool, tensor_parallel: bool) -> bool:
+    """Whether full prefill chunks replay CUDA graphs: as `compile.prefill_graphs` says, or (null) wherever the
+    decode steps are graphed, except with compiled prefill chunks or tensor parallelism, which it excludes."""
+    if compile.prefill_graphs is not None:
+        return compile.prefill_graphs
+    return graphs and not tensor_parallel and not (compile.enabled and compile.prefill)
+
+
 class Engine:
     """Generation over one loaded model. Takes only the recipe sections it needs (`from_recipe` reads them
     from a recipe); `seed` seeds the oracle drafts' choices (`mtp.draft: oracle`) and the generator that draws
@@ -140,7 +148,7 @@ class Engine:
         self.decode_path = compiled if compile.enabled else "CUDA graphs" if graphs else "eager"
         if compile.enabled and compile.prefill:
             self.runner.compile_prefill(compile.backend, log)  # compiles on the first chunk
-        if compile.prefill_graphs:
+        if prefill_graphs_on(compile, graphs, tensor_parallel=self.parallel is not None):
             self.runner.chunk_graphs = self._build_chunk_graphs(cache.prefill_chunk, graphs, log)
         self.speculator = None
         if mtp.enabled:

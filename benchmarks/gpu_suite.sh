@@ -45,6 +45,8 @@
 #                FAMILY=1 adds the W8A8 plan family sweep;
 #   prefillgraphs compile.prefill_graphs: its GPU test, then mixed_steps.py's bursts and ITL without and with it,
 #                and the 27B B32 bench with cache.mixed_steps off and on (B32=0 leaves it out);
+#   issue20      issue #20's H200 figures in one call: the packed stress test, mixed_steps.py at 27B bf16 and FP8,
+#                the B32 bench with mixed steps off and on (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -306,6 +308,22 @@ if [[ "$STAGE" == prefillgraphs ]]; then  # one device call (~9 min): compile.pr
   # issue #20's "decode throughput at B32 not lower than without packing", in steady state: the bench's B32 plain
   # and K=3 steps with mixed steps on and off (a decode-only step runs the same code either way)
   for mixed in $([[ "${B32:-1}" == 1 ]] && echo false true); do  # B32=0: not in this call
+    bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
+  done
+fi
+if [[ "$STAGE" == issue20 ]]; then  # one device call (~8 min; carry torchao): issue #20's H200 figures together
+  # the packed stress run (200 prompts, 1..2048 tokens, staggered: packed == alone, MTP-on == MTP-off) and packing
+  # invariance; the bursts' TTFT and the ITL under arrivals, packing off and on, 27B bf16 then FP8; B32 decode
+  # throughput with mixed steps off and on
+  counted 220 mixed-steps-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_mixed_steps_cuda.py
+  for model in qwen3.5-27b qwen3.5-27b-fp8; do  # the GEMM timings are bf16's: FP8 skips them
+    rows=512; [[ $model == *fp8 ]] && rows=""
+    timeout 150 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --set model.synthetic=$model \
+      --set cache.max_step_tokens=16384 --gemm-rows "$rows" --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 \
+      --out "$OUT/mixed-steps-$model.json" >"$OUT/mixed-steps-$model.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] mixed_steps $model"; grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$model.log"
+  done
+  for mixed in false true; do
     bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
   done
 fi

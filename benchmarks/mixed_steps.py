@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--itl-tokens", type=int, default=2048, help="max_new_tokens of the ITL run's decoders")
     parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens of the TTFT bursts")
     parser.add_argument("--solo", type=int, default=4, help="prompts of each burst also run alone (exactness)")
-    parser.add_argument("--gemm-rows", default="128,512,2048,4096,8192")
+    parser.add_argument("--gemm-rows", default="128,512,2048,4096,8192", help="bf16 GEMM timings; '': none")
     parser.add_argument("--profile", action="store_true", help="GPU time splits: a packed 32 x 128 burst, a chunk step")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mixed-steps.json"))
     args = parser.parse_args()
@@ -249,7 +249,7 @@ def main() -> None:
     params = sum(n * k * len(m) for (n, k), m in linears(model).items())
     report: dict = {"recipe": args.recipe, "set": args.set, "k": args.k, "linear_params": params}
     report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    if loaded.device.type == "cuda":
+    if loaded.device.type == "cuda" and args.gemm_rows:
         report["gemm"] = gemm(model, [int(m) for m in args.gemm_rows.split(",")])
         with open(args.out, "w") as f:  # the GEMM part survives a failure later in the run
             json.dump(report, f, indent=1)

@@ -72,7 +72,7 @@ class CacheSection:
     prefix_snapshots: int | None = None  # GDN state snapshot slots; None: sized from the pools (sizing.py)
     prefix_cache_outputs: bool = True  # with prefix_caching: also cache a finished request's output chunks
     # Mixed steps (docs/mixed-steps.md): a step's prefill chunks of several requests run as one packed forward,
-    # next to the decode/verify rows, under `max_step_tokens`. Off until measured on the H200.
+    # next to the decode/verify rows, under `max_step_tokens`. Off by default (docs/recipes.md: the measured trade).
     mixed_steps: bool = False
     max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
     # Decode and fixed-K verify steps: launch the next step before reading this one's results back, so the host's

@@ -47,6 +47,7 @@
 #                and the 27B B32 bench with cache.mixed_steps off and on (B32=0 leaves it out);
 #   issue20      issue #20's H200 figures in one call: the packed stress test, mixed_steps.py at 27B bf16 and FP8,
 #                the B32 bench with mixed steps off and on (carry torchao);
+#   mixeddefault the GPU suites that run default engines (exactness, prefix caching, sampling), for a default's change;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -326,6 +327,13 @@ if [[ "$STAGE" == issue20 ]]; then  # one device call (~8 min; carry torchao): i
   for mixed in false true; do
     bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
   done
+fi
+if [[ "$STAGE" == mixeddefault ]]; then  # one device call (~8 min): the GPU suites that run default engines, for a
+  # change of an engine default (docs/branches/wp19-mixed-default.patch: mixed steps on by default on CUDA)
+  counted 380 exactness.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  counted 100 prefix.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefix_cache_cuda.py
+  counted $((570 - SECONDS)) sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
 fi
 if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
   if [[ "${SWEEP:-1}" == 1 ]]; then  # APPLY=1: the winners into TMA_LOAD_BUCKETS for the rest of this call

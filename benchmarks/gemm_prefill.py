@@ -9,10 +9,12 @@ kernel's tilings and the "tma" kernel's), each under a CUDA graph; and checks bi
   one K split, wgmma, whatever the tiles).
 Then one forward's linears summed (each shape times its count of modules): cuBLAS, the "grid" plan
 (`grid_prefill_plan`), the best candidate per shape. `--apply` writes the best invariant candidate per shape into
-`PREFILL_TUNED` (ops/linear.py).
+`PREFILL_TUNED` (ops/linear.py), or the row-bucketed plans (`pick_prefill_buckets`: the fastest plan per
+measured M, all summing alike) into `PREFILL_TUNED` and `PREFILL_ROW_BUCKETS` where the engine's dispatch of them
+(plan from M) kept every row's bits across the bucket edges in the same run.
 
-Usage (H200): python3 benchmarks/gemm_prefill.py [--preset qwen3.5-27b] [--rows 512,2048,4096,8192] [--out report.json]
-[--apply]
+Usage (H200): python3 benchmarks/gemm_prefill.py [--preset qwen3.5-27b] [--rows 512,1024,2048,4096,8192]
+[--out report.json] [--apply]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import torch
 import torch.nn.functional as F
 from apply_plans import plan_text, table_pattern
+from gemm_buckets import write_buckets
 from gemm_family import _error, graph_us
 from gemm_sweep import decode_shapes
 
@@ -60,7 +63,51 @@ def candidates(n: int, k: int) -> dict[str, GemmPlan]:
         "tma256x128s3": GemmPlan(128, 64, one(64), 8, 3, "tma", 256),
         "tma64x256s4w4": GemmPlan(256, 64, one(64), 4, 4, "tma", 64),
         "tma128x256s3g16": GemmPlan(256, 64, one(64), 8, 3, "tma", 128, group_m=16),
+        # smaller tiles, for few rows on the N = 5120 shapes (80-160 of the large tiles for 132 SMs at M = 512)
+        "tma64x128s4w4": GemmPlan(128, 64, one(64), 4, 4, "tma", 64),
+        "tma64x128s4w4p": GemmPlan(128, 64, one(64), 4, 4, "tma", 64, persistent=True),
+        "tma128x64s4w4": GemmPlan(64, 64, one(64), 4, 4, "tma", 128),
+        "tma64x256s3w8": GemmPlan(256, 64, one(64), 8, 3, "tma", 64),
     }
+
+
+BUCKET_GAIN = 0.03  # a row bucket only where its plan beats the one before it by more than this, at a measured M
+DISPATCH_CHECK_M = (1, 129, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2049, 4096)
+
+
+def pick_prefill_buckets(entry: dict, rows: list[int]) -> tuple[str | None, tuple[tuple[int, str], ...]]:
+    """The plans a shape's prefill launches run by row count, from a sweep entry: the fastest plan at the fewest
+    measured rows, then a bucket from each larger measured M where another plan is faster than the one before it
+    by more than BUCKET_GAIN (its first row: the geometric middle of that M and the one below it, a multiple of
+    64). Only plans that are invariant and equal the current prefill plan bit for bit (so every bucket sums alike)."""
+    ok = {a: b for a, b in entry["plans"].items() if b.get("invariant") and b.get("equals_current")}
+    if not ok:
+        return None, ()
+    rows = sorted(rows)
+    base = current = min(ok, key=lambda a: ok[a]["us"][rows[0]])
+    buckets = []
+    for below, m in zip(rows, rows[1:], strict=False):
+        best = min(ok, key=lambda a, m=m: ok[a]["us"][m])
+        if best != current and ok[best]["us"][m] < (1 - BUCKET_GAIN) * ok[current]["us"][m]:
+            buckets.append((max(64, round((below * m) ** 0.5 / 64) * 64), best))
+            current = best
+    return base, tuple(buckets)
+
+
+def dispatch(n: int, k: int, base: GemmPlan, buckets: tuple[tuple[int, GemmPlan], ...]):
+    """Set these as the shape's prefill plan and row buckets (as `--apply` would); the previous ones to restore."""
+    old = linear.PREFILL_TUNED.get((n, k)), linear.PREFILL_ROW_BUCKETS.get((n, k))
+    linear.PREFILL_TUNED[n, k] = base
+    linear.PREFILL_ROW_BUCKETS[n, k] = buckets
+    linear.check_row_buckets({(n, k): buckets}, linear.prefill_gemm_plan)
+    return old
+
+
+def restore(n: int, k: int, old) -> None:
+    for table, plan in zip((linear.PREFILL_TUNED, linear.PREFILL_ROW_BUCKETS), old, strict=True):
+        table.pop((n, k), None)
+        if plan is not None:
+            table[n, k] = plan
 
 
 def run(preset: str, rows: list[int]) -> dict:
@@ -68,7 +115,7 @@ def run(preset: str, rows: list[int]) -> dict:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": preset, "rows": rows,
                     "shapes": []}  # fmt: skip
     big = max(rows)
-    forward = {m: {"cublas": 0.0, "grid": 0.0, "best": 0.0} for m in rows}
+    forward = {m: {"cublas": 0.0, "grid": 0.0, "best": 0.0, "bucketed": 0.0} for m in rows}
     for (n, k), count in prefill_shapes(preset).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(big, k, device="cuda", dtype=torch.bfloat16)
@@ -93,13 +140,32 @@ def run(preset: str, rows: list[int]) -> dict:
         usable = {a: b for a, b in entry["plans"].items() if b.get("invariant")}
         cost = {a: sum(b["us"][m] / entry["cublas_us"][m] for m in rows) for a, b in usable.items()}
         best = entry["best"] = min(cost, key=cost.get) if cost else None
+        base, buckets = pick_prefill_buckets(entry, rows)
+        if base is not None:
+            plans = {a: GemmPlan(**entry["plans"][a]["fields"]) for a in {base, *(b for _, b in buckets)}}
+            entry["bucketed"] = bucketed = {"base": base, "buckets": [list(b) for b in buckets]}
+            old = dispatch(n, k, plans[base], tuple((fewest, plans[a]) for fewest, a in buckets))
+            try:  # the launch as the engine makes it (plan from M): a row's bits at every M, and us per M
+                with linear.prefill_rows():
+                    full = invariant_matmul_triton(x, w)
+                    bucketed["invariant"] = all(
+                        torch.equal(invariant_matmul_triton(x[:m], w), full[:m]) for m in DISPATCH_CHECK_M
+                    ) and torch.equal(full, reference)
+                    bucketed["us"] = {m: graph_us(lambda a, b: invariant_matmul_triton(a, b), x[:m], [w]) for m in rows}
+            finally:
+                restore(n, k, old)
         for m in rows:
             forward[m]["cublas"] += entry["cublas_us"][m] * count
             forward[m]["grid"] += (entry["plans"]["grid128x128"].get("us", {}).get(m, float("nan"))) * count
             forward[m]["best"] += (usable[best]["us"][m] if best else float("nan")) * count
+            forward[m]["bucketed"] += entry.get("bucketed", {}).get("us", {}).get(m, float("nan")) * count
         report["shapes"].append(entry)
         print(f"{n}x{k} (x{count}) best {best}; us per M {rows}: cuBLAS " +
               " ".join(f"{entry['cublas_us'][m]:.0f}" for m in rows))  # fmt: skip
+        if "bucketed" in entry:
+            b = entry["bucketed"]
+            print(f"  bucketed: {b['base']} then {b['buckets']}, invariant {b['invariant']}: " +
+                  " ".join(f"{b['us'][m]:.0f} ({b['us'][m] / entry['cublas_us'][m]:.2f}x)" for m in rows))  # fmt: skip
         for name, e in entry["plans"].items():
             if "error" in e:
                 print(f"  {name:18s} ERROR {e['error']}")
@@ -111,28 +177,38 @@ def run(preset: str, rows: list[int]) -> dict:
         torch.cuda.empty_cache()
     report["forward_ms"] = {m: {a: b / 1e3 for a, b in f.items()} for m, f in forward.items()}
     for m, f in report["forward_ms"].items():
-        grid, best = f["grid"] / f["cublas"], f["best"] / f["cublas"]
+        grid, best, bucketed = (f[a] / f["cublas"] for a in ("grid", "best", "bucketed"))
         print(f"one forward's linears at M={m}: cuBLAS {f['cublas']:.2f} ms, grid plan {f['grid']:.2f} "
-              f"({grid:.2f}x), best candidate {f['best']:.2f} ({best:.2f}x)")  # fmt: skip
+              f"({grid:.2f}x), best candidate {f['best']:.2f} ({best:.2f}x), row buckets {f['bucketed']:.2f} "
+              f"({bucketed:.2f}x)")  # fmt: skip
     return report
 
 
 def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
-    """Write each shape's best invariant candidate into PREFILL_TUNED (the other presets' entries stay)."""
-    table = dict(linear.PREFILL_TUNED)
+    """Write each shape's plans into PREFILL_TUNED and PREFILL_ROW_BUCKETS (the other presets' entries stay): its
+    row-bucketed plans where the engine's dispatch of them kept every row's bits (`bucketed`), else its best
+    invariant candidate over all rows with no buckets."""
+    table, buckets = dict(linear.PREFILL_TUNED), dict(linear.PREFILL_ROW_BUCKETS)
     for e in report["shapes"]:
-        if e["best"]:
-            table[e["n"], e["k"]] = GemmPlan(**e["plans"][e["best"]]["fields"])
+        plan = lambda label, e=e: GemmPlan(**e["plans"][label]["fields"])  # noqa: E731
+        b = e.get("bucketed", {})
+        if b.get("invariant"):
+            table[e["n"], e["k"]] = plan(b["base"])
+            buckets[e["n"], e["k"]] = tuple((fewest, plan(label)) for fewest, label in b["buckets"])
+        elif e["best"]:
+            table[e["n"], e["k"]] = plan(e["best"])
+            buckets.pop((e["n"], e["k"]), None)
     lines = [f"    ({n}, {k}): {plan_text(plan)},\n" for (n, k), plan in table.items()]
     text = open(path).read()
     body = "PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}\n"
     open(path, "w").write(table_pattern("PREFILL_TUNED").sub(lambda _: body, text, count=1))
+    write_buckets({key: entries for key, entries in buckets.items() if entries}, path, "PREFILL_ROW_BUCKETS")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.5-27b", help="a synthetic preset: its decoder layers' shapes")
-    parser.add_argument("--rows", default="512,2048,4096,8192")
+    parser.add_argument("--rows", default="512,1024,2048,4096,8192")
     parser.add_argument("--out", default=None)
     parser.add_argument("--apply", action="store_true", help="write the best plan per shape into PREFILL_TUNED")
     args = parser.parse_args()

@@ -47,6 +47,7 @@
 #                and the 27B B32 bench with cache.mixed_steps off and on (B32=0 leaves it out);
 #   issue20      issue #20's H200 figures in one call: the packed stress test, mixed_steps.py at 27B bf16 and FP8,
 #                the B32 bench with mixed steps off and on (carry torchao);
+#   prefillbuckets the prefill GEMM's row buckets: mixed_steps.py, the sweep applied, mixed_steps.py again;
 #   mixeddefault the GPU suites that run default engines (exactness, prefix caching, sampling), for a default's change;
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
@@ -334,6 +335,20 @@ if [[ "$STAGE" == mixeddefault ]]; then  # one device call (~8 min): the GPU sui
     -k "(mtp_equals_plain_bf16 and graphs) or stress"
   counted 100 prefix.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefix_cache_cuda.py
   counted $((570 - SECONDS)) sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
+fi
+if [[ "$STAGE" == prefillbuckets ]]; then  # one device call (~6 min): prefill row buckets, swept, applied, measured
+  # mixed_steps.py with the shipped prefill plans; the sweep (candidates per M, the bucketed dispatch's bits and
+  # times against cuBLAS) applied to this copy's ops/linear.py (back in $OUT); mixed_steps.py again
+  ms() { timeout 150 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --set cache.max_step_tokens=16384 \
+           --gemm-rows "" --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 --out "$OUT/mixed-steps-$1.json" \
+           >"$OUT/mixed-steps-$1.log" 2>&1; echo "[rc $? at ${SECONDS}s] mixed_steps $1"
+         grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$1.log"; }
+  ms shipped-plans
+  timeout 240 python3 benchmarks/gemm_prefill.py --out "$OUT/gemm-prefill-buckets.json" --apply \
+    >"$OUT/gemm-prefill-buckets.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] gemm_prefill --apply"; grep -E "bucketed|one forward" "$OUT/gemm-prefill-buckets.log"
+  cp qwen_mtp/ops/linear.py "$OUT/linear.py"
+  ms prefill-buckets  # its "packed alone-exact": packed == alone at 27B with the new tables
 fi
 if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
   if [[ "${SWEEP:-1}" == 1 ]]; then  # APPLY=1: the winners into TMA_LOAD_BUCKETS for the rest of this call

@@ -41,3 +41,50 @@ def test_the_shipped_w8a8_tables_run_32_row_tiles_from_17_rows():
         first, bucket = linear.W8A8_ROW_BUCKETS[n, k][0]
         assert (plan.block_m, first, bucket.block_m) == (16, 17, 32), (n, k)
         assert linear.same_sums(plan, bucket, n, k)
+
+
+def _prefill_entry(times: dict, unequal: tuple = ()) -> dict:
+    return {"plans": {label: {"us": us, "invariant": True, "equals_current": label not in unequal}
+                      for label, us in times.items()}}  # fmt: skip
+
+
+def test_prefill_buckets_start_where_another_plan_wins_by_more_than_the_margin():
+    """`benchmarks/gemm_prefill.py`: the fastest plan at the fewest rows, then a bucket from the geometric middle
+    below each measured M where another plan is faster than the current one by more than 3%; a plan whose bits
+    differ from the current prefill plan's is never picked, however fast."""
+    gemm_prefill = benchmark_module("gemm_prefill")
+    rows = [512, 1024, 2048, 4096, 8192]
+    entry = _prefill_entry(
+        {
+            "small": {512: 100.0, 1024: 190.0, 2048: 400.0, 4096: 820.0, 8192: 1700.0},
+            "large": {512: 150.0, 1024: 200.0, 2048: 360.0, 4096: 700.0, 8192: 1400.0},
+            "marginal": {512: 160.0, 1024: 230.0, 2048: 380.0, 4096: 710.0, 8192: 1372.0},  # 2% at 8192 only
+            "other_bits": {512: 50.0, 1024: 90.0, 2048: 180.0, 4096: 350.0, 8192: 700.0},
+        },
+        unequal=("other_bits",),
+    )
+    assert gemm_prefill.pick_prefill_buckets(entry, rows) == ("small", ((1472, "large"),))  # sqrt(1024 x 2048)
+    assert gemm_prefill.pick_prefill_buckets(_prefill_entry({"a": {512: 1.0}}, unequal=("a",)), [512]) == (None, ())
+
+
+def test_prefill_apply_writes_the_bucketed_plans_into_both_tables(tmp_path):
+    """`gemm_prefill.py --apply` on a copy of ops/linear.py: a shape whose bucketed dispatch kept its bits gets its
+    base plan and buckets; one whose check failed gets its best plan and no buckets; the file still compiles."""
+    gemm_prefill = benchmark_module("gemm_prefill")
+    target = tmp_path / "linear.py"
+    target.write_text(open(linear.__file__).read())
+    small = dataclasses.asdict(linear.GemmPlan(128, 64, 80, 4, 4, family="tma", block_m=64))
+    large = dataclasses.asdict(linear.GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, persistent=True))
+    plans = {"small": {"fields": small}, "large": {"fields": large}}
+    shape = lambda n, ok: {"n": n, "k": 5120, "best": "large", "plans": plans,  # noqa: E731
+                           "bucketed": {"base": "small", "buckets": [[1472, "large"]], "invariant": ok}}  # fmt: skip
+    gemm_prefill.apply({"shapes": [shape(4096, True), shape(8192, False)]}, str(target))
+    text = target.read_text()
+    compile(text, str(target), "exec")
+    namespace = {"GemmPlan": linear.GemmPlan}
+    for name in ("PREFILL_TUNED", "PREFILL_ROW_BUCKETS"):
+        start = text.index(f"\n{name}: dict")
+        exec(text[start : text.index("\n}\n", start) + 3], namespace)
+    assert namespace["PREFILL_TUNED"][4096, 5120] == linear.GemmPlan(**small)
+    assert namespace["PREFILL_TUNED"][8192, 5120] == linear.GemmPlan(**large)
+    assert namespace["PREFILL_ROW_BUCKETS"] == {(4096, 5120): ((1472, linear.GemmPlan(**large)),)}

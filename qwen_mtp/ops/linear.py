@@ -443,12 +443,30 @@ PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {
     (34816, 5120): GemmPlan(256, 64, 80, 8, 3, family="tma", block_m=128, persistent=True),  # 27b mlp gate_up
     (5120, 17408): GemmPlan(256, 64, 272, 8, 3, family="tma", block_m=128, persistent=True),  # 27b mlp down
 }
+# Prefill row buckets: a prefill launch of at least `fewest` rows runs the bucket's plan instead of the shape's
+# `prefill_gemm_plan`, which every bucket plan sums as (one K split, wgmma: `check_row_buckets` at import), so a row's
+# bits are the same at every M. Why: a plan's tiles suit some row counts; at M = 512 the N = 5120 shapes have 80-160
+# 128 x 256 tiles for 132 SMs (1.47-1.57x cuBLAS, docs/benchmarks.md) while thousands of rows want the large tiles.
+# BEGIN PREFILL_ROW_BUCKETS (written by benchmarks/gemm_prefill.py --apply)
+PREFILL_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
+# END PREFILL_ROW_BUCKETS
 _PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=False)
 
 
 def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
-    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else `grid_prefill_plan`."""
+    """The invariant plan for prefill row counts (`prefill_rows`): tuned, else `grid_prefill_plan`; a launch of
+    more rows may run a row bucket's plan that sums alike (`prefill_row_plan`)."""
     return PREFILL_TUNED.get((n, k)) or grid_prefill_plan(n, k)
+
+
+def prefill_row_plan(n: int, k: int, m: int) -> GemmPlan:
+    """The prefill plan a launch of `m` rows runs: its row bucket's (`PREFILL_ROW_BUCKETS`), else
+    `prefill_gemm_plan`. Only where the "tma" kernel runs (Hopper), where `sum_order` was measured."""
+    plan = prefill_gemm_plan(n, k)
+    for fewest, bucket in PREFILL_ROW_BUCKETS.get((n, k), ()):
+        if m >= fewest:
+            plan = bucket
+    return plan
 
 
 def grid_prefill_plan(n: int, k: int) -> GemmPlan:
@@ -471,16 +489,16 @@ def prefill_rows() -> Iterator[None]:
         _PREFILL_ROWS.reset(token)
 
 
-def _invariant_plan(n: int, k: int, device: torch.device, fp8: bool = False) -> GemmPlan | None:
-    """The plan an invariant GEMM of this shape runs now: the prefill plan inside `prefill_rows` (its "grid"
-    stand-in where a "tma" plan cannot run: FP8 weights, no tensor memory accelerator), else None (the decode plan,
-    `gemm_plan` / `gemm_plan_fp8`)."""
+def _invariant_plan(n: int, k: int, device: torch.device, fp8: bool = False, m: int = 1) -> GemmPlan | None:
+    """The plan an invariant GEMM of this shape over `m` rows runs now: inside `prefill_rows` the prefill plan (its
+    row bucket's where the "tma" kernel runs; the "grid" stand-in where a "tma" plan cannot run: FP8 weights, no
+    tensor memory accelerator), else None (the decode plan, `gemm_plan` / `gemm_plan_fp8`)."""
     if not _PREFILL_ROWS.get():
         return None
+    if not fp8 and tma_available(device):
+        return prefill_row_plan(n, k, m)
     plan = prefill_gemm_plan(n, k)
-    if plan.family == "tma" and (fp8 or not tma_available(device)):
-        return grid_prefill_plan(n, k)
-    return plan
+    return grid_prefill_plan(n, k) if plan.family == "tma" else plan
 
 
 @functools.cache  # build (and let Triton cache) the kernel once, on first use
@@ -912,8 +930,9 @@ def _(x, weight, invariant):
         return F.linear(x, weight).contiguous()
     if reference_forced("linear"):
         return rowwise_linear(x, weight)
-    plan = _invariant_plan(*weight.shape, x.device)
-    return invariant_matmul_triton(x.reshape(-1, x.shape[-1]), weight, plan).reshape(*x.shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, x.shape[-1])
+    plan = _invariant_plan(*weight.shape, x.device, m=rows.shape[0])
+    return invariant_matmul_triton(rows, weight, plan).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @linear_op.register_fake
@@ -1535,6 +1554,7 @@ def check_tma_load_buckets(loads: dict, buckets: dict) -> None:
 
 check_row_buckets(ROW_BUCKETS)
 check_row_buckets(W8A8_ROW_BUCKETS, gemm_plan_w8a8)
+check_row_buckets(PREFILL_ROW_BUCKETS, prefill_gemm_plan)
 check_tma_load_buckets(TMA_LOAD_BUCKETS["bf16"], ROW_BUCKETS)
 check_tma_load_buckets(TMA_LOAD_BUCKETS["w8a8"], W8A8_ROW_BUCKETS)
 for _plan in (plan for entries in W8A8_ROW_BUCKETS.values() for _, plan in entries):

@@ -406,3 +406,59 @@ def test_l2_prefetch_switch_sets_every_decode_plan_and_loads_by_pointers(monkeyp
         dataclasses.replace(WGMMA_BASE, l2_prefetch=2, tma_loads=True)
     with pytest.raises(ValueError, match="l2_prefetch"):
         dataclasses.replace(WGMMA_BASE, l2_prefetch=-1)
+
+
+# ---- prefill row buckets: the prefill plan picked by the launch's row count, all summing alike -----------------
+
+PREFILL_BASE = GemmPlan(64, 64, 4, 4, 3, family="tma", block_m=64)  # 64-row tiles, the whole K of 256 in one split
+PREFILL_WIDE = GemmPlan(32, 64, 4, 4, 3, family="tma", block_m=128, persistent=True)  # from 40 rows
+
+
+def test_prefill_row_plan_picks_the_bucket_of_the_launch(monkeypatch):
+    """Inside `prefill_rows` a launch of M rows runs its row bucket's plan where the "tma" kernel runs; FP8 weights
+    and GPUs without it keep the one "grid" stand-in; outside the block, the decode plan."""
+    monkeypatch.setitem(linear.PREFILL_TUNED, (64, 256), PREFILL_BASE)
+    monkeypatch.setitem(linear.PREFILL_ROW_BUCKETS, (64, 256), ((40, PREFILL_WIDE),))
+    monkeypatch.setattr(linear, "tma_available", lambda device: True)
+    cpu = torch.device("cpu")
+    with prefill_rows():
+        assert [linear._invariant_plan(64, 256, cpu, m=m) for m in (1, 39, 40, 5000)] == [PREFILL_BASE] * 2 + [
+            PREFILL_WIDE
+        ] * 2
+        assert linear._invariant_plan(64, 256, cpu, fp8=True, m=40) == linear.grid_prefill_plan(64, 256)
+        monkeypatch.setattr(linear, "tma_available", lambda device: False)
+        assert linear._invariant_plan(64, 256, cpu, m=40) == linear.grid_prefill_plan(64, 256)
+    assert linear._invariant_plan(64, 256, cpu, m=40) is None
+
+
+def test_prefill_row_buckets_must_sum_as_the_prefill_plan(monkeypatch):
+    monkeypatch.setitem(linear.PREFILL_TUNED, (64, 256), PREFILL_BASE)
+    linear.check_row_buckets({(64, 256): ((40, PREFILL_WIDE),)}, linear.prefill_gemm_plan)
+    split = dataclasses.replace(PREFILL_WIDE, family="grid", persistent=False, k_per_split=2)  # K split at 128
+    with pytest.raises(ValueError, match="sums otherwise"):
+        linear.check_row_buckets({(64, 256): ((40, split),)}, linear.prefill_gemm_plan)
+
+
+@pytest.mark.skipif(REAL, reason="integer-valued inputs test the dispatch; on CUDA: gemm_prefill.py checks the bits")
+def test_prefill_bucketed_launches_are_right_at_every_row_count(monkeypatch):
+    """The linear op's CUDA function inside `prefill_rows`, run by the interpreter with a bucket from 40 rows, over
+    integer-valued inputs (exact in any summation order): right products, and the same rows on both sides of the
+    bucket edge."""
+    n, k = 64, 256
+    monkeypatch.setitem(linear.PREFILL_TUNED, (n, k), PREFILL_BASE)
+    monkeypatch.setitem(linear.PREFILL_ROW_BUCKETS, (n, k), ((40, PREFILL_WIDE),))
+    launched = []
+    tma_matmul = linear._tma_matmul
+    monkeypatch.setattr(
+        linear, "_tma_matmul", lambda x, w, out, plan: (launched.append(plan), tma_matmul(x, w, out, plan))
+    )
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-3, 4, (n, k), generator=gen).float()
+    x = torch.randint(-3, 4, (70, k), generator=gen).float()
+    cuda_linear = linear.linear_op._direct["cuda"]
+    with prefill_rows():
+        full = cuda_linear(x, weight, True)
+        assert torch.equal(full, x @ weight.T)
+        for m in (1, 39, 40, 41):
+            assert torch.equal(cuda_linear(x[:m], weight, True), full[:m]), f"rows differ at M={m}"
+    assert launched == [PREFILL_WIDE, PREFILL_BASE, PREFILL_BASE, PREFILL_WIDE, PREFILL_WIDE]

@@ -94,12 +94,18 @@ def pick_prefill_buckets(entry: dict, rows: list[int]) -> tuple[str | None, tupl
     return base, tuple(buckets)
 
 
+def engine_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The invariant linear as a prefill step calls it (the op: inside `prefill_rows` its plan comes from M)."""
+    return linear.linear_op(x, weight, True)
+
+
 def dispatch(n: int, k: int, base: GemmPlan, buckets: tuple[tuple[int, GemmPlan], ...]):
     """Set these as the shape's prefill plan and row buckets (as `--apply` would); the previous ones to restore."""
     old = linear.PREFILL_TUNED.get((n, k)), linear.PREFILL_ROW_BUCKETS.get((n, k))
     linear.PREFILL_TUNED[n, k] = base
     linear.PREFILL_ROW_BUCKETS[n, k] = buckets
-    linear.check_row_buckets({(n, k): buckets}, linear.prefill_gemm_plan)
+    if buckets:
+        linear.check_row_buckets({(n, k): buckets}, linear.prefill_gemm_plan)
     return old
 
 
@@ -145,13 +151,13 @@ def run(preset: str, rows: list[int]) -> dict:
             plans = {a: GemmPlan(**entry["plans"][a]["fields"]) for a in {base, *(b for _, b in buckets)}}
             entry["bucketed"] = bucketed = {"base": base, "buckets": [list(b) for b in buckets]}
             old = dispatch(n, k, plans[base], tuple((fewest, plans[a]) for fewest, a in buckets))
-            try:  # the launch as the engine makes it (plan from M): a row's bits at every M, and us per M
-                with linear.prefill_rows():
-                    full = invariant_matmul_triton(x, w)
+            try:  # the launch as the engine makes it (the linear op, plan from M): a row's bits at every M, us per M
+                with linear.prefill_rows(), torch.inference_mode():
+                    full = engine_linear(x, w)
                     bucketed["invariant"] = all(
-                        torch.equal(invariant_matmul_triton(x[:m], w), full[:m]) for m in DISPATCH_CHECK_M
+                        torch.equal(engine_linear(x[:m], w), full[:m]) for m in DISPATCH_CHECK_M
                     ) and torch.equal(full, reference)
-                    bucketed["us"] = {m: graph_us(lambda a, b: invariant_matmul_triton(a, b), x[:m], [w]) for m in rows}
+                    bucketed["us"] = {m: graph_us(engine_linear, x[:m], [w]) for m in rows}
             finally:
                 restore(n, k, old)
         for m in rows:

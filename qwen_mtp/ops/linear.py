@@ -382,6 +382,16 @@ def same_sums(a: GemmPlan, b: GemmPlan, n: int, k: int) -> bool:
     return sum_order(a, n, k) == sum_order(b, n, k)
 
 
+def bucket_of(entries: tuple[tuple[int, GemmPlan], ...], m: int, plan: GemmPlan) -> tuple[GemmPlan, int]:
+    """A launch of `m` rows in a shape's row buckets (`entries`, bounds rising): the plan of the last bucket it
+    reaches and that bucket's first row; `plan` and 1 below every bucket."""
+    start = 1
+    for fewest, bucket in entries:
+        if m >= fewest:
+            plan, start = bucket, fewest
+    return plan, start
+
+
 def row_plan(
     n: int, k: int, m: int, hopper: bool = True, buckets: dict | None = None, base=None, loads: dict | None = None
 ) -> GemmPlan:
@@ -389,12 +399,9 @@ def row_plan(
     its tiles loaded by TMA where `TMA_LOAD_BUCKETS` (or `QWEN_MTP_TMA_LOADS`) says. Only on Hopper (`hopper`), where
     `sum_order` was measured; elsewhere the one plan serves every M. `buckets`, `base` and `loads`: another kernel's
     tables and per-shape plan (W8A8: `W8A8_ROW_BUCKETS`, `gemm_plan_w8a8`, `TMA_LOAD_BUCKETS["w8a8"]`)."""
-    plan, bucket_start = (base or gemm_plan)(n, k), 1
     table = ROW_BUCKETS if buckets is None else buckets
     loads = (TMA_LOAD_BUCKETS["bf16"] if buckets is None else {}) if loads is None else loads
-    for fewest, bucket in table.get((n, k), ()) if hopper else ():
-        if m >= fewest:
-            plan, bucket_start = bucket, fewest
+    plan, bucket_start = bucket_of(table.get((n, k), ()) if hopper else (), m, (base or gemm_plan)(n, k))
     tma = hopper and bucket_start in loads.get((n, k), ()) if TMA_LOADS is None else TMA_LOADS
     if plan.family == "tma":
         return plan
@@ -462,11 +469,7 @@ def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
 def prefill_row_plan(n: int, k: int, m: int) -> GemmPlan:
     """The prefill plan a launch of `m` rows runs: its row bucket's (`PREFILL_ROW_BUCKETS`), else
     `prefill_gemm_plan`. Only where the "tma" kernel runs (Hopper), where `sum_order` was measured."""
-    plan = prefill_gemm_plan(n, k)
-    for fewest, bucket in PREFILL_ROW_BUCKETS.get((n, k), ()):
-        if m >= fewest:
-            plan = bucket
-    return plan
+    return bucket_of(PREFILL_ROW_BUCKETS.get((n, k), ()), m, prefill_gemm_plan(n, k))[0]
 
 
 def grid_prefill_plan(n: int, k: int) -> GemmPlan:

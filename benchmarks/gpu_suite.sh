@@ -72,6 +72,18 @@ bench_27b() { local limit=$1 name=$2 rc; shift 2
                 --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
               cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
               rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
+# itl_27b NAME GEMM_ROWS [SETS...]: benchmarks/mixed_steps.py at 27B (the bursts' TTFT, the ITL of 16 running
+# requests while a 2048-token prompt arrives every 0.5 s; packing off and on) into $OUT/mixed-steps-NAME.json, its
+# TTFT and ITL lines printed; GEMM_ROWS '' skips its bf16 GEMM timings. b32_mixed: the 27B B32 bench (plain, K=3)
+# with cache.mixed_steps off and on (issue #20's decode throughput in steady state).
+itl_27b() { local name=$1 rows=$2; shift 2
+            timeout 150 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --set cache.max_step_tokens=16384 \
+              "$@" --gemm-rows "$rows" --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 \
+              --out "$OUT/mixed-steps-$name.json" >"$OUT/mixed-steps-$name.log" 2>&1
+            echo "[rc $? at ${SECONDS}s] mixed_steps $name"; grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$name.log"; }
+b32_mixed() { for mixed in false true; do
+                bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
+              done; }
 # graphed_profile [NAME [ARGS...]]: the 27B step's GPU time by kernel kind under CUDA graphs, B1 and B32, plain and
 # K=3, into $OUT/NAME.json (default profile-graphed); ARGS go to profile_step.py (e.g. --set model.synthetic=...).
 graphed_profile() { local name=${1:-profile-graphed}; shift || true
@@ -302,32 +314,19 @@ if [[ "$STAGE" == prefillgraphs ]]; then  # one device call (~9 min): compile.pr
   # bursts, ITL of running requests while long prompts arrive) without and with prefill graphs, in the same call
   counted 150 prefillgraphs-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefill_graphs_cuda.py
   for graphs in false true; do
-    timeout 150 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --set compile.prefill_graphs=$graphs \
-      --set cache.max_step_tokens=16384 --gemm-rows 512 --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 \
-      --out "$OUT/mixed-steps-prefill-graphs-$graphs.json" >"$OUT/mixed-steps-$graphs.log" 2>&1
-    echo "[rc $? at ${SECONDS}s] mixed_steps prefill_graphs=$graphs"; grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$graphs.log"
+    itl_27b "prefill-graphs-$graphs" 512 --set compile.prefill_graphs=$graphs
   done
-  # issue #20's "decode throughput at B32 not lower than without packing", in steady state: the bench's B32 plain
-  # and K=3 steps with mixed steps on and off (a decode-only step runs the same code either way)
-  for mixed in $([[ "${B32:-1}" == 1 ]] && echo false true); do  # B32=0: not in this call
-    bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
-  done
+  # a decode-only step runs the same code with mixed steps on and off; B32=0: not in this call
+  [[ "${B32:-1}" == 1 ]] && b32_mixed
 fi
 if [[ "$STAGE" == issue20 ]]; then  # one device call (~8 min; carry torchao): issue #20's H200 figures together
   # the packed stress run (200 prompts, 1..2048 tokens, staggered: packed == alone, MTP-on == MTP-off) and packing
   # invariance; the bursts' TTFT and the ITL under arrivals, packing off and on, 27B bf16 then FP8; B32 decode
   # throughput with mixed steps off and on
   counted 220 mixed-steps-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_mixed_steps_cuda.py
-  for model in qwen3.5-27b qwen3.5-27b-fp8; do  # the GEMM timings are bf16's: FP8 skips them
-    rows=512; [[ $model == *fp8 ]] && rows=""
-    timeout 150 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --set model.synthetic=$model \
-      --set cache.max_step_tokens=16384 --gemm-rows "$rows" --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 \
-      --out "$OUT/mixed-steps-$model.json" >"$OUT/mixed-steps-$model.log" 2>&1
-    echo "[rc $? at ${SECONDS}s] mixed_steps $model"; grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$model.log"
-  done
-  for mixed in false true; do
-    bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
-  done
+  itl_27b qwen3.5-27b 512
+  itl_27b qwen3.5-27b-fp8 "" --set model.synthetic=qwen3.5-27b-fp8  # the GEMM timings are bf16's: none
+  b32_mixed
 fi
 if [[ "$STAGE" == mixeddefault ]]; then  # one device call (~8 min): the GPU suites that run default engines, for a
   # change of an engine default (docs/branches/wp19-mixed-default.patch: mixed steps on by default on CUDA)
@@ -339,16 +338,12 @@ fi
 if [[ "$STAGE" == prefillbuckets ]]; then  # one device call (~6 min): prefill row buckets, swept, applied, measured
   # mixed_steps.py with the shipped prefill plans; the sweep (candidates per M, the bucketed dispatch's bits and
   # times against cuBLAS) applied to this copy's ops/linear.py (back in $OUT); mixed_steps.py again
-  ms() { timeout 150 python3 benchmarks/mixed_steps.py recipes/bench-27b.yaml --set cache.max_step_tokens=16384 \
-           --gemm-rows "" --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 --out "$OUT/mixed-steps-$1.json" \
-           >"$OUT/mixed-steps-$1.log" 2>&1; echo "[rc $? at ${SECONDS}s] mixed_steps $1"
-         grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$1.log"; }
-  ms shipped-plans
+  itl_27b shipped-plans ""
   timeout 240 python3 benchmarks/gemm_prefill.py --out "$OUT/gemm-prefill-buckets.json" --apply \
     >"$OUT/gemm-prefill-buckets.log" 2>&1
   echo "[rc $? at ${SECONDS}s] gemm_prefill --apply"; grep -E "bucketed|one forward" "$OUT/gemm-prefill-buckets.log"
   cp qwen_mtp/ops/linear.py "$OUT/linear.py"
-  ms prefill-buckets  # its "packed alone-exact": packed == alone at 27B with the new tables
+  itl_27b prefill-buckets ""  # its "packed alone-exact": packed == alone at 27B with the new tables
 fi
 if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
   if [[ "${SWEEP:-1}" == 1 ]]; then  # APPLY=1: the winners into TMA_LOAD_BUCKETS for the rest of this call

@@ -72,8 +72,9 @@ class CacheSection:
     prefix_snapshots: int | None = None  # GDN state snapshot slots; None: sized from the pools (sizing.py)
     prefix_cache_outputs: bool = True  # with prefix_caching: also cache a finished request's output chunks
     # Mixed steps (docs/mixed-steps.md): a step's prefill chunks of several requests run as one packed forward,
-    # next to the decode/verify rows, under `max_step_tokens`. Off by default (docs/recipes.md: the measured trade).
-    mixed_steps: bool = False
+    # next to the decode/verify rows, under `max_step_tokens`. None: on on a single CUDA device, off on CPU and
+    # with tensor parallelism (docs/recipes.md says why)
+    mixed_steps: bool | None = None
     max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
     # Decode and fixed-K verify steps: launch the next step before reading this one's results back, so the host's
     # work between steps runs while the GPU computes (docs/architecture.md "Lookahead"; H200, 27B B1: 14.76 -> 13.93

@@ -8,6 +8,8 @@ import torch
 from helpers import assert_greedy_matches_hf, load_hf, random_prompt
 
 from qwen_mtp import Engine, RecipeError, SamplingParams
+from qwen_mtp.engine.engine import mixed_steps_on
+from qwen_mtp.recipe import CacheSection
 
 CHUNK = 16
 MAX_NEW = 8
@@ -177,3 +179,23 @@ def test_packed_chunk_hidden_states_are_bitwise_those_alone(checkpoint, dtype):
     packed = chunk_hidden_states(make_engine(path, dtype), [TARGET] + COMPANIONS[:3])
     assert len(alone) == len(packed) == 3
     assert all(torch.equal(a, b) for a, b in zip(alone, packed, strict=True))
+
+
+@pytest.mark.parametrize(
+    "setting, device, tensor_parallel, on",
+    [
+        (None, "cuda", False, True),  # null: on on one CUDA device
+        (None, "cpu", False, False),  # the invariant linears' CPU reference runs row by row
+        (None, "cuda", True, False),  # packed steps have not run with tensor parallelism
+        (False, "cuda", False, False),
+        (True, "cpu", False, True),
+    ],
+)
+def test_mixed_steps_default_is_on_for_one_cuda_device(setting, device, tensor_parallel, on):
+    cache = CacheSection(mixed_steps=setting)
+    assert mixed_steps_on(cache, torch.device(device), tensor_parallel) is on
+
+
+def test_default_cpu_engine_runs_chunks_unpacked(checkpoint):
+    engine = Engine.from_recipe({"model": {"path": str(checkpoint("tiny")), "device": "cpu"}}, log=lambda _: None)
+    assert not engine.mixed_steps and engine.scheduler.max_step_tokens is None

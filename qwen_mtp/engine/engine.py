@@ -84,6 +84,15 @@ class _Launched:
     verified: Ahead | None = None  # a verify batch's device results, which a lookahead verify starts from
 
 
+def mixed_steps_on(cache: CacheSection, device: torch.device, tensor_parallel: bool) -> bool:
+    """Whether a step's prefill chunks run packed (`cache.mixed_steps`): as it says, or (null) on a single CUDA
+    device. Off on CPU, where the packed prefill's batch-invariant linears are the slow reference, and with tensor
+    parallelism, whose packed steps have not run on two GPUs."""
+    if cache.mixed_steps is not None:
+        return cache.mixed_steps
+    return device.type == "cuda" and not tensor_parallel
+
+
 def prefill_graphs_on(compile: CompileSection, graphs: bool, tensor_parallel: bool) -> bool:
     """Whether full prefill chunks replay CUDA graphs: as `compile.prefill_graphs` says, or (null) wherever the
     decode steps are graphed, except with compiled prefill chunks or tensor parallelism, which it excludes."""
@@ -118,6 +127,7 @@ class Engine:
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
         self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
+        self.mixed_steps = mixed_steps_on(cache, self.device, tensor_parallel=self.model.parallel is not None)
         self._check_forward_rows(cache)
         # before the pools are sized from the free memory, so that they leave room for its copy
         draft_head = self._draft_head(mtp) if mtp.enabled else None
@@ -130,7 +140,6 @@ class Engine:
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
         self.cache_outputs = cache.prefix_cache_outputs
-        self.mixed_steps = cache.mixed_steps
         self.lookahead = cache.lookahead
         self._ahead: _Ahead | None = None  # the lookahead step in flight
         self.lookahead_steps = 0  # steps launched ahead of the step before them (`cache.lookahead`)
@@ -182,20 +191,21 @@ class Engine:
              and m is not self.model.lm_head),
             default=self.config.hidden_size,
         )  # fmt: skip
-        if cache.mixed_steps:
+        if self.mixed_steps:
             check_forward_rows(cache.max_step_tokens, widest, "cache.max_step_tokens")
         check_forward_rows(cache.prefill_chunk, widest, "cache.prefill_chunk")
 
     def _step_budget(self, cache: CacheSection) -> int | None:
         """Mixed steps' token budget, checked to hold every decode/verify row and one full prefill chunk (so
         prefill always progresses); None without mixed steps (every request in prefill runs its next chunk)."""
-        if not cache.mixed_steps:
+        if not self.mixed_steps:
             return None
         least = cache.max_batch * (self.spec_tokens + 1) + cache.prefill_chunk
         if cache.max_step_tokens < least:
             raise RecipeError(
                 f"cache.max_step_tokens ({cache.max_step_tokens}) must hold cache.max_batch decode rows of "
-                f"{self.spec_tokens + 1} tokens plus one cache.prefill_chunk ({cache.prefill_chunk}): at least {least}"
+                f"{self.spec_tokens + 1} tokens plus one cache.prefill_chunk ({cache.prefill_chunk}): at least {least} "
+                "(or cache.mixed_steps: false)"
             )
         return cache.max_step_tokens
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
-# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
+# STAGE=fp8prefill|tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8 runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
@@ -322,8 +322,8 @@ fi
 if [[ "$STAGE" == issue20 ]]; then  # one device call (~8 min; carry torchao): issue #20's H200 figures together
   # the packed stress run (200 prompts, 1..2048 tokens, staggered: packed == alone, MTP-on == MTP-off) and packing
   # invariance; the bursts' TTFT and the ITL under arrivals, packing off and on, 27B bf16 then FP8; B32 decode
-  # throughput with mixed steps off and on
-  counted 220 mixed-steps-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_mixed_steps_cuda.py
+  # throughput with mixed steps off and on (STRESS=0: without the packed stress run, ~3 min)
+  [[ "${STRESS:-1}" == 1 ]] && counted 220 mixed-steps-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_mixed_steps_cuda.py
   itl_27b qwen3.5-27b 512
   itl_27b qwen3.5-27b-fp8 "" --set model.synthetic=qwen3.5-27b-fp8  # the GEMM timings are bf16's: none
   b32_mixed
@@ -334,6 +334,18 @@ if [[ "$STAGE" == mixeddefault ]]; then  # one device call (~8 min): the GPU sui
     -k "(mtp_equals_plain_bf16 and graphs) or stress"
   counted 100 prefix.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefix_cache_cuda.py
   counted $((570 - SECONDS)) sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
+fi
+if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
+  # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept
+  # against scaled_mm and the W8A16 "grid" plan, the best applied to this copy's ops/linear.py (back in $OUT); the
+  # 27B FP8 bursts' TTFT and the ITL under arrivals, packing off and on, with the applied plans
+  counted 240 fp8-prefill-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_fp8.py \
+    tests/gpu/test_mixed_steps_cuda.py -k "w8a8_prefill_rows or tokens_do_not_depend_on_packing"
+  timeout 200 python3 benchmarks/gemm_prefill_fp8.py --out "$OUT/gemm-prefill-fp8.json" --apply \
+    >"$OUT/gemm-prefill-fp8.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] gemm_prefill_fp8 --apply"; grep -E "^one forward|best|ERROR" "$OUT/gemm-prefill-fp8.log"
+  cp qwen_mtp/ops/linear.py "$OUT/linear.py"
+  itl_27b qwen3.5-27b-fp8-w8a8-prefill "" --set model.synthetic=qwen3.5-27b-fp8
 fi
 if [[ "$STAGE" == prefillbuckets ]]; then  # one device call (~6 min): prefill row buckets, swept, applied, measured
   # mixed_steps.py with the shipped prefill plans; the sweep (candidates per M, the bucketed dispatch's bits and

@@ -88,3 +88,24 @@ def test_prefill_apply_writes_the_bucketed_plans_into_both_tables(tmp_path):
     assert namespace["PREFILL_TUNED"][4096, 5120] == linear.GemmPlan(**small)
     assert namespace["PREFILL_TUNED"][8192, 5120] == linear.GemmPlan(**large)
     assert namespace["PREFILL_ROW_BUCKETS"] == {(4096, 5120): ((1472, linear.GemmPlan(**large)),)}
+
+
+def test_fp8_prefill_apply_writes_the_best_invariant_w8a8_plan(tmp_path):
+    """`gemm_prefill_fp8.py --apply` on a copy of ops/linear.py: each shape's best invariant candidate goes into
+    PREFILL_TUNED_W8A8, a shape with none keeps its entry, and the file still compiles; the module counts of
+    one 27B FP8 forward are its 64 decoder layers' (48 GDN, 16 attention)."""
+    gemm_prefill_fp8 = benchmark_module("gemm_prefill_fp8")
+    counts = gemm_prefill_fp8.shape_counts("qwen3.5-27b-fp8")
+    assert sum(counts.values()) == 48 * 2 + 16 * 2 + 64 * 2 and counts[5120, 6144] == 64
+    target = tmp_path / "linear.py"
+    target.write_text(open(linear.__file__).read())
+    plan = linear.GemmPlan(128, 128, 40, 8, 3, family="tma", block_m=128, persistent=True)
+    plans = {"128x128s3p": {"fields": dataclasses.asdict(plan)}}
+    shapes = [{"n": 34816, "k": 5120, "best": "128x128s3p", "plans": plans}, {"n": 5120, "k": 6144, "best": None}]
+    gemm_prefill_fp8.apply({"shapes": shapes}, str(target))
+    text = target.read_text()
+    compile(text, str(target), "exec")
+    start = text.index("\nPREFILL_TUNED_W8A8: dict")
+    namespace = {"GemmPlan": linear.GemmPlan}
+    exec(text[start : text.index("\n}\n", start) + 3], namespace)
+    assert namespace["PREFILL_TUNED_W8A8"] == linear.PREFILL_TUNED_W8A8 | {(34816, 5120): plan}

@@ -457,7 +457,30 @@ PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {
 # BEGIN PREFILL_ROW_BUCKETS (written by benchmarks/gemm_prefill.py --apply)
 PREFILL_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
 # END PREFILL_ROW_BUCKETS
+# W8A8 prefill plans: packed prefill rows of an FP8 weight (`prefill_rows`, `FP8_PREFILL` "scaled_mm": the product
+# unpacked prefills run through cuBLASLt) on the "tma" kernel, e4m3 rows and weights, one K split of 128-deep scaled
+# blocks, so a row's bits never depend on M. Why not the W8A16 "grid" stand-in: a bf16 MMA after an in-register
+# dequantization, it ran the 27B FP8 packed chunk step at 99.5 ms against 46.7 ms unpacked (H200, twentieth
+# session). Written by `benchmarks/gemm_prefill_fp8.py --apply` (H200, twentieth session: docs/img/
+# gemm-prefill-fp8-27b-twentieth.json): one 27B forward's FP8 linears 42.2 / 137.6 / 289.0 ms at M = 512 / 2048 /
+# 4096, against 25.9 / 82.7 / 167.7 for scaled_mm (1.63-1.72x), 32.9 / 129.5 / 271.0 for cuBLAS bf16 and
+# 103.1 / 314.1 / 576.1 for the W8A16 "grid" plan. A shape not here takes `prefill_plan_w8a8`'s default.
+PREFILL_TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {
+    (16384, 5120): GemmPlan(128, 128, 40, 4, 4, family="tma", block_m=64),
+    (5120, 6144): GemmPlan(128, 128, 48, 4, 4, family="tma", block_m=64),
+    (14336, 5120): GemmPlan(128, 128, 40, 4, 4, family="tma", block_m=64),
+    (34816, 5120): GemmPlan(128, 128, 40, 4, 4, family="tma", block_m=64),
+    (5120, 17408): GemmPlan(128, 128, 136, 4, 4, family="tma", block_m=64),
+}
 _PREFILL_ROWS: ContextVar[bool] = ContextVar("qwen_mtp_prefill_rows", default=False)
+
+
+def prefill_plan_w8a8(n: int, k: int) -> GemmPlan:
+    """The W8A8 plan of packed prefill rows of an e4m3 [N, K] weight: tuned, else 128 x 128 tiles of 128-deep
+    blocks on the "tma" kernel, its whole K loop in one program."""
+    return PREFILL_TUNED_W8A8.get((n, k)) or GemmPlan(
+        128, FP8_BLOCK[1], -(-k // FP8_BLOCK[1]), 8, 4, family="tma", block_m=128
+    )
 
 
 def prefill_gemm_plan(n: int, k: int) -> GemmPlan:
@@ -494,10 +517,13 @@ def prefill_rows() -> Iterator[None]:
 
 def _invariant_plan(n: int, k: int, device: torch.device, fp8: bool = False, m: int = 1) -> GemmPlan | None:
     """The plan an invariant GEMM of this shape over `m` rows runs now: inside `prefill_rows` the prefill plan (its
-    row bucket's where the "tma" kernel runs; the "grid" stand-in where a "tma" plan cannot run: FP8 weights, no
-    tensor memory accelerator), else None (the decode plan, `gemm_plan` / `gemm_plan_fp8`)."""
+    row bucket's where the "tma" kernel runs; for FP8 weights the W8A8 "tma" plan where prefills run W8A8
+    (`prefill_plan_w8a8`); the W8A16 "grid" stand-in where a "tma" plan cannot run), else None (the decode plan,
+    `gemm_plan` / `gemm_plan_fp8` / `gemm_plan_w8a8`)."""
     if not _PREFILL_ROWS.get():
         return None
+    if fp8 and FP8_PREFILL == "scaled_mm" and tma_available(device) and tma_w8a8_supported(n, k):
+        return prefill_plan_w8a8(n, k)
     if not fp8 and tma_available(device):
         return prefill_row_plan(n, k, m)
     plan = prefill_gemm_plan(n, k)
@@ -726,10 +752,13 @@ def _tma_kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
     def matmul_tma(
-        x_desc, w_desc, out_desc, M, N, K,
+        x_desc, w_desc, out_desc, xs_ptr, ws_ptr, M, N, K, sxs_m, sws_n,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, W8A8: tl.constexpr = False, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        # W8A8: x and w are e4m3, xs_ptr their rows' 1x128 scales [M, K/128] (row stride sxs_m) and ws_ptr the
+        # weight's 128x128 block scales (row stride sws_n); BLOCK_K is one scale group (128). Each block's product
+        # starts from zero and joins the fp32 accumulator scaled, by one fused multiply-add (as in `_w8a8_kernel`).
         triton_utils.wait_for_previous_kernel(PDL)
         m_tiles, n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * n_tiles  # tiles of one group of row tiles
@@ -742,7 +771,15 @@ def _tma_kernel():
             for k0 in range(0, K, BLOCK_K):
                 x = x_desc.load([pid_m * BLOCK_M, k0])
                 w = w_desc.load([pid_n * BLOCK_N, k0])
-                acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
+                if W8A8:
+                    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    x_scale = tl.load(xs_ptr + ms * sxs_m + k0 // BLOCK_K, mask=ms < M, other=0.0)
+                    w_scale = tl.load(ws_ptr + (ns // 128) * sws_n + k0 // BLOCK_K, mask=ns < N, other=0.0)
+                    prod = triton_utils.dot(x, tl.trans(w), INTERPRETED, "ieee")
+                    acc = tl.fma(prod, x_scale[:, None] * w_scale[None, :], acc)
+                else:
+                    acc += triton_utils.dot(x, tl.trans(w), INTERPRETED, PRECISION)
             out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
 
     return matmul_tma
@@ -761,6 +798,12 @@ def tma_supported(n: int, k: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16, torch.float32) and (k * size) % 16 == 0 and (n * size) % 16 == 0
 
 
+def tma_w8a8_supported(n: int, k: int, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the "tma" kernel runs W8A8 on an e4m3 [N, K] weight: K whole 128-column scale groups (e4m3 rows
+    then start on 16-byte boundaries) and output rows of 16-byte multiples."""
+    return k % FP8_BLOCK[1] == 0 and (n * out_dtype.itemsize) % 16 == 0
+
+
 def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     """A host tensor descriptor of a row-major matrix, copied in [block_rows, block_cols] blocks."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -777,20 +820,31 @@ def _tile_descriptors(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan) -> 
     return _descriptor(x, plan.block_m, plan.block_k), _descriptor(weight, plan.block_n, plan.block_k)
 
 
-def _tma_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, plan: GemmPlan) -> None:
-    """out = x @ weight^T by the "tma" kernel (`_tma_kernel`)."""
+def _tma_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    plan: GemmPlan,
+    x_scale: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """out = x @ weight^T by the "tma" kernel (`_tma_kernel`); with scales, x and weight are e4m3 (W8A8: x_scale
+    [M, K/128] row-major, scale the weight's [ceil(N/128), K/128] block scales)."""
     import triton
 
     (m, k), n = x.shape, weight.shape[0]
-    if plan.splits(k) != 1 or not tma_supported(n, k, x.dtype):
+    w8a8 = scale is not None
+    aligned = tma_w8a8_supported(n, k, out.dtype) if w8a8 else tma_supported(n, k, x.dtype)
+    if plan.splits(k) != 1 or not aligned:
         raise ValueError(f"a 'tma' plan runs one K split of a 16-byte-aligned shape: {plan} on {n}x{k} {x.dtype}")
     x_tiles, w_tiles = _tile_descriptors(x, weight, plan) or _tile_descriptors(x, weight.clone(), plan)
     tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
     programs = min(tiles, _sm_count(x.device)) if plan.persistent and x.is_cuda else tiles
+    xs, ws = (x_scale, scale) if w8a8 else (out, out)  # without scales: pointers the kernel never reads
     _tma_kernel()[(programs,)](
-        x_tiles, w_tiles, _descriptor(out, plan.block_m, plan.block_n), m, n, k,
+        x_tiles, w_tiles, _descriptor(out, plan.block_m, plan.block_n), xs, ws, m, n, k, xs.stride(0), ws.stride(0),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=plan.group_m,
-        INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", W8A8=w8a8,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **triton_utils.launch(x.device),
     )  # fmt: skip
 
@@ -970,6 +1024,8 @@ linear_op.register_autograd(_linear_backward, setup_context=_setup_linear_backwa
 #   `F.scaled_mm` (Hopper, K a multiple of 512; other shapes fall back to "dequantize");
 # "dequantize": the weight dequantized by one Triton kernel into a temporary, then cuBLAS (`F.linear`);
 # "w8a16": the invariant kernel (then prefill rows would also be batch-invariant).
+# Packed prefill rows (mixed steps) are invariant whatever this says: W8A8 on the "tma" kernel for "scaled_mm"
+# (`prefill_plan_w8a8`), the W8A16 kernel for the others (`_invariant_plan`).
 FP8_PREFILL = "scaled_mm"
 FP8_PREFILL_METHODS = ("scaled_mm", "dequantize", "w8a16")
 
@@ -1023,7 +1079,7 @@ def w8a8_input_wanted(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     an FP8 weight whose K is whole 1x128 groups, W8A8 chosen, on CUDA, its Triton kernel not forced off. Then the
     op that makes x (a norm, SwiGLU) quantizes it in its own launch and hands it over (`x_q`, `x_scale`). Decided
     from what a compiled step knows when it is traced; packed prefill rows (`prefill_rows`), whose product runs
-    W8A16 and would ignore the quantized input, are the caller's to exclude (`cache_api.decode_rows`)."""
+    the prefill plans and quantizes its own rows, are the caller's to exclude (`cache_api.decode_rows`)."""
     return scale is not None and w8a8 and x.is_cuda and w8a8_supported(weight) and not reference_forced("linear_fp8")
 
 
@@ -1033,14 +1089,14 @@ def _(x, weight, scale, invariant, w8a8=False, x_q=None, x_scale=None):
         return linear_fp8_reference(x, weight, scale, invariant)
     rows = x.reshape(-1, x.shape[-1])
     if invariant:
-        plan = _invariant_plan(*weight.shape, x.device, fp8=True)
-        if plan is None and w8a8 and w8a8_supported(weight):
+        plan = _invariant_plan(*weight.shape, x.device, fp8=True)  # None: the decode plans
+        if (plan.family == "tma") if plan is not None else (w8a8 and w8a8_supported(weight)):  # W8A8
             if x_q is None:
-                out = linear_fp8_w8a8_triton(rows, weight, scale)
+                out = linear_fp8_w8a8_triton(rows, weight, scale, plan)
             else:
                 k = weight.shape[1]
                 q_scale = x_scale.reshape(-1, k // FP8_BLOCK[1])
-                out = w8a8_matmul_triton(x_q.reshape(-1, k), q_scale, weight, scale, None, x.dtype)
+                out = w8a8_matmul_triton(x_q.reshape(-1, k), q_scale, weight, scale, plan, x.dtype)
         else:
             out = invariant_matmul_triton(rows, weight, plan, scale=scale)
     else:
@@ -1206,8 +1262,9 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # row and 1x128 group to e4m3, then e4m3 x e4m3 MMAs with both operands from shared memory, each 128-deep block's
 # product scaled in fp32: `w8a8_matmul_triton`). Each linear module holds its choice (`fp8_decode`, set from the
 # recipe's `model.fp8_decode` by `quant.fp8.set_fp8_decode`). Weights whose K is not a multiple of 128 take
-# "w8a16" either way; so do packed prefill rows (`prefill_rows`). Both are batch-invariant, so MTP-on == MTP-off
-# holds with either (`quant.fp8.FP8_DECODE_METHODS`).
+# "w8a16" either way. Packed prefill rows (`prefill_rows`) follow the prefill product instead (`FP8_PREFILL`):
+# W8A8 on the "tma" kernel (`prefill_plan_w8a8`) where unpacked prefills run cuBLASLt's W8A8, else W8A16. All are
+# batch-invariant, so MTP-on == MTP-off holds with either (`quant.fp8.FP8_DECODE_METHODS`).
 
 # W8A8 plans: `benchmarks/gemm_w8a8.py --family` times the plan family on the GPU; a shape not here takes
 # `gemm_plan_w8a8`'s default. 27B: the H200 family run of 2026-12-01 (docs/img/gemm-w8a8-family-27b.json), 64
@@ -1308,9 +1365,10 @@ def gemm_plan_w8a8(n: int, k: int) -> GemmPlan:
 
 
 def check_w8a8_plan(plan: GemmPlan) -> None:
-    """W8A8 runs the "stream" family with K blocks of exactly one activation scale group (128 columns)."""
-    if plan.family != "stream" or plan.block_k != FP8_BLOCK[1]:
-        raise ValueError(f"a W8A8 plan is a 'stream' plan with block_k {FP8_BLOCK[1]}, got {plan}")
+    """W8A8 runs the "stream" family (decode) or the "tma" one (prefill rows) with K blocks of exactly one
+    activation scale group (128 columns)."""
+    if plan.family not in ("stream", "tma") or plan.block_k != FP8_BLOCK[1]:
+        raise ValueError(f"a W8A8 plan is a 'stream' or 'tma' plan with block_k {FP8_BLOCK[1]}, got {plan}")
 
 
 def w8a8_supported(weight: torch.Tensor) -> bool:
@@ -1517,6 +1575,9 @@ def w8a8_matmul_triton(
     splits = plan.splits(k)
     out = torch.empty(m, n, dtype=out_dtype, device=q.device)
     if m == 0:
+        return out
+    if plan.family == "tma":  # prefill rows (`prefill_plan_w8a8`)
+        _tma_matmul(q, weight, out, plan, q_scale, scale)
         return out
     n_tiles = triton.cdiv(n, plan.block_n)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=q.device)

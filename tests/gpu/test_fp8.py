@@ -2,7 +2,8 @@
 bit for bit and never depend on M, the W8A8 decode GEMMs never depend on M either and are within stated
 tolerances of their reference, the prefill GEMMs are within a stated tolerance of the dequantized model, and
 MTP-on == MTP-off for K = 1..4 at batch 1, 8 and 32 with CUDA graphs (W8A8 and W8A16 decode), and the W8A8
-inputs quantized by the norms, SwiGLU and the output gate give the tokens of the products quantizing them."""
+inputs quantized by the norms, SwiGLU and the output gate give the tokens of the products quantizing them; packed
+prefill rows' W8A8 GEMM never depends on M either."""
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from qwen_mtp.ops.linear import (
     gemm_plan_w8a8,
     invariant_matmul_triton,
     linear_fp8_w8a8_triton,
+    prefill_plan_w8a8,
+    prefill_rows,
     quantize_activation_rows_triton,
     quantize_activations_reference,
     scaled_mm_linear,
@@ -71,6 +74,28 @@ def test_w8a8_rows_never_depend_on_m_and_match_the_reference(n, k):
     assert (full.float() - reference).norm() / reference.norm() < 4e-3  # bf16 output (~1.1e-3) + the MMA's sums
     dense = x.float() @ dequantize_weight(weight, scale, torch.float32).T
     assert (full.float() - dense).norm() / dense.norm() < 4e-2  # e4m3 activations: ~2.6e-2
+
+
+@pytest.mark.parametrize("n,k", W8A8_SHAPES)
+def test_w8a8_prefill_rows_never_depend_on_m_and_match_the_reference(n, k):
+    """Packed prefill rows of an FP8 weight (`prefill_plan_w8a8`: the "tma" kernel on e4m3 rows, one K split): a
+    row's bytes are the same alone and among M = 1..4096 rows, within the MMA's accumulation of the reference and
+    within e4m3 activations of the dequantized bf16 product; the linear op inside `prefill_rows` runs it."""
+    weight, scale = fp8_weight(n, k)
+    x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    plan = prefill_plan_w8a8(n, k)
+    full = linear_fp8_w8a8_triton(x, weight, scale, plan)
+    for m in (1, 2, 63, 64, 127, 128, 129, 512, 1000, 2048):
+        assert torch.equal(linear_fp8_w8a8_triton(x[:m], weight, scale, plan), full[:m]), f"M={m}"
+    for row in (0, 1000, 4095):
+        assert torch.equal(linear_fp8_w8a8_triton(x[row : row + 1], weight, scale, plan), full[row : row + 1])
+    with prefill_rows(), torch.inference_mode():
+        assert torch.equal(linear_ops.linear_fp8(x, weight, scale, True, True), full)
+    q, q_scale = quantize_activations_reference(x[:256])
+    reference = w8a8_block_products_reference(q, q_scale, weight, scale, plan)
+    assert (full[:256].float() - reference).norm() / reference.norm() < 4e-3
+    dense = x[:256].float() @ dequantize_weight(weight, scale, torch.float32).T
+    assert (full[:256].float() - dense).norm() / dense.norm() < 4e-2
 
 
 @pytest.mark.parametrize("m", [1, 5, 512, 2048])

@@ -34,9 +34,13 @@ def free(engine):
     torch.cuda.empty_cache()
 
 
+SOURCES = {"bf16": {"fixture": "tiny-8l"}, "fp8": {"synthetic": "qwen3.5-0.8b-fp8"}}  # FP8: W8A8 prefill plans
+
+
+@pytest.mark.parametrize("weights", sorted(SOURCES))
 @pytest.mark.parametrize("k", [None, 2])
-def test_tokens_do_not_depend_on_packing_cuda(k):
-    source, chunks = {"fixture": "tiny-8l"}, {"prefill_chunk": 64, "page_size": 32}
+def test_tokens_do_not_depend_on_packing_cuda(k, weights):
+    source, chunks = SOURCES[weights], {"prefill_chunk": 64, "page_size": 32}
     target = random_prompt(150, seed=1)
     others = [random_prompt(n, seed=10 + n) for n in (130, 70, 200, 64, 99, 180, 30)]
     alone = engine_for(source, k, **chunks).generate([target], max_new_tokens=24, ignore_eos=True)[0].token_ids

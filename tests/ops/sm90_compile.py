@@ -235,20 +235,24 @@ def quantizing_kernels() -> dict[str, int]:
     return found
 
 
-def tma_instructions(plan: GemmPlan) -> dict:
-    """The "tma" kernel for a bf16 plan compiled for sm_90 (host tensor descriptors of the plan's blocks): its
-    wgmma, mma.sync and bulk tensor copy instructions in the PTX, and its shared memory."""
+def tma_instructions(plan: GemmPlan, w8a8: bool = False) -> dict:
+    """The "tma" kernel for a bf16 plan (with `w8a8`, on e4m3 rows and weights with their scales) compiled for
+    sm_90 (host tensor descriptors of the plan's blocks): its wgmma (e4m3 ones counted apart), mma.sync and bulk
+    tensor copy instructions in the PTX, and its shared memory."""
     kernel = linear._tma_kernel()
-    blocks = {"x_desc": (plan.block_m, plan.block_k), "w_desc": (plan.block_n, plan.block_k),
-              "out_desc": (plan.block_m, plan.block_n)}  # fmt: skip
-    signature = {name: f"tensordesc<bf16[{rows},{cols}]>" for name, (rows, cols) in blocks.items()}
-    signature |= {"M": "i32", "N": "i32", "K": "i32"}
+    operand = "fp8e4nv" if w8a8 else "bf16"
+    signature = {"x_desc": f"tensordesc<{operand}[{plan.block_m},{plan.block_k}]>",
+                 "w_desc": f"tensordesc<{operand}[{plan.block_n},{plan.block_k}]>",
+                 "out_desc": f"tensordesc<bf16[{plan.block_m},{plan.block_n}]>",
+                 "xs_ptr": "*fp32", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "sxs_m": "i32",
+                 "sws_n": "i32"}  # fmt: skip
     constexprs = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "GROUP_M": plan.group_m,
-                  "INTERPRETED": False, "PRECISION": "tf32", "PDL": False}  # fmt: skip
+                  "INTERPRETED": False, "PRECISION": "tf32", "W8A8": w8a8, "PDL": False}  # fmt: skip
     signature |= dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(kernel, signature, constexprs=constexprs)
     options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
-    return copies_and_mmas(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return copies_and_mmas(compiled) | {"e4m3_wgmma": len(re.findall(r"wgmma\.mma_async\S*e4m3", compiled.asm["ptx"]))}
 
 
 def copies_and_mmas(compiled) -> dict:
@@ -330,7 +334,8 @@ if __name__ == "__main__":
         print(json.dumps(quantizing_kernels()))
     elif sys.argv[1] == "tma":
         fields = json.loads(sys.argv[2])
-        print(json.dumps(tma_instructions(GemmPlan(*fields[:-1], **fields[-1]))))
+        w8a8 = len(sys.argv) > 3 and json.loads(sys.argv[3])
+        print(json.dumps(tma_instructions(GemmPlan(*fields[:-1], **fields[-1]), w8a8)))
     elif sys.argv[1] == "w8a8":
         n, k, *fields = json.loads(sys.argv[2])
         print(json.dumps(w8a8_report(GemmPlan(*fields), n, k)))

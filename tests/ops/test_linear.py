@@ -230,14 +230,21 @@ def test_prefill_rows_selects_the_prefill_plans_only_inside_the_block():
 
 
 def test_a_tma_prefill_plan_stands_aside_for_fp8_weights_and_older_gpus(monkeypatch):
-    """Where the "tma" kernel cannot run (FP8 weights; no tensor memory accelerator) a shape's prefill rows take the
-    "grid" plan, which sums as the "tma" plan does."""
+    """Where the bf16 "tma" plan cannot run (FP8 weights; no tensor memory accelerator) a shape's prefill rows take
+    the "grid" plan, which sums as the "tma" plan does; FP8 weights take the W8A8 "tma" plan where prefills run
+    W8A8 (`FP8_PREFILL` "scaled_mm") and the tensor memory accelerator does, else the W8A16 "grid" plan."""
     tma = GemmPlan(256, 64, 8, 8, 3, family="tma", block_m=128)
     monkeypatch.setitem(linear.PREFILL_TUNED, (256, 512), tma)
+    monkeypatch.setattr(linear, "FP8_PREFILL", "scaled_mm")
     grid = linear.grid_prefill_plan(256, 512)
     assert linear.same_sums(tma, grid, 256, 512)
     with prefill_rows():
+        monkeypatch.setattr(linear, "tma_available", lambda device: True)
+        assert linear._invariant_plan(256, 512, torch.device("cpu"), fp8=True) == linear.prefill_plan_w8a8(256, 512)
+        assert linear._invariant_plan(256, 500, torch.device("cpu"), fp8=True) == linear.grid_prefill_plan(256, 500)
+        monkeypatch.setattr(linear, "FP8_PREFILL", "w8a16")
         assert linear._invariant_plan(256, 512, torch.device("cpu"), fp8=True) == grid
+        monkeypatch.setattr(linear, "FP8_PREFILL", "scaled_mm")
         monkeypatch.setattr(linear, "tma_available", lambda device: False)
         assert linear._invariant_plan(256, 512, torch.device("cpu")) == grid
         monkeypatch.setattr(linear, "tma_available", lambda device: True)
@@ -425,8 +432,9 @@ def test_prefill_row_plan_picks_the_bucket_of_the_launch(monkeypatch):
         assert [linear._invariant_plan(64, 256, cpu, m=m) for m in (1, 39, 40, 5000)] == [PREFILL_BASE] * 2 + [
             PREFILL_WIDE
         ] * 2
-        assert linear._invariant_plan(64, 256, cpu, fp8=True, m=40) == linear.grid_prefill_plan(64, 256)
+        assert linear._invariant_plan(64, 256, cpu, fp8=True, m=40) == linear.prefill_plan_w8a8(64, 256)
         monkeypatch.setattr(linear, "tma_available", lambda device: False)
+        assert linear._invariant_plan(64, 256, cpu, fp8=True, m=40) == linear.grid_prefill_plan(64, 256)
         assert linear._invariant_plan(64, 256, cpu, m=40) == linear.grid_prefill_plan(64, 256)
     assert linear._invariant_plan(64, 256, cpu, m=40) is None
 

@@ -223,6 +223,71 @@ def test_quantize_rows_launch_choices_change_no_bit(m):
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
+# ---- packed prefill rows: W8A8 on the "tma" kernel (`prefill_plan_w8a8`) --------------------------------------
+
+# The default's 128 x 128 x 128 blocks exceed the interpreter's largest tensor in its dot: smaller tiles here (the
+# default compiled for sm_90 below; its numbers: tests/gpu).
+PREFILL_PLANS = {
+    "64 x 64 tiles": GemmPlan(64, 128, K_TEST // 128, 4, 3, family="tma", block_m=64),
+    "64 x 32, groups of 2, persistent": GemmPlan(32, 128, K_TEST // 128, 4, 3, "tma", 64, group_m=2, persistent=True),
+}
+
+
+@pytest.mark.skipif(REAL, reason="exact only without the MMA's reduced-precision accumulation (GPU: tests/gpu)")
+@pytest.mark.parametrize("plan", list(PREFILL_PLANS.values()), ids=list(PREFILL_PLANS))
+def test_w8a8_prefill_kernel_equals_the_reference_at_every_m(plan):
+    """The "tma" kernel on e4m3 rows: the reference's one-split product in its K order, and a row's result the
+    same alone, among a few rows and among many (row tiles in other programs, groups walking the N tiles)."""
+    check_w8a8_plan(plan)
+    q, q_scale, weight, scale = exact_operands(150, N_TEST, K_TEST)
+    full = w8a8_matmul_triton(q, q_scale, weight, scale, plan, torch.float32)
+    assert torch.equal(full, w8a8_block_products_reference(q, q_scale, weight, scale, plan))
+    for rows in (slice(0, 1), slice(0, 37), slice(64, 65), slice(149, 150)):
+        got = w8a8_matmul_triton(q[rows], q_scale[rows], weight, scale, plan, torch.float32)
+        assert torch.equal(got, full[rows]), rows
+
+
+@pytest.mark.skipif(REAL, reason="exact only without the MMA's reduced-precision accumulation (GPU: tests/gpu)")
+def test_packed_prefill_rows_of_an_fp8_weight_run_w8a8(monkeypatch):
+    """The FP8 linear op's CUDA function inside `prefill_rows` (the interpreter standing in for the H200) runs the
+    W8A8 prefill plan: the W8A8 reference's product with that plan, the same rows at every M; with
+    `FP8_PREFILL` "w8a16" the W8A16 kernel's product instead."""
+    from qwen_mtp.ops.linear import prefill_rows
+
+    monkeypatch.setattr(linear, "FP8_PREFILL", "scaled_mm")
+    monkeypatch.setitem(linear.PREFILL_TUNED_W8A8, (N_TEST, K_TEST), PREFILL_PLANS["64 x 64 tiles"])
+    q, _, weight, scale = exact_operands(70, N_TEST, K_TEST)
+    g = torch.Generator().manual_seed(8)  # rows whose quantization is exact (see the test above)
+    groups = q.float().cpu().view(70, -1, 128)
+    groups[:, :, 0] = 448.0
+    x = (groups * 2.0 ** torch.randint(-10, 3, (*groups.shape[:2], 1), generator=g)).view(70, -1).to(DEVICE)
+    launched = []
+    tma_matmul = linear._tma_matmul
+    monkeypatch.setattr(linear, "_tma_matmul", lambda *a: (launched.append(a[3]), tma_matmul(*a)))
+    cuda_fp8 = linear.linear_fp8_op._direct["cuda"]
+    plan = linear.prefill_plan_w8a8(N_TEST, K_TEST)
+    with prefill_rows():
+        full = cuda_fp8(x, weight, scale, True, True)
+        assert torch.equal(full, linear_fp8_w8a8_reference(x, weight, scale, plan))
+        for m in (1, 5, 64, 65):
+            assert torch.equal(cuda_fp8(x[:m], weight, scale, True, False), full[:m]), f"M={m}"
+        assert launched == [plan] * 5
+        monkeypatch.setattr(linear, "FP8_PREFILL", "w8a16")
+        w8a16 = cuda_fp8(x, weight, scale, True, True)
+    grid = linear.grid_prefill_plan(N_TEST, K_TEST)
+    assert len(launched) == 5 and torch.equal(w8a16, linear.invariant_matmul_triton(x, weight, grid, scale=scale))
+
+
+def test_w8a8_prefill_plan_feeds_fp8_wgmma_by_tensor_copies():
+    """The default W8A8 prefill plan at the 27B gate_up shape compiled for sm_90 (no GPU needed): e4m3 x e4m3
+    wgmma, blocks copied by the tensor memory accelerator, within the H200's shared memory."""
+    plan = linear.prefill_plan_w8a8(34816, 5120)
+    named = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)[3:]}
+    found = sm90_report("tma", [plan.block_n, plan.block_k, plan.k_per_split, named], True)
+    assert found["wgmma"] > 0 and found["mma_sync"] == 0 and found["e4m3_wgmma"] == found["wgmma"], found
+    assert found["tensor_copies"] > 0 and found["shared"] <= 227 << 10, found
+
+
 def test_quantize_rows_plans_rise():
     bounds = [fewest for fewest, _, _ in linear.QUANTIZE_ROWS_PLANS]
     assert bounds[0] == 1 and bounds == sorted(set(bounds))

@@ -75,7 +75,9 @@ class CacheSection:
     # next to the decode/verify rows, under `max_step_tokens`. None: on on a single CUDA device, off on CPU and
     # with tensor parallelism (docs/recipes.md says why)
     mixed_steps: bool | None = None
-    max_step_tokens: int = 8192  # with mixed_steps: decode/verify rows + prefill chunk tokens per step
+    # with mixed_steps: decode/verify rows + prefill chunk tokens per step; None: DEFAULT_STEP_TOKENS, or more where a
+    # step must hold max_batch decode rows of K+1 tokens and one full chunk (an explicit value below that is an error)
+    max_step_tokens: int | None = None
     # Decode and fixed-K verify steps: launch the next step before reading this one's results back, so the host's
     # work between steps runs while the GPU computes (docs/architecture.md "Lookahead"; H200, 27B B1: 14.76 -> 13.93
     # ms a token).

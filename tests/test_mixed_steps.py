@@ -124,6 +124,19 @@ def test_budget_below_decode_rows_plus_a_chunk_is_refused(checkpoint):
         make_engine(checkpoint("tiny"), max_batch=8, max_step_tokens=39, k=2)
 
 
+def test_null_budget_holds_the_decode_rows_and_a_chunk(checkpoint):
+    """`cache.max_step_tokens` null: DEFAULT_STEP_TOKENS, raised where the decode rows and one full chunk need more
+    (a long `prefill_chunk`, as the bench sets for long prompts), so mixed steps on by default never refuse a recipe
+    that runs without them."""
+    from qwen_mtp.engine.engine import DEFAULT_STEP_TOKENS
+
+    path = checkpoint("tiny")
+    assert make_engine(path, k=2).scheduler.max_step_tokens == DEFAULT_STEP_TOKENS
+    long_chunk = make_engine(path, k=2, max_batch=4, prefill_chunk=DEFAULT_STEP_TOKENS)
+    assert long_chunk.scheduler.max_step_tokens == DEFAULT_STEP_TOKENS + 4 * 3
+    assert make_engine(path, max_step_tokens=100).scheduler.max_step_tokens == 100
+
+
 @pytest.mark.parametrize("k", [None, 2])
 def test_prefix_hits_in_packed_steps_equal_a_cold_run(checkpoint, k):
     """Prefix caching with mixed steps: requests restoring a cached system prompt and prefilling the rest in

@@ -84,6 +84,9 @@ class _Launched:
     verified: Ahead | None = None  # a verify batch's device results, which a lookahead verify starts from
 
 
+DEFAULT_STEP_TOKENS = 8192  # mixed steps' token budget when `cache.max_step_tokens` is null (`Engine._step_budget`)
+
+
 def mixed_steps_on(cache: CacheSection, device: torch.device, tensor_parallel: bool) -> bool:
     """Whether a step's prefill chunks run packed (`cache.mixed_steps`): as it says, or (null) on a single CUDA
     device. Off on CPU, where the packed prefill's batch-invariant linears are the slow reference, and with tensor
@@ -128,7 +131,8 @@ class Engine:
         self.eos_ids = set(self.config.eos_token_ids)
         self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
         self.mixed_steps = mixed_steps_on(cache, self.device, tensor_parallel=self.model.parallel is not None)
-        self._check_forward_rows(cache)
+        step_budget = self._step_budget(cache)
+        self._check_forward_rows(cache, step_budget)
         # before the pools are sized from the free memory, so that they leave room for its copy
         draft_head = self._draft_head(mtp) if mtp.enabled else None
         dtype = self.model.lm_head_weight.dtype
@@ -145,7 +149,7 @@ class Engine:
         self.lookahead_steps = 0  # steps launched ahead of the step before them (`cache.lookahead`)
         self.scheduler = Scheduler(
             self.pages, self.states, cache.max_batch, cache.prefill_chunk, k=self.spec_tokens, prefix=self.prefix,
-            max_step_tokens=self._step_budget(cache),
+            max_step_tokens=step_budget,
         )  # fmt: skip
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
         self.runner.coupled_drafts = mtp.coupled_drafts
@@ -180,7 +184,7 @@ class Engine:
         self._lock = threading.Lock()  # held for a whole step: steps never overlap
         log(sizes.describe(self.pages.bytes, self.states.bytes, self.snapshots.bytes if self.snapshots else 0))
 
-    def _check_forward_rows(self, cache: CacheSection) -> None:
+    def _check_forward_rows(self, cache: CacheSection, step_budget: int | None) -> None:
         """On CUDA, the most tokens one prefill forward carries (a chunk, or a mixed step's budget) must fit the
         kernels' 32-bit offsets over the widest projection output (the lm_head aside: prefill runs it on the
         positions whose logits are asked for only)."""
@@ -191,16 +195,20 @@ class Engine:
              and m is not self.model.lm_head),
             default=self.config.hidden_size,
         )  # fmt: skip
-        if self.mixed_steps:
-            check_forward_rows(cache.max_step_tokens, widest, "cache.max_step_tokens")
+        if step_budget is not None:
+            check_forward_rows(step_budget, widest, "cache.max_step_tokens")
         check_forward_rows(cache.prefill_chunk, widest, "cache.prefill_chunk")
 
     def _step_budget(self, cache: CacheSection) -> int | None:
-        """Mixed steps' token budget, checked to hold every decode/verify row and one full prefill chunk (so
-        prefill always progresses); None without mixed steps (every request in prefill runs its next chunk)."""
+        """Mixed steps' token budget, which must hold every decode/verify row and one full prefill chunk (so
+        prefill always progresses): `cache.max_step_tokens`, checked, or (null) `DEFAULT_STEP_TOKENS` raised to that
+        least where it is more (a long `prefill_chunk`); None without mixed steps (every request in prefill runs its
+        next chunk)."""
         if not self.mixed_steps:
             return None
         least = cache.max_batch * (self.spec_tokens + 1) + cache.prefill_chunk
+        if cache.max_step_tokens is None:
+            return max(DEFAULT_STEP_TOKENS, least)
         if cache.max_step_tokens < least:
             raise RecipeError(
                 f"cache.max_step_tokens ({cache.max_step_tokens}) must hold cache.max_batch decode rows of "

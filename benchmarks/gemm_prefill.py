@@ -204,27 +204,33 @@ def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
         elif e["best"]:
             table[e["n"], e["k"]] = plan(e["best"])
             buckets.pop((e["n"], e["k"]), None)
-    lines = [f"    ({n}, {k}): {plan_text(plan)},\n" for (n, k), plan in table.items()]
-    text = open(path).read()
-    body = "PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}\n"
-    open(path, "w").write(table_pattern("PREFILL_TUNED").sub(lambda _: body, text, count=1))
+    write_plan_table(table, "PREFILL_TUNED", path)
     write_buckets({key: entries for key, entries in buckets.items() if entries}, path, "PREFILL_ROW_BUCKETS")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3.5-27b", help="a synthetic preset: its decoder layers' shapes")
-    parser.add_argument("--rows", default="512,1024,2048,4096,8192")
+def write_plan_table(table: dict[tuple[int, int], GemmPlan], name: str, path: str) -> None:
+    """Replace the plan table `name` (N, K) -> GemmPlan in the file at `path` with `table`."""
+    lines = [f"    ({n}, {k}): {plan_text(plan)},\n" for (n, k), plan in table.items()]
+    text = open(path).read()
+    body = f"{name}: dict[tuple[int, int], GemmPlan] = {{\n" + "".join(lines) + "}\n"
+    open(path, "w").write(table_pattern(name).sub(lambda _: body, text, count=1))
+
+
+def cli(doc: str, preset: str, rows: str, run_sweep, apply_report, table: str) -> None:
+    """The command line of a prefill plan sweep: --preset, --rows, --out (the JSON report), --apply (into `table`)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=preset, help="a synthetic preset: its decoder layers' shapes")
+    parser.add_argument("--rows", default=rows)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--apply", action="store_true", help="write the best plan per shape into PREFILL_TUNED")
+    parser.add_argument("--apply", action="store_true", help=f"write the best plan per shape into {table}")
     args = parser.parse_args()
-    report = run(args.preset, [int(m) for m in args.rows.split(",")])
+    report = run_sweep(args.preset, [int(m) for m in args.rows.split(",")])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if args.apply:
-        apply(report)
+        apply_report(report)
 
 
 if __name__ == "__main__":
-    main()
+    cli(__doc__, "qwen3.5-27b", "512,1024,2048,4096,8192", run, apply, "PREFILL_TUNED")

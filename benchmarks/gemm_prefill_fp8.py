@@ -17,15 +17,13 @@ Usage (H200): python3 benchmarks/gemm_prefill_fp8.py [--preset qwen3.5-27b-fp8] 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 
 import torch
 import torch.nn.functional as F
-from apply_plans import plan_text, table_pattern
 from gemm_family import _error, graph_us
 from gemm_fp8 import fp8_shapes, random_fp8
+from gemm_prefill import cli, write_plan_table
 
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import (
@@ -136,26 +134,8 @@ def apply(report: dict, path: str = "qwen_mtp/ops/linear.py") -> None:
     for e in report["shapes"]:
         if e["best"]:
             table[e["n"], e["k"]] = GemmPlan(**e["plans"][e["best"]]["fields"])
-    lines = [f"    ({n}, {k}): {plan_text(plan)},\n" for (n, k), plan in table.items()]
-    text = open(path).read()
-    body = "PREFILL_TUNED_W8A8: dict[tuple[int, int], GemmPlan] = {\n" + "".join(lines) + "}\n"
-    open(path, "w").write(table_pattern("PREFILL_TUNED_W8A8").sub(lambda _: body, text, count=1))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3.5-27b-fp8", help="a synthetic preset: its FP8 weights' shapes")
-    parser.add_argument("--rows", default="512,2048,4096")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--apply", action="store_true", help="write the best plan per shape into PREFILL_TUNED_W8A8")
-    args = parser.parse_args()
-    report = run(args.preset, [int(m) for m in args.rows.split(",")])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.apply:
-        apply(report)
+    write_plan_table(table, "PREFILL_TUNED_W8A8", path)
 
 
 if __name__ == "__main__":
-    main()
+    cli(__doc__, "qwen3.5-27b-fp8", "512,2048,4096", run, apply, "PREFILL_TUNED_W8A8")

@@ -213,8 +213,10 @@ def test_the_engine_checks_its_chunk_against_its_widest_projection_on_cuda(engin
         if isinstance(m, Linear | MergedLinear) and m is not engine.model.lm_head
     )
     huge = CacheSection(prefill_chunk=2**31 // widest + 1)
-    engine._check_forward_rows(huge)  # CPU: nothing to check
+    engine._check_forward_rows(huge, None)  # CPU: nothing to check
     monkeypatch.setattr(engine, "device", torch.device("cuda"))
     with pytest.raises(RecipeError, match=rf"cache.prefill_chunk .*\({widest} elements\)"):
-        engine._check_forward_rows(huge)
-    engine._check_forward_rows(CacheSection(prefill_chunk=2**31 // widest))
+        engine._check_forward_rows(huge, None)
+    engine._check_forward_rows(CacheSection(prefill_chunk=2**31 // widest), None)
+    with pytest.raises(RecipeError, match=rf"cache.max_step_tokens .*\({widest} elements\)"):  # a mixed step's budget
+        engine._check_forward_rows(CacheSection(), 2**31 // widest + 1)

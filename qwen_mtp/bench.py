@@ -285,7 +285,9 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             engine = Engine.from_recipe(variant, loaded=loaded, log=log if settings.enabled else _quiet)
             if not report["rows"]:
                 prefill = "compiled, any chunk length" if settings.enabled and settings.prefill else "eager"
-                log(f"decode path: {engine.decode_path}; prefill: {prefill}")
+                packing = "packed (mixed steps)" if engine.mixed_steps else "a chunk at a time"
+                log(f"decode path: {engine.decode_path}; prefill: {prefill}, {packing}")
+                report["mixed_steps"] = engine.mixed_steps  # `cache.mixed_steps` as it resolved on this device
             engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
             sampled = {"temperature": bench.temperature, "top_p": bench.top_p}

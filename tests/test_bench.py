@@ -62,6 +62,7 @@ def test_rows_are_written_as_they_come(tmp_path, monkeypatch):
 def test_a_full_run_writes_json_table_and_plot(tmp_path):
     report = bench.run_bench(bench_recipe(tmp_path), progress=False, log=lambda _: None)
     assert [(r["mode"], r["k"], r["exact"]) for r in report["rows"]] == [("plain", 0, True), ("mtp", 2, True)]
+    assert report["mixed_steps"] is False  # `cache.mixed_steps` null, resolved on CPU: chunks unpacked
     assert json.loads((tmp_path / "bench.json").read_text())["rows"] == report["rows"]
     written = bench.write_outputs(report, tmp_path)
     assert [p.name for p in written] == ["bench.json", "bench.txt", "bench.png"]

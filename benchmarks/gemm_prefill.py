@@ -34,20 +34,27 @@ from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import GemmPlan, invariant_matmul_triton, prefill_gemm_plan, same_sums
 from qwen_mtp.testing.synthetic import synthetic_config
 
+DECODER_MODULES = ("gdn in_proj", "gdn out_proj", "attn qkv", "attn o_proj", "mlp gate_up", "mlp down")
 
-def prefill_shapes(preset: str) -> dict[tuple[int, int], int]:
-    """(N, K) -> how many modules of that shape one prefill forward runs (decoder layers only: the lm_head sees
-    the last row of a prompt, the MTP layer its own forward)."""
+
+def decoder_shape_counts(preset: str, shapes: dict[str, tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """(N, K) -> how many modules of that shape one prefill forward's decoder layers run, from a table of named
+    shapes whose names start with their module's (`DECODER_MODULES`; others, such as the lm_head, which sees the
+    last row of a prompt, or the MTP layer's, are left out): a GDN module once per GDN layer, an attention module
+    once per attention layer, an MLP module once per layer."""
     c = synthetic_config(preset)
     gdn = sum(t == "gdn" for t in c.layer_types)
-    attn = len(c.layer_types) - gdn
-    s = decode_shapes(preset)
+    layers = {"gdn": gdn, "attn": len(c.layer_types) - gdn, "mlp": len(c.layer_types)}
     counts: dict[tuple[int, int], int] = {}
-    per_layer = {"gdn in_proj (fused)": gdn, "gdn out_proj": gdn, "attn qkv (fused)": attn, "attn o_proj": attn,
-                 "mlp gate_up (fused)": gdn + attn, "mlp down": gdn + attn}  # fmt: skip
-    for name, count in per_layer.items():
-        counts[s[name]] = counts.get(s[name], 0) + count
+    for name, shape in shapes.items():
+        if any(name.startswith(module) for module in DECODER_MODULES):
+            counts[shape] = counts.get(shape, 0) + layers[name.split()[0]]
     return counts
+
+
+def prefill_shapes(preset: str) -> dict[tuple[int, int], int]:
+    """(N, K) -> how many bf16 modules of that shape one prefill forward runs (`decoder_shape_counts`)."""
+    return decoder_shape_counts(preset, decode_shapes(preset))
 
 
 def candidates(n: int, k: int) -> dict[str, GemmPlan]:

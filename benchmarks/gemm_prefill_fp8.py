@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from gemm_family import _error, graph_us
 from gemm_fp8 import fp8_shapes, random_fp8
-from gemm_prefill import cli, write_plan_table
+from gemm_prefill import cli, decoder_shape_counts, write_plan_table
 
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import (
@@ -34,20 +34,11 @@ from qwen_mtp.ops.linear import (
     scaled_mm_linear,
     scaled_mm_supported,
 )
-from qwen_mtp.testing.synthetic import synthetic_config
 
 
 def shape_counts(preset: str) -> dict[tuple[int, int], int]:
     """(N, K) -> how many FP8 modules of that shape one prefill forward's decoder layers run."""
-    c = synthetic_config(preset)
-    gdn = sum(t == "gdn" for t in c.layer_types)
-    attn = len(c.layer_types) - gdn
-    per_layer = {"gdn in_proj qkv+z": gdn, "gdn out_proj": gdn, "attn qkv": attn, "attn o_proj": attn,
-                 "mlp gate_up": gdn + attn, "mlp down": gdn + attn}  # fmt: skip
-    counts: dict[tuple[int, int], int] = {}
-    for name, shape in fp8_shapes(preset).items():
-        counts[shape] = counts.get(shape, 0) + per_layer[name]
-    return counts
+    return decoder_shape_counts(preset, fp8_shapes(preset))
 
 
 def candidates(n: int, k: int) -> dict[str, GemmPlan]:

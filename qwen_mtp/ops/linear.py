@@ -768,12 +768,12 @@ def _tma_kernel():
             pid_m = first_m + tile % per_group % group_rows
             pid_n = tile % per_group // group_rows
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # the tile's rows and columns (W8A8: their scales)
+            ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             for k0 in range(0, K, BLOCK_K):
                 x = x_desc.load([pid_m * BLOCK_M, k0])
                 w = w_desc.load([pid_n * BLOCK_N, k0])
                 if W8A8:
-                    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                     x_scale = tl.load(xs_ptr + ms * sxs_m + k0 // BLOCK_K, mask=ms < M, other=0.0)
                     w_scale = tl.load(ws_ptr + (ns // 128) * sws_n + k0 // BLOCK_K, mask=ns < N, other=0.0)
                     prod = triton_utils.dot(x, tl.trans(w), INTERPRETED, "ieee")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything GPU in one device call: the CUDA test suite, kernel micro-benchmarks (GEMM vs cuBLAS, the GEMM
 # plan sweep, a step profile), and `qwen-mtp bench`.
-# STAGE=fp8prefill|tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
-# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8 runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
+# verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
+# prefillbuckets|mixeddefault|fp8prefill runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -49,6 +50,8 @@
 #                the B32 bench with mixed steps off and on (carry torchao);
 #   prefillbuckets the prefill GEMM's row buckets: mixed_steps.py, the sweep applied, mixed_steps.py again;
 #   mixeddefault the GPU suites that run default engines (exactness, prefix caching, sampling), for a default's change;
+#   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
+#                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
 #                without it.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
@@ -81,6 +84,11 @@ itl_27b() { local name=$1 rows=$2; shift 2
               "$@" --gemm-rows "$rows" --itl-tokens 384 --arrivals 4 --new-tokens 8 --solo 2 \
               --out "$OUT/mixed-steps-$name.json" >"$OUT/mixed-steps-$name.log" 2>&1
             echo "[rc $? at ${SECONDS}s] mixed_steps $name"; grep -E "^(TTFT|ITL)" "$OUT/mixed-steps-$name.log"; }
+# sweep_apply LIMIT SCRIPT NAME PATTERN: benchmarks/SCRIPT --apply (a plan sweep writing its tables into this copy's
+# ops/linear.py) into $OUT/NAME.json and .log, its rc and the log's lines matching PATTERN printed, linear.py back in $OUT.
+sweep_apply() { timeout "$1" python3 "benchmarks/$2" --out "$OUT/$3.json" --apply >"$OUT/$3.log" 2>&1
+                echo "[rc $? at ${SECONDS}s] $2 --apply"; grep -E "$4" "$OUT/$3.log"
+                cp qwen_mtp/ops/linear.py "$OUT/linear.py"; }
 b32_mixed() { for mixed in false true; do
                 bench_27b 100 "bench-b32-mixed-$mixed" --set 'bench.batch_sizes=[32]' --set cache.mixed_steps=$mixed
               done; }
@@ -329,7 +337,7 @@ if [[ "$STAGE" == issue20 ]]; then  # one device call (~8 min; carry torchao): i
   b32_mixed
 fi
 if [[ "$STAGE" == mixeddefault ]]; then  # one device call (~8 min): the GPU suites that run default engines, for a
-  # change of an engine default (docs/branches/wp19-mixed-default.patch: mixed steps on by default on CUDA)
+  # change of an engine default (run for mixed steps on by default on CUDA, twentieth session)
   counted 380 exactness.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
     -k "(mtp_equals_plain_bf16 and graphs) or stress"
   counted 100 prefix.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefix_cache_cuda.py
@@ -341,20 +349,14 @@ if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao)
   # 27B FP8 bursts' TTFT and the ITL under arrivals, packing off and on, with the applied plans
   counted 240 fp8-prefill-test.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_fp8.py \
     tests/gpu/test_mixed_steps_cuda.py -k "w8a8_prefill_rows or tokens_do_not_depend_on_packing"
-  timeout 200 python3 benchmarks/gemm_prefill_fp8.py --out "$OUT/gemm-prefill-fp8.json" --apply \
-    >"$OUT/gemm-prefill-fp8.log" 2>&1
-  echo "[rc $? at ${SECONDS}s] gemm_prefill_fp8 --apply"; grep -E "^one forward|best|ERROR" "$OUT/gemm-prefill-fp8.log"
-  cp qwen_mtp/ops/linear.py "$OUT/linear.py"
+  sweep_apply 200 gemm_prefill_fp8.py gemm-prefill-fp8 "^one forward|best|ERROR"
   itl_27b qwen3.5-27b-fp8-w8a8-prefill "" --set model.synthetic=qwen3.5-27b-fp8
 fi
 if [[ "$STAGE" == prefillbuckets ]]; then  # one device call (~6 min): prefill row buckets, swept, applied, measured
   # mixed_steps.py with the shipped prefill plans; the sweep (candidates per M, the bucketed dispatch's bits and
   # times against cuBLAS) applied to this copy's ops/linear.py (back in $OUT); mixed_steps.py again
   itl_27b shipped-plans ""
-  timeout 240 python3 benchmarks/gemm_prefill.py --out "$OUT/gemm-prefill-buckets.json" --apply \
-    >"$OUT/gemm-prefill-buckets.log" 2>&1
-  echo "[rc $? at ${SECONDS}s] gemm_prefill --apply"; grep -E "bucketed|one forward" "$OUT/gemm-prefill-buckets.log"
-  cp qwen_mtp/ops/linear.py "$OUT/linear.py"
+  sweep_apply 240 gemm_prefill.py gemm-prefill-buckets "bucketed|one forward"
   itl_27b prefill-buckets ""  # its "packed alone-exact": packed == alone at 27B with the new tables
 fi
 if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)

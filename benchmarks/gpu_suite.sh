@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -50,6 +50,8 @@
 #                the B32 bench with mixed steps off and on (carry torchao);
 #   prefillbuckets the prefill GEMM's row buckets: mixed_steps.py, the sweep applied, mixed_steps.py again;
 #   mixeddefault the GPU suites that run default engines (exactness, prefix caching, sampling), for a default's change;
+#   newdefaults  the long-context rows with prefills packed by default, then the GPU tests not yet run so (prefill
+#                graphs, host syncs, the draft lm_head, the op tests);
 #   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
 #                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
@@ -342,6 +344,16 @@ if [[ "$STAGE" == mixeddefault ]]; then  # one device call (~8 min): the GPU sui
     -k "(mtp_equals_plain_bf16 and graphs) or stress"
   counted 100 prefix.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefix_cache_cuda.py
   counted $((570 - SECONDS)) sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
+fi
+if [[ "$STAGE" == newdefaults ]]; then  # one device call (~9 min): the long-context rows (prefills packed by default
+  # since the twentieth session, with the bench's bounded warm-up), then the GPU tests no call had run with mixed
+  # steps on by default: prefill graphs, host syncs, the draft lm_head, and the op tests
+  bench_27b 200 bench-128k --set 'bench.prompt_len=[131072]'
+  bench_27b 150 bench-32k-b8 --set 'bench.prompt_len=[32768]' --set 'bench.batch_sizes=[8]'
+  rm -f "$OUT"/bench-32k-b8/bench.png "$OUT"/bench-128k/bench.png  # one point each
+  counted 120 features.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefill_graphs_cuda.py \
+    tests/gpu/test_host_syncs.py tests/gpu/test_draft_lm_head_cuda.py
+  counted $((580 - SECONDS)) ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops
 fi
 if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
   # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept

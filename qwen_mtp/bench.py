@@ -190,6 +190,8 @@ def _run(
     else:
         ids = [engine.submit_with_oracle(p, o, q) for p, o, q in zip(prompts, oracles, params, strict=True)]
     first: dict[int, float] = {}
+    emitted = dict.fromkeys(ids, 0)
+    before_decode: dict[int, int] | None = None  # tokens each request had when the last first token came
     _sync(device)
     start = time.perf_counter()
     steps = decode_steps = 0  # decode steps: those after every request had its first token
@@ -198,12 +200,16 @@ def _run(
         prefilled = len(first) == len(ids)
         for update in engine.step():
             first.setdefault(update.request_id, time.perf_counter())
+            emitted[update.request_id] += len(update.new_token_ids)
         steps += 1
         decode_steps += prefilled
+        if before_decode is None and len(first) == len(ids):
+            before_decode = dict(emitted)
     _sync(device)
     end = time.perf_counter()
     results = [engine.result(i) for i in ids]
     decode_start = max(first.values())
+    decode_tokens = [output_len - (before_decode or emitted)[i] for i in ids]  # each request's, after decode_start
     specs = [r.spec for r in results if r.spec is not None]
     verify_steps = sum(s.verify_steps for s in specs)
     drafted = sum(s.drafted for s in specs)
@@ -212,11 +218,32 @@ def _run(
         "tokens": [r.token_ids for r in results],
         "acceptance_length": (sum(s.accepted for s in specs) + verify_steps) / verify_steps if specs else 1.0,
         "ttft": sum(first[i] - start for i in ids) / len(ids),
-        "tpot": sum((end - first[i]) / (output_len - 1) for i in ids) / len(ids),
+        "tpot": decode_tpot(end - decode_start, decode_tokens),
+        "decode_tokens": decode_tokens,
         "decode_seconds": end - decode_start,
         "decode_steps": decode_steps,
         "phases": dict(engine.timer.seconds),
     }
+
+
+def decode_tpot(decode_seconds: float, decode_tokens: list[int]) -> float:
+    """Seconds per output token of a request in the decode phase (after every request of the batch had its first
+    token), averaged over the requests that emitted tokens then: a request whose first token came before the others'
+    (their prompts prefilled in later steps, as mixed steps do) would otherwise count those prefill steps as its
+    decoding. With every first token in one step it is the usual (end - first token) / (tokens - 1)."""
+    rates = [decode_seconds / n for n in decode_tokens if n > 0]
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+def warmup_shape(batch: int, prompt_len: int, prefill_chunk: int, step_tokens: int) -> tuple[int, int]:
+    """Requests and prompt length of the bench's warm-up batch: the timed batch where its prompts fill at most two
+    steps of `step_tokens` (the steps it runs are then the timed run's shapes, packed alike), else fewer requests (at
+    least two: one decodes beside the other's chunks) of at most two chunks each. Past that, a warm-up would only
+    repeat steps of the shapes it already ran, at the cost of a second long prefill per row (a 128k prompt: ~20 s)."""
+    length = min(prompt_len, 2 * prefill_chunk)
+    if batch * length <= 2 * step_tokens:
+        return batch, length
+    return min(batch, max(2, 2 * step_tokens // length)), length
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
@@ -272,12 +299,12 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
         "rows": [],
     }
     gen = torch.Generator().manual_seed(recipe.model.seed)
+    warm_gen = torch.Generator().manual_seed(recipe.model.seed + 1)  # the warm-up's prompts: never the timed ones
     vocab = loaded.model.config.vocab_size
     cases = [(prompt_len, batch) for prompt_len in bench.prompt_lens for batch in bench.batch_sizes]
     bar = tqdm(total=len(cases) * len(configs), desc="bench", disable=not progress)
     for prompt_len, batch in cases:
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
-        warm_prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
         plain_tokens, plain_tps = None, None
         for k, draft, rate, draft_vocab, lm_head in configs:
             # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
@@ -291,10 +318,13 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
             sampled = {"temperature": bench.temperature, "top_p": bench.top_p}
-            # warm-up: a batch like the timed one (fresh prompts of the same length, so a prefix cache cannot serve
-            # the timed run), so the prefill shapes it compiles (a packed step's rows pick the GEMM's plan) are
-            # compiled before the clock starts; the oracle drafts are any tokens here, rejected ones cost nothing
-            _run(engine, warm_prompts, 3, None if oracles is None else [p[:3] for p in warm_prompts], sampled)
+            # warm-up: a batch like the timed one (fresh prompts, so a prefix cache cannot serve the timed run), so
+            # the prefill shapes it compiles (a packed step's rows pick the GEMM's plan) are compiled before the
+            # clock starts; the oracle drafts are any tokens here, rejected ones cost nothing
+            step_tokens = engine.scheduler.max_step_tokens or variant.cache.prefill_chunk
+            warm_batch, warm_len = warmup_shape(batch, prompt_len, variant.cache.prefill_chunk, step_tokens)
+            warm = torch.randint(0, vocab, (warm_batch, warm_len), generator=warm_gen).tolist()
+            _run(engine, warm, 3, None if oracles is None else [p[:3] for p in warm], sampled)
             # the phase timer synchronizes around each phase: with the lookahead it would undo the overlap it
             # measures, so those rows report the step time alone (verify and draft columns 0)
             engine.timer.enabled = not engine.lookahead

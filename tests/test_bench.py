@@ -163,3 +163,49 @@ def test_a_prompt_past_max_prefill_chunk_prefills_in_chunks(tmp_path, monkeypatc
     assert set(chunks) == {8}
     assert runs[1]["decode_steps"] == 3  # the plain row's timed run: one token a step
     assert [(r["mode"], r["exact"]) for r in report["rows"]] == [("plain", True), ("mtp", True)]
+
+
+def test_tpot_counts_the_decode_phase_only():
+    """Every first token in one step: the usual (end - first) / (tokens - 1). First tokens in different steps (mixed
+    steps prefill the later prompts while the earlier ones decode): each request's tokens after the last first token
+    only, so a prefill step is not counted as a decode step of the request that came first."""
+    assert bench.decode_tpot(0.7, [7, 7]) == pytest.approx(0.1)
+    assert bench.decode_tpot(0.6, [3, 6]) == pytest.approx((0.2 + 0.1) / 2)
+    assert bench.decode_tpot(0.5, [0, 5]) == pytest.approx(0.1)  # a request done before the decode phase
+    assert bench.decode_tpot(0.0, [0]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("batch", "prompt_len", "chunk", "step_tokens", "shape"),
+    [
+        (32, 128, 128, 8192, (32, 128)),  # short prompts: the timed batch, packed as the timed run packs it
+        (8, 2048, 2048, 8192, (8, 2048)),
+        (8, 32768, 32768, 32800, (2, 32768)),  # one chunk a step: two requests run every step shape
+        (1, 131072, 32768, 32772, (1, 65536)),  # a first chunk and one with context before it
+        (4, 20, 8, 8, (2, 16)),
+    ],
+)
+def test_warmup_runs_the_timed_step_shapes_without_a_second_long_prefill(batch, prompt_len, chunk, step_tokens, shape):
+    assert bench.warmup_shape(batch, prompt_len, chunk, step_tokens) == shape
+
+
+def test_mixed_steps_with_staggered_first_tokens_time_the_decode_phase(tmp_path, monkeypatch):
+    """Mixed steps with a budget of one chunk: the second prompt prefills while the first decodes, so the first
+    request's decode-phase tokens are fewer than its output; the rows stay exact."""
+    recipe = bench_recipe(tmp_path)
+    recipe.bench.batch_sizes, recipe.bench.prompt_len, recipe.bench.output_len = [2], 12, 6
+    recipe.bench.max_prefill_chunk = recipe.cache.prefill_chunk = 8
+    recipe.cache.mixed_steps, recipe.cache.max_step_tokens = True, 2 * 3 + 8
+    runs, run = [], bench._run
+
+    def recording_run(engine, prompts, output_len, oracles, sampled):
+        runs.append(run(engine, prompts, output_len, oracles, sampled))
+        return runs[-1]
+
+    monkeypatch.setattr(bench, "_run", recording_run)
+    report = bench.run_bench(recipe, progress=False, log=lambda _: None)
+    timed = runs[1]  # the plain row's timed run
+    assert timed["decode_tokens"][0] < 5 and timed["decode_tokens"][1] == 5, timed["decode_tokens"]
+    assert timed["tpot"] == pytest.approx(bench.decode_tpot(timed["decode_seconds"], timed["decode_tokens"]))
+    assert report["mixed_steps"] is True
+    assert [(r["mode"], r["exact"]) for r in report["rows"]] == [("plain", True), ("mtp", True)]

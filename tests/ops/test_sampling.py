@@ -122,9 +122,11 @@ def test_filter_threshold_keeps_a_top_p_set_from_first_principles(dtype, method)
             short = int((at_least < top_p[r].double() + 1e-6).sum())  # groups that fall short within rounding
             candidates = values[reach : short + 1]  # tau_p is one of these (usually the only one)
         else:
-            candidates = torch.tensor([-torch.inf], dtype=torch.float64)
+            candidates = torch.tensor([-torch.inf], dtype=torch.float64, device=x.device)
         floor_min_p = x.max() + min_p[r].double()
-        expected = torch.maximum(torch.maximum(candidates, torch.as_tensor(floor_k).double()), floor_min_p)
+        expected = torch.maximum(
+            torch.maximum(candidates, torch.as_tensor(floor_k, device=x.device).double()), floor_min_p
+        )
         assert (expected == tau[r].double()).any(), (r, tau[r], expected)
 
 
@@ -152,8 +154,8 @@ def edge_rows(vocab=777):
         (2.0 + 0.05 * noise, vocab, 1 / 0.05, 0.5, NO_MIN_P),  # across 2.0
         (1.0 + 0.05 * noise, 300, 1 / 0.02, 0.7, NO_MIN_P),  # top-k and top-p across 1.0
         (0.02 * noise, vocab, 1 / 0.01, 0.9, NO_MIN_P),  # across the sign
-        (torch.zeros(vocab), vocab, 1.0, 0.9, NO_MIN_P),  # all equal: every token kept
-        (torch.zeros(vocab), 10, 1.0, 1.0, NO_MIN_P),  # all equal, top-k: still every token
+        (torch.zeros(vocab, device=noise.device), vocab, 1.0, 0.9, NO_MIN_P),  # all equal: every token kept
+        (torch.zeros(vocab, device=noise.device), 10, 1.0, 1.0, NO_MIN_P),  # all equal, top-k: still every token
         (ties, vocab, 1.0, 0.8, NO_MIN_P),  # a tie group of 40 holding most of the mass
         (ties, 45, 1 / 0.7, 0.99, NO_MIN_P),  # top-k's k-th inside a tie group
         (peaked, vocab, 1 / 0.7, 0.95, NO_MIN_P),  # a peaked head: a small window

@@ -126,12 +126,14 @@ VARIANTS: dict[str, GemmPlan] = {
 TAIL_VARIANTS = ("e swap32x4", "e swap32x4 deep8")
 
 
-def candidate_plans(n: int, k: int, sms: int) -> dict[str, GemmPlan]:
-    """The plans timed for one weight shape: the current one, then each variant at its split choices, and the
-    tail variants where their last wave is short."""
+def candidate_plans(n: int, k: int, sms: int, splits_asked: tuple[int, ...] = ()) -> dict[str, GemmPlan]:
+    """The plans timed for one weight shape: the current one, then each variant at its split choices (or at every
+    split count of `splits_asked`, e.g. more than `split_choices` would try, to see whether fuller waves at one row
+    outweigh the partial sums at many), and the tail variants where their last wave is short."""
     plans = {"current": gemm_plan(n, k)}
     for name, tile in VARIANTS.items():
-        for splits in split_choices(tile, n, k, sms)[: 1 if tile.family == "grid" else 2]:
+        choices = splits_asked or split_choices(tile, n, k, sms)[: 1 if tile.family == "grid" else 2]
+        for splits in choices:
             plan = _with_splits(tile, k, splits)
             plans.setdefault(f"{name} s{plan.splits(k)}", plan)
     for name in TAIL_VARIANTS:
@@ -380,14 +382,15 @@ def print_summary(report: dict[str, dict]) -> None:
     print(f"invariance failures of our plans: {', '.join(fails) if fails else 'none'}")
 
 
-def run(preset: str, only: str, out_path: str | None, jobs: int) -> None:
+def run(preset: str, only: str, out_path: str | None, jobs: int, splits: tuple[int, ...] = ()) -> None:
     import triton
 
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
-    todo = {name: (nk, candidate_plans(*nk, props.multi_processor_count)) for name, nk in shapes(preset, only).items()}
+    sms = props.multi_processor_count
+    todo = {name: (nk, candidate_plans(*nk, sms, splits)) for name, nk in shapes(preset, only).items()}
     tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
     errors = precompile(tasks, jobs)
     print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errors)} errors)")

@@ -66,11 +66,14 @@ def main() -> None:
     parser.add_argument("--family", action="store_true", help="time the kernel variants at M = 1 .. 8192 instead")
     parser.add_argument("--out", help="JSON path (default: $OUT or cwd)")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
+    parser.add_argument("--splits", default="", help="--family: time every variant at these K split counts (e.g. "
+                        "3,6,8,16) instead of the ones the sweep picks per tile")  # fmt: skip
     args = parser.parse_args()
     if args.family:
         import gemm_family
 
-        gemm_family.run(args.preset, args.only, args.out, args.jobs)
+        splits = tuple(int(s) for s in args.splits.split(",") if s)
+        gemm_family.run(args.preset, args.only, args.out, args.jobs, splits)
         return
     preset, only = args.preset, args.only
     torch.manual_seed(0)

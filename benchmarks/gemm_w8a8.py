@@ -144,15 +144,21 @@ def table(preset: str, only: str, bandwidth: float) -> list[dict]:
     return rows
 
 
-def w8a8_candidates(n: int, k: int, sms: int, keep_splits: bool = False) -> dict[str, GemmPlan]:
+def w8a8_candidates(
+    n: int, k: int, sms: int, keep_splits: bool = False, splits_asked: tuple[int, ...] = ()
+) -> dict[str, GemmPlan]:
     """The plans timed for one shape: the current one, then each variant at its split choices (those of
     `gemm_family.split_choices`, which sizes stages as bf16: an upper bound here) and one split. `keep_splits`: at
     the current plan's K split only, so every candidate sums as the shape's row buckets do (`same_sums`) and can
-    replace its `TUNED_W8A8` entry without a bucket re-tune."""
+    replace its `TUNED_W8A8` entry without a bucket re-tune. `splits_asked`: at each of these split counts instead
+    (more splits fill the waves at one row, and write M x N partial sums per split at many: both are timed)."""
     current = gemm_plan_w8a8(n, k)
     plans = {"current": current}
     for name, tile in W8A8_VARIANTS.items():
-        choices = [current.splits(k)] if keep_splits else sorted({1, *split_choices(tile, n, k, sms)})[:3]
+        if keep_splits:
+            choices = [current.splits(k)]
+        else:
+            choices = list(splits_asked) or sorted({1, *split_choices(tile, n, k, sms)})[:3]
         for splits in choices:
             plan = _with_splits(tile, k, splits)
             if keep_splits and plan.k_per_split != current.k_per_split:
@@ -232,12 +238,13 @@ def family(
     bandwidth: float,
     choice_m: tuple[int, ...] = CHOICE_M,
     keep_splits: bool = False,
+    splits: tuple[int, ...] = (),
 ) -> dict:
     props = torch.cuda.get_device_properties(0)
     t0 = time.time()
     sms = props.multi_processor_count
     shapes = named_once(fp8_shapes(preset), only).items()
-    todo = {name: (nk, w8a8_candidates(*nk, sms, keep_splits)) for name, nk in shapes}
+    todo = {name: (nk, w8a8_candidates(*nk, sms, keep_splits, splits)) for name, nk in shapes}
     tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
     errs = precompile(tasks, jobs, _compile)
     print(f"compiled {len(tasks)} plans in {time.time() - t0:.0f} s ({jobs} processes, {len(errs)} errors)")
@@ -263,7 +270,7 @@ def family(
     print(f"{time.time() - t0:.0f} s in all")
     path = out_path or os.path.join(os.environ.get("OUT", "."), "gemm-w8a8-family.json")
     meta = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, preset=preset, kind="w8a8",
-                choice_m=list(choice_m), keep_splits=keep_splits)  # fmt: skip
+                choice_m=list(choice_m), keep_splits=keep_splits, splits=list(splits))  # fmt: skip
     with open(path, "w") as f:
         json.dump(dict(meta, copy_bandwidth=bandwidth, shapes=report), f, indent=1)
     print(f"wrote {path}")
@@ -321,6 +328,8 @@ def main() -> None:
     parser.add_argument("--keep-splits", action="store_true",
                         help="--family: only candidates at the current plan's K split (the row buckets stay "
                         "valid)")  # fmt: skip
+    parser.add_argument("--splits", default="", help="--family: every variant at these K split counts (e.g. "
+                        "3,6,8,16; not with --keep-splits)")  # fmt: skip
     parser.add_argument("--out", help="JSON path (default: $OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json, "
                         "--tiles: $OUT/gemm-w8a8-tiles.json)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
@@ -331,7 +340,10 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.family:
         choice_m = tuple(int(m) for m in args.choice_m.split(","))
-        family(args.preset, args.only, args.out, args.jobs, bandwidth, choice_m, args.keep_splits)
+        splits = tuple(int(s) for s in args.splits.split(",") if s)
+        if splits and args.keep_splits:
+            parser.error("--splits and --keep-splits exclude each other")
+        family(args.preset, args.only, args.out, args.jobs, bandwidth, choice_m, args.keep_splits, splits)
         return
     if args.tiles:
         rows = tiles_table(args.preset, args.only, bandwidth)

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -52,6 +52,8 @@
 #   mixeddefault the GPU suites that run default engines (exactness, prefix caching, sampling), for a default's change;
 #   newdefaults  the long-context rows with prefills packed by default, then the GPU tests not yet run so (prefill
 #                graphs, host syncs, the draft lm_head, the op tests);
+#   splits       the N = 5120 decode shapes (o_proj, mlp down) at more K splits (SPLITS, default 3,6,8,12,16), bf16 and
+#                W8A8, every candidate's rows checked across M (nothing applied);
 #   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
 #                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
@@ -354,6 +356,18 @@ if [[ "$STAGE" == newdefaults ]]; then  # one device call (~9 min): the long-con
   counted 120 features.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_prefill_graphs_cuda.py \
     tests/gpu/test_host_syncs.py tests/gpu/test_draft_lm_head_cuda.py
   counted $((580 - SECONDS)) ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops
+fi
+if [[ "$STAGE" == splits ]]; then  # one device call (~9 min; carry torchao): the N = 5120 shapes (o_proj / out_proj,
+  # mlp down) at more K splits than the family sweeps try: 120-240 programs on 132 SMs leave them at 60-87% of the
+  # copy bandwidth at one row; more splits fill the waves, and write M x N partial sums per split at many rows
+  for shape in o_proj down; do
+    timeout 150 python3 benchmarks/gemm_sweep.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
+      --out "$OUT/gemm-family-splits-$shape.json" >"$OUT/gemm-family-splits-$shape.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] bf16 $shape"; grep -A12 "^Best\|best invariant" "$OUT/gemm-family-splits-$shape.log" | head -14
+    timeout 150 python3 benchmarks/gemm_w8a8.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
+      --choice-m 1,8,16 --out "$OUT/gemm-w8a8-splits-$shape.json" >"$OUT/gemm-w8a8-splits-$shape.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] w8a8 $shape"; grep -A4 "^Best W8A8" "$OUT/gemm-w8a8-splits-$shape.log"
+  done
 fi
 if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
   # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept

@@ -23,3 +23,18 @@ def test_without_keep_splits_other_splits_are_timed():
     n, k = 5120, 17408
     splits = {plan.splits(k) for plan in family.w8a8_candidates(n, k, 132).values()}
     assert len(splits) > 1
+
+
+@pytest.mark.parametrize("script", ["gemm_w8a8", "gemm_family"])
+def test_asked_splits_are_the_splits_timed(script):
+    """`--splits 3,8,16`: every variant of the sweep (W8A8 and bf16) is timed at those K split counts, where the
+    wave-filling choice alone would stop at a few (mlp down: 136 K blocks of 128 columns; 256-deep blocks, 68 of
+    them, cut into 16 splits of 5 give 14)."""
+    module = benchmark_module(script)
+    n, k = 5120, 17408
+    if script == "gemm_w8a8":
+        plans = module.w8a8_candidates(n, k, 132, splits_asked=(3, 8, 16))
+    else:
+        plans = module.candidate_plans(n, k, 132, splits_asked=(3, 8, 16))
+    timed = {plan.splits(k) for label, plan in plans.items() if label != "current"}
+    assert {3, 8, 16} <= timed <= {3, 8, 14, 16}

@@ -191,6 +191,7 @@ def _run(
         ids = [engine.submit_with_oracle(p, o, q) for p, o, q in zip(prompts, oracles, params, strict=True)]
     first: dict[int, float] = {}
     emitted = dict.fromkeys(ids, 0)
+    last: dict[int, float] = {}  # when each request's latest tokens came
     before_decode: dict[int, int] | None = None  # tokens each request had when the last first token came
     _sync(device)
     start = time.perf_counter()
@@ -201,6 +202,7 @@ def _run(
         for update in engine.step():
             first.setdefault(update.request_id, time.perf_counter())
             emitted[update.request_id] += len(update.new_token_ids)
+            last[update.request_id] = time.perf_counter()
         steps += 1
         decode_steps += prefilled
         if before_decode is None and len(first) == len(ids):
@@ -218,7 +220,7 @@ def _run(
         "tokens": [r.token_ids for r in results],
         "acceptance_length": (sum(s.accepted for s in specs) + verify_steps) / verify_steps if specs else 1.0,
         "ttft": sum(first[i] - start for i in ids) / len(ids),
-        "tpot": decode_tpot(end - decode_start, decode_tokens),
+        "tpot": decode_tpot([last[i] - decode_start for i in ids], decode_tokens),
         "decode_tokens": decode_tokens,
         "decode_seconds": end - decode_start,
         "decode_steps": decode_steps,
@@ -226,12 +228,13 @@ def _run(
     }
 
 
-def decode_tpot(decode_seconds: float, decode_tokens: list[int]) -> float:
+def decode_tpot(spans: list[float], decode_tokens: list[int]) -> float:
     """Seconds per output token of a request in the decode phase (after every request of the batch had its first
-    token), averaged over the requests that emitted tokens then: a request whose first token came before the others'
-    (their prompts prefilled in later steps, as mixed steps do) would otherwise count those prefill steps as its
-    decoding. With every first token in one step it is the usual (end - first token) / (tokens - 1)."""
-    rates = [decode_seconds / n for n in decode_tokens if n > 0]
+    token): each request's span from then to its last token over the tokens it emitted in it, averaged over the
+    requests that emitted tokens then. A request whose first token came before the others' (their prompts
+    prefilled in later steps, as mixed steps do) would otherwise count those prefill steps as its decoding. With
+    every first token in one step it is the usual (last token - first token) / (tokens - 1)."""
+    rates = [span / n for span, n in zip(spans, decode_tokens, strict=True) if n > 0]
     return sum(rates) / len(rates) if rates else 0.0
 
 

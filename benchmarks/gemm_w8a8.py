@@ -334,15 +334,15 @@ def main() -> None:
                         "--tiles: $OUT/gemm-w8a8-tiles.json)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
     args = parser.parse_args()
+    splits = tuple(int(s) for s in args.splits.split(",") if s)
+    if splits and args.keep_splits:
+        parser.error("--splits and --keep-splits exclude each other")
     sys.stdout.reconfigure(line_buffering=True)  # a log that a timeout cuts still holds every finished line
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.family:
         choice_m = tuple(int(m) for m in args.choice_m.split(","))
-        splits = tuple(int(s) for s in args.splits.split(",") if s)
-        if splits and args.keep_splits:
-            parser.error("--splits and --keep-splits exclude each other")
         family(args.preset, args.only, args.out, args.jobs, bandwidth, choice_m, args.keep_splits, splits)
         return
     if args.tiles:

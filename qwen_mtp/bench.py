@@ -190,9 +190,8 @@ def _run(
     else:
         ids = [engine.submit_with_oracle(p, o, q) for p, o, q in zip(prompts, oracles, params, strict=True)]
     first: dict[int, float] = {}
-    emitted = dict.fromkeys(ids, 0)
+    decode_tokens = dict.fromkeys(ids, 0)  # each request's tokens in decode steps
     last: dict[int, float] = {}  # when each request's latest tokens came
-    before_decode: dict[int, int] | None = None  # tokens each request had when the last first token came
     _sync(device)
     start = time.perf_counter()
     steps = decode_steps = 0  # decode steps: those after every request had its first token
@@ -201,17 +200,15 @@ def _run(
         prefilled = len(first) == len(ids)
         for update in engine.step():
             first.setdefault(update.request_id, time.perf_counter())
-            emitted[update.request_id] += len(update.new_token_ids)
+            decode_tokens[update.request_id] += len(update.new_token_ids) if prefilled else 0
             last[update.request_id] = time.perf_counter()
         steps += 1
         decode_steps += prefilled
-        if before_decode is None and len(first) == len(ids):
-            before_decode = dict(emitted)
     _sync(device)
     end = time.perf_counter()
     results = [engine.result(i) for i in ids]
     decode_start = max(first.values())
-    decode_tokens = [output_len - (before_decode or emitted)[i] for i in ids]  # each request's, after decode_start
+    counts = [decode_tokens[i] for i in ids]
     specs = [r.spec for r in results if r.spec is not None]
     verify_steps = sum(s.verify_steps for s in specs)
     drafted = sum(s.drafted for s in specs)
@@ -220,8 +217,8 @@ def _run(
         "tokens": [r.token_ids for r in results],
         "acceptance_length": (sum(s.accepted for s in specs) + verify_steps) / verify_steps if specs else 1.0,
         "ttft": sum(first[i] - start for i in ids) / len(ids),
-        "tpot": decode_tpot([last[i] - decode_start for i in ids], decode_tokens),
-        "decode_tokens": decode_tokens,
+        "tpot": decode_tpot([last[i] - decode_start for i in ids], counts),
+        "decode_tokens": counts,
         "decode_seconds": end - decode_start,
         "decode_steps": decode_steps,
         "phases": dict(engine.timer.seconds),

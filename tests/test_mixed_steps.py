@@ -8,7 +8,7 @@ import torch
 from helpers import assert_greedy_matches_hf, load_hf, random_prompt
 
 from qwen_mtp import Engine, RecipeError, SamplingParams
-from qwen_mtp.engine.engine import mixed_steps_on
+from qwen_mtp.engine.engine import DEFAULT_STEP_TOKENS, mixed_steps_on
 from qwen_mtp.recipe import CacheSection
 
 CHUNK = 16
@@ -128,8 +128,6 @@ def test_null_budget_holds_the_decode_rows_and_a_chunk(checkpoint):
     """`cache.max_step_tokens` null: DEFAULT_STEP_TOKENS, raised where the decode rows and one full chunk need more
     (a long `prefill_chunk`, as the bench sets for long prompts), so mixed steps on by default never refuse a recipe
     that runs without them."""
-    from qwen_mtp.engine.engine import DEFAULT_STEP_TOKENS
-
     path = checkpoint("tiny")
     assert make_engine(path, k=2).scheduler.max_step_tokens == DEFAULT_STEP_TOKENS
     long_chunk = make_engine(path, k=2, max_batch=4, prefill_chunk=DEFAULT_STEP_TOKENS)

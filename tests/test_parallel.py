@@ -300,6 +300,8 @@ def rank_engine(checkpoint, **sections) -> Engine:
         (SamplingParams(4, temperature=1.0, top_p=0.9, seed=1), "temperature=1.0"),
         (SamplingParams(4, logprobs=2), "logprobs=2"),
         (SamplingParams(4, prompt_logprobs=1), "prompt_logprobs=1"),
+        (SamplingParams(4, repetition_penalty=1.2), "repetition_penalty=1.2"),
+        (SamplingParams(4, frequency_penalty=0.5), "frequency_penalty=0.5"),
     ],
 )
 def test_sampling_and_logprobs_under_tp_are_refused_at_submit(checkpoint, params, message):

@@ -222,7 +222,8 @@ def test_request_timeout_ends_with_finish_reason_timeout(small_server):
         ({"prompt": [10**9], "max_tokens": 1, **GREEDY}, 400, "outside the vocabulary"),
         ({"prompt": "hi", "max_tokens": 0, **GREEDY}, 400, "needs echo"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
-        ({"prompt": "hi", "presence_penalty": 0.5, **GREEDY}, 400, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5, **GREEDY}, 400, "presence_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0, **GREEDY}, 400, "repetition_penalty"),
     ],
 )
 def test_bad_requests_are_refused_with_the_reason(server, body, status, message):
@@ -335,6 +336,21 @@ def test_stop_strings_cut_the_text(server, reference):
     assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
     chunks = client(server).completions.create(prompt=prompt, max_tokens=16, stop=[stop], stream=True, **LONG, **GREEDY)
     assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
+
+
+def test_penalties_reach_the_engine_and_mtp_keeps_them(server, mtp_server, reference):
+    """presence / frequency penalties (OpenAI fields) and repetition_penalty (vLLM's extension): the engine's own
+    tokens for those parameters, the same with MTP on."""
+    prompt = reference.encode("Once upon a time")
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 1.5}
+    kwargs = {"prompt": prompt, "max_tokens": 24, **GREEDY, **penalties}
+    extra = {"extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}}
+    answers = [client(live).completions.create(**kwargs, **extra).choices[0].text for live in (server, mtp_server)]
+    params = SamplingParams(24, ignore_eos=True, repetition_penalty=1.3, **penalties)
+    (result,) = reference.generate([prompt], params)
+    assert answers == [text_of(reference, result.token_ids)] * 2
+    (plain,) = reference.generate([prompt], SamplingParams(24, ignore_eos=True))
+    assert plain.token_ids != result.token_ids  # the penalties changed the answer
 
 
 def test_seeded_sampling_is_reproducible(server):

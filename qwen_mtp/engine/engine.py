@@ -383,12 +383,13 @@ class Engine:
 
     def _check_tensor_parallel(self, params: SamplingParams) -> None:
         """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
-        cross-rank argmax (`parallel.vocab`): sampling and logprobs, which need the whole softmax, are refused."""
+        cross-rank argmax (`parallel.vocab`): sampling, penalties and logprobs, which need the whole vocabulary's
+        logits, are refused."""
         asked = _softmax_features(params)
         if asked:
             raise RequestError(
                 f"{', '.join(asked)}: tensor parallelism (parallel.tp={self.parallel.degree}) decodes greedily only "
-                "for now; use temperature 0 without logprobs, or parallel.tp: 1"
+                "for now; use temperature 0 without penalties or logprobs, or parallel.tp: 1"
             )
 
     def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> int:
@@ -750,6 +751,7 @@ class Engine:
         else:
             batch = self.runner.batch(StepKind.DECODE, requests, ahead, [r.num_computed + 1 for r in requests])
         _, chosen, logprobs = self.runner.decode(batch)
+        self.runner.count_emitted(batch, chosen)
         logprob_parts = list(logprobs) if logprobs is not None else []
 
         def outcomes(values: list[list]) -> list[Outcome]:
@@ -938,9 +940,12 @@ def _token_logprobs(
 
 
 def _softmax_features(params: SamplingParams) -> list[str]:
-    """What a request asks for that needs the whole softmax, not only its argmax (named as given)."""
+    """What a request asks for that needs the whole vocabulary's logits, not only their argmax (named as given)."""
     asked = (
         (f"temperature={params.temperature}", not params.greedy),
+        (f"repetition_penalty={params.repetition_penalty}", params.repetition_penalty != 1.0),
+        (f"presence_penalty={params.presence_penalty}", params.presence_penalty != 0.0),
+        (f"frequency_penalty={params.frequency_penalty}", params.frequency_penalty != 0.0),
         (f"logprobs={params.logprobs}", params.logprobs is not None),
         (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
     )

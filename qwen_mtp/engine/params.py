@@ -12,6 +12,7 @@ import torch
 from qwen_mtp.errors import RequestError
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position (the OpenAI API's bound)
+MAX_REPETITION_PENALTY = 100.0  # past it every seen token is gone anyway; a bound keeps x / r and x * r finite
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class SamplingParams:
     - `temperature` (0 = greedy), `top_k` (0 = off), `top_p` (1.0 = off), `min_p` (0.0 = off): the sampling
       distribution at each position; `seed`: the request's noise (None: drawn from the engine's generator at
       submit and recorded, so the request can be replayed);
+    - `repetition_penalty` (1.0 = off, > 0): every token of the prompt or the output so far has its logit
+      divided by it where positive and multiplied by it otherwise (Hugging Face's and vLLM's rule);
+      `presence_penalty` and `frequency_penalty` (0.0 = off, in [-2, 2] as in the OpenAI API): every token of
+      the output so far has its logit lowered by `presence_penalty` once and by `frequency_penalty` per
+      occurrence. They apply before temperature and the filters, greedy requests included;
     - `stop`: strings that end the request (finish_reason "stop"), checked on the detokenized output;
     - `logprobs`: report the chosen token's log-probability and the `logprobs` most likely tokens per position
       (None = off); `prompt_logprobs`: the same for every prompt position (None = off).
@@ -38,6 +44,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -55,7 +64,10 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be token ids (integers >= 0), got {_given(bad[0])}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        for name, low, high in (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0)):
+        bounds = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+                  ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                  ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY))  # fmt: skip
+        for name, low, high in bounds:
             value = getattr(self, name)
             if not _is_real(value) or value < low or (high is not None and value > high) or value != value:
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -63,6 +75,8 @@ class SamplingParams:
             object.__setattr__(self, name, float(value))
         if self.top_p == 0.0:
             raise RequestError("top_p must be > 0 (1.0 turns it off)")
+        if self.repetition_penalty == 0.0:
+            raise RequestError("repetition_penalty must be > 0 (1.0 turns it off)")
         if not is_token_id(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (0 turns it off), got {_given(self.top_k)}")
         if self.seed is not None and (not is_token_id(self.seed) or not 0 <= self.seed < 2**63):
@@ -79,6 +93,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes this request's logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def as_token_ids(prompt: Any) -> list[int]:

@@ -25,6 +25,7 @@ from qwen_mtp.engine import sampling
 from qwen_mtp.engine.graphs import ChunkGraphs, StepGraphs, compile_chunk_step
 from qwen_mtp.engine.packed import PackedChunks
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
+from qwen_mtp.engine.penalties import PenaltyCounts
 from qwen_mtp.engine.request import Request
 from qwen_mtp.engine.scheduler import PrefillChunk
 from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
@@ -74,6 +75,9 @@ class Runner:
         self.model, self.pages, self.states, self.device = model, pages, states, device
         self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
         self.steps = DecodeSteps(model, pages, states, k)
+        if model.vocab_shard is None:  # tensor parallel refuses penalties (`Engine.check_request`)
+            self.penalties = PenaltyCounts(states.num_rows + 1, model.lm_head_weight.shape[0], device)
+            self.steps.penalties = self.penalties
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
         self.chunk_graphs: ChunkGraphs | None = None  # full prefill chunks in graphs (compile.prefill_graphs)
         self.prefill_steps = PrefillSteps(model, pages, states)
@@ -182,10 +186,26 @@ class Runner:
         self, hidden: torch.Tensor, request: Request, position: int
     ) -> tuple[torch.Tensor, sampling.Logprobs | None]:
         """The token [1] chosen from `hidden` [1, H] (a prefill's last position) for the token at `position`, and
-        its logprobs if the request asks: see `sampling.choose`."""
+        its logprobs if the request asks: see `sampling.choose`. A penalized request's counts start here."""
         rows = self.sampling([request])
         logits = self.model.logits(hidden)
-        return sampling.choose(logits, rows.mode, self.tensor([position]), **rows.tensors, shard=self.model.vocab_shard)
+        penalized, state_row = None, None
+        if rows.mode.penalized:
+            state_row = self.tensor([self.states.rows[request.id]])
+            self.penalties.start(state_row, self.tensor(request.prompt))
+            penalized = self.penalties.inputs(state_row)
+        position = self.tensor([position])
+        shard = self.model.vocab_shard
+        chosen = sampling.choose(logits, rows.mode, position, **rows.tensors, penalty_inputs=penalized, shard=shard)
+        if state_row is not None:
+            self.penalties.count(state_row, chosen[0][:, None])
+        return chosen
+
+    def count_emitted(self, batch: StepBatch, chosen: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
+        """After a penalized decode or verify step (`chosen` [B, T]; a verify's `accepted` [B]): its emitted tokens
+        join the counts the next steps' penalties read (`PenaltyCounts.count`)."""
+        if batch.sampling is not None and batch.sampling.mode.penalized:
+            self.penalties.count(batch.state_rows, chosen, accepted)
 
     def prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], n: int) -> sampling.Logprobs:
         """Logprobs of `targets` (the prompt tokens after each of the chunk's first len(targets) positions)

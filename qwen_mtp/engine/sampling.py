@@ -22,14 +22,19 @@ MTP-off's tokens, greedy or sampled. Drafts are coupled (`mtp.coupled_drafts`): 
 `argmax_v(log q_p(v) + g(seed, p, v))` over its own filtered distribution q with the *same* noise, so it agrees
 with the target whenever the two perturbed argmaxes agree (with probability >= (1 - TV) / (1 + TV)).
 
-Logprobs are on the unfiltered temperature-1 distribution: `logit - logsumexp(logits)` for the chosen token and
-for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything here is a function of
-device tensors with no host read, so it runs inside the decode, verify and draft graphs.
+Penalties (repetition, presence, frequency: `ops/penalties.py`) change the logits at p before all of that, from
+the tokens the request emitted before p (`engine/penalties.py`): a verify's position i counts the drafts before it,
+which are the emitted tokens whenever position i matters, so the rule above still holds word for word with the
+penalized logits in place of the logits.
+
+Logprobs are on the unfiltered, unpenalized temperature-1 distribution: `logit - logsumexp(logits)` for the chosen
+token and for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything here is a
+function of device tensors with no host read, so it runs inside the decode, verify and draft graphs.
 
 Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
 takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there
-(`Engine.check_request` refuses sampling and logprobs under tensor parallelism: their softmax, filters and noise
-need the whole vocabulary's logits).
+(`Engine.check_request` refuses sampling, penalties and logprobs under tensor parallelism: their softmax, filters,
+counts and noise need the whole vocabulary's logits).
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
+from qwen_mtp.engine.penalties import PenaltyInputs
 from qwen_mtp.ops import sampling as sampling_ops
+from qwen_mtp.ops.penalties import apply_penalties
 
 if TYPE_CHECKING:
     from qwen_mtp.parallel.vocab import VocabShard
 
-ROW_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed")  # the per-request sampler inputs
+# the per-request sampler inputs
+ROW_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed", "repetition", "frequency", "presence")
 
 
 class Mode(NamedTuple):
@@ -57,13 +65,15 @@ class Mode(NamedTuple):
     noise: bool = False  # some request samples (temperature > 0)
     filtered: bool = False  # some sampling request filters (top-k, top-p or min-p): a threshold per row
     logprobs: bool = False  # some request reports logprobs
+    penalized: bool = False  # some request has a repetition, presence or frequency penalty
 
     @property
     def greedy(self) -> bool:
-        return not (self.noise or self.filtered or self.logprobs)
+        return not (self.noise or self.filtered or self.logprobs or self.penalized)
 
     def for_drafts(self, coupled: bool) -> Mode:
-        """The draft chain's mode: the same noise and filters when coupled, else greedy argmax."""
+        """The draft chain's mode: the same noise and filters when coupled, else greedy argmax. Drafts are never
+        penalized (the head guesses from the unpenalized logits): only acceptance can change, never a token."""
         return Mode(self.noise, self.filtered, False) if coupled else GREEDY
 
 
@@ -73,13 +83,15 @@ GREEDY = Mode()
 def mode_of(params: Sequence[SamplingParams]) -> Mode:
     sampled = [p for p in params if not p.greedy]
     filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled)
-    return Mode(bool(sampled), filtered, any(p.logprobs is not None for p in params))
+    logprobs = any(p.logprobs is not None for p in params)
+    return Mode(bool(sampled), filtered, logprobs, any(p.penalized for p in params))
 
 
 @dataclass
 class SamplingRows:
     """One step's sampler inputs: its `mode` and, unless greedy, per-request device tensors [B] named as in
-    `ROW_FIELDS` (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed)."""
+    `ROW_FIELDS` (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed; the
+    repetition, frequency and presence penalties, 1 / 0 / 0 = off)."""
 
     mode: Mode
     tensors: dict[str, torch.Tensor]
@@ -91,9 +103,12 @@ def rows_of(params: Sequence[SamplingParams], to_device: Callable[[list, torch.d
     if mode.greedy:
         return SamplingRows(mode, {})
     floats = to_device([[_inverse(p.temperature) for p in params], [p.top_p for p in params],
-                        [_min_p_offset(p) for p in params]], torch.float32)  # fmt: skip
+                        [_min_p_offset(p) for p in params], [p.repetition_penalty for p in params],
+                        [p.frequency_penalty for p in params], [p.presence_penalty for p in params]],
+                       torch.float32)  # fmt: skip
     ints = to_device([[p.top_k if not p.greedy else 0 for p in params], [p.seed or 0 for p in params]], torch.long)
-    names = dict(zip(ROW_FIELDS, (floats[0], ints[0], floats[1], floats[2], ints[1]), strict=True))
+    values = (floats[0], ints[0], floats[1], floats[2], ints[1], floats[3], floats[4], floats[5])
+    names = dict(zip(ROW_FIELDS, values, strict=True))
     return SamplingRows(mode, names)
 
 
@@ -116,6 +131,9 @@ def padding_rows(size: int, device: torch.device) -> dict[str, torch.Tensor]:
         "top_p": torch.ones(size, dtype=torch.float32, device=device),
         "min_p_offset": torch.full((size,), float("-inf"), dtype=torch.float32, device=device),
         "seed": torch.zeros(size, dtype=torch.long, device=device),
+        "repetition": torch.ones(size, dtype=torch.float32, device=device),
+        "frequency": torch.zeros(size, dtype=torch.float32, device=device),
+        "presence": torch.zeros(size, dtype=torch.float32, device=device),
     }
 
 
@@ -131,9 +149,15 @@ def choose(
     top_p: torch.Tensor | None = None,
     min_p_offset: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
+    repetition: torch.Tensor | None = None,  # [B] per request: the penalties (`SamplingRows`)
+    frequency: torch.Tensor | None = None,
+    presence: torch.Tensor | None = None,
+    penalty_inputs: PenaltyInputs | None = None,  # penalized: what each row's penalties read
     shard: VocabShard | None = None,  # tensor parallel: `logits` are this rank's vocabulary shard [..., V/tp]
 ) -> tuple[torch.Tensor, Logprobs | None]:
-    """The emitted token ids [B] or [B, T], and (with `mode.logprobs`) their logprobs."""
+    """The emitted token ids [B] or [B, T], and (with `mode.logprobs`) their logprobs. With `mode.penalized`,
+    `penalty_inputs` holds what each row's penalties read (`PenaltyCounts.inputs`); the choice is made on the
+    penalized logits, the logprobs stay those of the model's own distribution."""
     if shard is not None:
         if not mode.greedy:
             raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
@@ -147,12 +171,19 @@ def choose(
         return values.view(-1, *([1] * (len(lead) - 1))).expand(lead).reshape(-1)
 
     inv_t = per_row(inv_temperature)
+    raw = flat
+    if mode.penalized:
+        penalties = (per_row(repetition).contiguous(), per_row(frequency).contiguous(), per_row(presence).contiguous())
+        flat = apply_penalties(flat, *penalty_inputs, *penalties)
     threshold = None
     if mode.filtered:
         threshold = filter_threshold(flat, inv_t, per_row(top_k), per_row(top_p), per_row(min_p_offset))
     tokens, lse = sampling_ops.sample_tokens(flat, inv_t, threshold, per_row(seed), positions.reshape(-1))
     if not mode.logprobs:
         return tokens.view(lead), None
+    if mode.penalized:  # the normaliser of the model's distribution, not of the penalized one
+        lse = sampling_ops.sample_tokens(raw, torch.zeros_like(inv_t), None, per_row(seed), positions.reshape(-1))[1]
+    flat = raw
     chosen = flat.gather(1, tokens[:, None])[:, 0].float() - lse
     top = flat.topk(min(MAX_LOGPROBS, vocab), dim=-1)
     top_logprobs = top.values.float() - lse[:, None]

@@ -179,6 +179,7 @@ class Speculator:
         hidden, chosen, logprobs = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
         accepted = sampling.accept(batch.token_ids[:, 1:], chosen)
         self.runner.states.commit(batch.state_rows, accepted)
+        self.runner.count_emitted(batch, chosen, accepted)
         return Verified(batch, hidden, chosen, accepted, logprobs, shift)
 
     def propose(self, requests: list[Request], verified: Verified) -> torch.Tensor:

@@ -4,7 +4,8 @@ decode path, run them on static buffers in CUDA graphs); eagerly they are the sa
 
 `DecodeSteps`, shapes fixed per batch bucket:
 - `target`: the target model over T tokens per request (T = 1 plain decode, T = K+1 verify) and the tokens it
-            chooses (`sampling.choose`: the token after input position i sits at position i + 1).
+            chooses (`sampling.choose`: the token after input position i sits at position i + 1; penalized
+            steps read `penalties`, the device counts of what each request emitted, `engine/penalties.py`).
 - `draft`:  the MTP catch-up over a verify's positions, then the K-step draft chain from each request's
             accepted position (see speculative.py for the algorithm; K = 0: the catch-up alone).
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
@@ -29,6 +30,7 @@ from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
 from qwen_mtp.engine.packed import PackedChunks, PackedStepCache
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
+from qwen_mtp.engine.penalties import PenaltyCounts
 from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.model.mtp import DraftLmHead
@@ -40,14 +42,20 @@ class DecodeSteps:
         self.model, self.pages, self.states, self.k = model, pages, states, k  # k: the most drafts a step makes
         # `mtp.draft_vocab` / `mtp.draft_lm_head: fp8`: what the drafts score with (None: the target's lm_head)
         self.draft_head: DraftLmHead | None = None
+        self.penalties: PenaltyCounts | None = None  # what penalized steps read (set by the runner)
 
     def _cache(self, tokens, positions, rows, tables, lens) -> PagedStepCache:
         batch = StepBatch(StepKind.DECODE, tokens, positions, rows, tables, lens, fresh=False)
         return PagedStepCache(batch, self.pages, self.states)
 
-    def _choose(self, hidden: torch.Tensor, mode: Mode, chosen_positions: torch.Tensor, sampling_rows: dict):
+    def _choose(
+        self, hidden: torch.Tensor, mode: Mode, chosen_positions: torch.Tensor, sampling_rows: dict, penalty_inputs=None
+    ):
         logits = self.model.logits(hidden, invariant=True)
-        return sampling.choose(logits, mode, chosen_positions, **sampling_rows, shard=self.model.vocab_shard)
+        shard = self.model.vocab_shard
+        return sampling.choose(
+            logits, mode, chosen_positions, **sampling_rows, penalty_inputs=penalty_inputs, shard=shard
+        )
 
     def _propose(self, hidden: torch.Tensor, mode: Mode, positions: torch.Tensor, sampling_rows: dict):
         """The head's draft [B] from its post-norm output [B, H] for the token at `positions` [B], scored by the
@@ -77,7 +85,8 @@ class DecodeSteps:
         mode reports them."""
         cache = self._cache(tokens, positions, rows, tables, lens)
         hidden = self.model.hidden_states(tokens, positions, cache)
-        chosen, logprobs = self._choose(hidden, mode, positions + 1, sampling_rows)
+        penalty_inputs = self.penalties.inputs(rows, tokens) if mode.penalized else None
+        chosen, logprobs = self._choose(hidden, mode, positions + 1, sampling_rows, penalty_inputs)
         return hidden, chosen, logprobs
 
     def draft(

@@ -24,6 +24,7 @@ from torch._library.custom_ops import CustomOpDef
 OPS = frozenset(
     {
         "add_rms_norm",
+        "apply_penalties",
         "conv_prefill",
         "conv_prefill_varlen",
         "conv_update",

@@ -2,7 +2,7 @@
 
 Unknown fields are refused (422 -> 400 naming the field) rather than ignored, so a misspelt option never
 silently changes what a client gets. Extensions beyond the OpenAI API follow vLLM's names: `top_k`, `min_p`,
-`ignore_eos`, `stop_token_ids`.
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`.
 """
 
 from __future__ import annotations
@@ -43,15 +43,12 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # accepted at their neutral values only (`sampling_params` refuses others)
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
+    presence_penalty: Number | None = None  # None: 0, off
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # None: 1, off
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The engine's parameters for one choice (`max_tokens` already resolved; 0 runs one token, dropped)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise RequestError(f"{name} is not supported: leave it at 0")
         stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop is not None else []
         return SamplingParams(
             max_new_tokens=max(max_tokens, 1),
@@ -62,6 +59,9 @@ class _Sampling(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             stop=tuple(stop),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

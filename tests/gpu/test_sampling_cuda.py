@@ -1,8 +1,8 @@
 """Sampling on CUDA: the sampler kernels at the real vocabulary (248,320 tokens) agree with their references and
 are batch-invariant (the filters' threshold bit for bit, bf16 and fp32 logits); sampled MTP-on == MTP-off for
 K = 1..4 at batch 1, 8 and 32 under CUDA graphs (tokens and logprobs, greedy and sampled requests mixed, filters and
-none); one synchronisation per sampled step; and, on the shipped trained checkpoint (models/qwen-mtp-small, or
-QWEN_MTP_TRAINED=path), the acceptance of coupled against greedy drafts at T = 0.7."""
+none, penalties and none); one synchronisation per sampled step; and, on the shipped trained checkpoint
+(models/qwen-mtp-small, or QWEN_MTP_TRAINED=path), the acceptance of coupled against greedy drafts at T = 0.7."""
 
 import os
 import traceback
@@ -141,15 +141,20 @@ def test_counted_threshold_counts_a_small_window_of_peaked_rows():
     assert counted[2] < 2000 and counted[3] < 2000, counted
 
 
+KINDS = [
+    {},
+    {"temperature": 0.8},
+    {"temperature": 0.8, "top_p": 0.95, "logprobs": 3},
+    {"temperature": 1.2, "top_k": 50, "min_p": 0.02},
+    {"repetition_penalty": 1.3, "frequency_penalty": -0.8},
+    {"temperature": 0.8, "top_p": 0.9, "presence_penalty": 1.5, "frequency_penalty": 0.5, "logprobs": 2},
+]
+
+
 def mixed_params(i, max_new):
-    """Request i's parameters: greedy, plain temperature, top-p, top-k + min-p, with and without logprobs."""
-    kinds = [
-        {},
-        {"temperature": 0.8},
-        {"temperature": 0.8, "top_p": 0.95, "logprobs": 3},
-        {"temperature": 1.2, "top_k": 50, "min_p": 0.02},
-    ]
-    return SamplingParams(max_new, ignore_eos=True, seed=1000 + i, **kinds[i % 4])
+    """Request i's parameters: greedy, plain temperature, top-p, top-k + min-p, penalties greedy and sampled, with
+    and without logprobs."""
+    return SamplingParams(max_new, ignore_eos=True, seed=1000 + i, **KINDS[i % len(KINDS)])
 
 
 def run(engine, prompts, max_new, oracles=None, first=0):
@@ -175,7 +180,7 @@ def test_sampled_mtp_equals_plain_batch_1_8_32_graphs(k):
     spec = engine_for(source, k=k, draft="oracle", accept=0.7, mode="graphs")
     head = engine_for(source, k=k, mode="graphs")  # coupled head drafts
     # batch 1 once per kind of parameters: one request's verify rows get its parameters as stride-0 views
-    cases = [(prompts[i : i + 1], i) for i in range(4)] + [(prompts[:8], 0), (prompts[:32], 0)]
+    cases = [(prompts[i : i + 1], i) for i in range(len(KINDS))] + [(prompts[:8], 0), (prompts[:32], 0)]
     for batch_prompts, first in cases:
         expected = run(plain, batch_prompts, 24, first=first)
         tokens = [r.token_ids for r in expected]
@@ -190,7 +195,7 @@ def test_sampled_mtp_equals_plain_batch_1_8_32_graphs(k):
 def test_one_synchronisation_per_sampled_step():
     engine = engine_for({"fixture": "tiny-8l"}, k=2, max_batch=4, mode="graphs")
     prompts = [random_prompt(n, seed=n) for n in (3, 40, 9, 17)]
-    ids = [engine.submit(p, mixed_params(i, 48)) for i, p in enumerate(prompts)]
+    ids = [engine.submit(p, mixed_params(i + 2, 48)) for i, p in enumerate(prompts)]  # penalties among them
     while any(engine.requests[i].in_prefill or engine.requests[i].num_output < 2 for i in ids):
         engine.step()
     syncs, reads = synchronisations(engine, 8)

@@ -10,7 +10,19 @@ import torch
 from op_helpers import DEVICE, fused_projection, paged_setup, rand, strided_attention_step
 
 import qwen_mtp.engine.runner  # noqa: F401  (registers the ops)
-from qwen_mtp.ops import backend, conv, linear, moe, norm, output_gate, paged_attention, rope, sampling, swiglu
+from qwen_mtp.ops import (
+    backend,
+    conv,
+    linear,
+    moe,
+    norm,
+    output_gate,
+    paged_attention,
+    penalties,
+    rope,
+    sampling,
+    swiglu,
+)
 from qwen_mtp.ops.backend import reference_ops
 from qwen_mtp.ops.gdn import chunked, gates, recurrent
 
@@ -71,6 +83,15 @@ def sample_args():
     return (rand(3, 100, seed=15), inv_t, threshold, seed, position)
 
 
+def penalty_args():
+    counts = torch.randint(0, 3, (2, 100), generator=torch.Generator().manual_seed(17), dtype=torch.int32)
+    seen, rows = counts.flip(1) > 1, torch.tensor([1, 0, 1])
+    drafts, rep = torch.tensor([[-1, -1], [5, -1], [5, 9]]), torch.tensor([1.3, 1.0, 0.8])
+    freq, pres = torch.tensor([0.5, 0.0, -1.0]), torch.tensor([1.0, 0.0, 0.2])
+    parts = (counts, seen, rows, drafts, rep, freq, pres)
+    return (rand(3, 100, seed=18), *(t.to(DEVICE) for t in parts))
+
+
 def filter_args():
     keep, inv_t = torch.tensor([100, 10, 1], device=DEVICE), torch.tensor([1.0, 2.0, 0.5], device=DEVICE)
     top_p, min_p = (
@@ -114,6 +135,7 @@ CUDA_PATHS = {
     "moe": (moe, "moe_triton", moe_args),
     "moe_route": (moe, "route_triton", lambda: (rand(3, 6), 2, True)),
     "sample_tokens": (sampling, "sample_tokens_triton", sample_args),
+    "apply_penalties": (penalties, "apply_penalties_triton", penalty_args),
     "filter_threshold": (sampling, "filter_threshold_triton", filter_args),
     "linear_fp8": (linear, "invariant_matmul_triton", lambda: (rand(2, 3, 16), *fp8_weight(5, 16), True)),
 }

@@ -1,0 +1,69 @@
+"""What the penalties of a request read: its output token counts and its prompt's tokens, on the device, by state row.
+
+A penalized request's token at position p depends on the tokens it emitted before p (`ops/penalties.py`). With
+MTP on, a verify chooses K+1 positions at once, and the step after it may be launched before the host has read
+what it accepted (`cache.lookahead`); so the counts live on the device, one row per state-pool row, and the step
+that emits tokens adds them there, in stream order, before any later step reads them:
+
+- `start(row, prompt)`: when a request chooses its first token (its prompt's last chunk): counts zero, the
+  prompt's tokens marked seen.
+- `count(rows, tokens, accepted)`: after a decode (one token per row) or a verify (tokens c_0..c_K, of which
+  c_0..c_j are emitted, j the accepted drafts), add the emitted tokens.
+- `inputs(rows, tokens)`: what each chosen position reads. Verify position i chooses the token after d_i; it
+  matters only when d_1..d_i are all accepted, and then they are the tokens emitted there: so it reads its row's
+  counts plus d_1..d_i, which is what plain decoding reads at that position.
+
+The counts are integers and every addition is exact, so they are the same whatever order adds them. Rows of
+requests without penalties are never started and hold stale counts; their neutral penalties ignore them. The
+buffers ([rows + 1, V] int32 and bool, the scratch row included: ~1.25 MiB a row at a 248k vocabulary) are made
+with the runner; only steps with a penalized request touch them (`sampling.Mode.penalized`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class PenaltyInputs(NamedTuple):
+    """What `qwen_mtp::apply_penalties` reads besides the logits and the penalties: the count and prompt buffers,
+    the state row of each logit row [R], and the drafts counted before each logit row's position [R, D] (-1:
+    none)."""
+
+    counts: torch.Tensor
+    seen: torch.Tensor
+    rows: torch.Tensor
+    drafts: torch.Tensor
+
+
+class PenaltyCounts:
+    def __init__(self, rows: int, vocab: int, device: torch.device | str):
+        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+
+    def start(self, row: torch.Tensor, prompt: torch.Tensor) -> None:
+        """A request's row [1] before its first token: no output yet; `prompt` [P] (long, on the device) seen."""
+        self.counts[row] = 0
+        self.seen[row] = False
+        self.seen[row.expand(prompt.shape[0]), prompt] = True
+
+    def count(self, rows: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
+        """Add the tokens a step emitted: `tokens` [B, T] chosen for the requests on `rows` [B]; with
+        `accepted` [B] (a verify) only tokens 0..accepted[b] of row b, else all of them."""
+        width = tokens.shape[1]
+        emitted = torch.ones_like(tokens, dtype=torch.int32)
+        if accepted is not None:
+            emitted = (torch.arange(width, device=tokens.device)[None, :] <= accepted[:, None]).int()
+        self.counts.index_put_((rows[:, None].expand_as(tokens), tokens), emitted, accumulate=True)
+
+    def inputs(self, rows: torch.Tensor, tokens: torch.Tensor | None = None) -> PenaltyInputs:
+        """For the T positions a step over `tokens` [B, T] chooses (request b on state row rows[b]; None: one
+        position each): position i counts tokens[b, 1..i] (the drafts before it) on top of its row's counts."""
+        if tokens is None or tokens.shape[1] == 1:
+            return PenaltyInputs(self.counts, self.seen, rows, rows.new_empty(rows.shape[0], 0))
+        count, width = tokens.shape
+        position, draft = torch.arange(width, device=tokens.device), torch.arange(width - 1, device=tokens.device)
+        before = position[:, None] > draft[None, :]  # [T, T-1]: d_(l+1) precedes position i
+        drafts = torch.where(before, tokens[:, None, 1:], -1)  # [B, T, T-1]
+        return PenaltyInputs(self.counts, self.seen, rows.repeat_interleave(width), drafts.reshape(count * width, -1))

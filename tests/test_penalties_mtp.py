@@ -1,0 +1,163 @@
+"""Repetition, presence and frequency penalties: greedy `repetition_penalty` gives Hugging Face's
+`generate(repetition_penalty=...)` tokens; presence and frequency penalties give what a reference loop over full
+forwards gives (its own counts and its own float32 arithmetic); MTP on (K = 1..4 with oracle and head drafts, K per
+step including K = 0, lookahead) emits exactly MTP-off's tokens, for penalized requests batched with unpenalized,
+sampled and logprob ones, and alone. Logprobs stay those of the unpenalized distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import cpu_engine, load_hf, random_prompt
+
+from qwen_mtp import Engine, SamplingParams
+from qwen_mtp.errors import RequestError
+
+MAX_NEW = 20
+# prompts that repeat tokens (a repetition penalty sees them) and plain random ones
+PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4)]
+PROMPTS[1] = PROMPTS[1] * 3
+
+
+def mixed(i: int) -> SamplingParams:
+    """Request i's parameters: penalized greedy and sampled requests beside unpenalized ones, one with logprobs;
+    a negative frequency penalty (repeat!) makes the next tokens hang on the exact counts."""
+    base = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
+    kinds = [
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.9, "frequency_penalty": 1.7},
+        {},
+        {"frequency_penalty": -1.2},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 13, "presence_penalty": 1.1, "repetition_penalty": 0.8},
+        {"temperature": 0.9, "seed": 14},
+        {"repetition_penalty": 1.6, "frequency_penalty": 0.4, "logprobs": 2},
+        {"frequency_penalty": 2.0, "top_k": 5, "temperature": 1.0, "seed": 15},
+    ]
+    return SamplingParams(**base, **kinds[i % len(kinds)])
+
+
+def run(engine: Engine, params, prompts=PROMPTS, oracles=None) -> list:
+    """Every prompt with params(i), as one continuous batch: (tokens, logprobs) per request."""
+    if oracles is None:
+        ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
+    else:
+        pairs = enumerate(zip(prompts, oracles, strict=True))
+        ids = [engine.submit_with_oracle(p, o, params(i)) for i, (p, o) in pairs]
+    while engine.has_unfinished():
+        engine.step()
+    results = [engine.result(i) for i in ids]
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["free_state_rows"] == stats["total_state_rows"]
+    return [(r.token_ids, r.logprobs) for r in results]
+
+
+def tokens_of(results) -> list[list[int]]:
+    return [tokens for tokens, _ in results]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    from qwen_mtp.testing import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def plain(path):
+    """MTP off, the whole batch at once."""
+    return run(cpu_engine(path), mixed)
+
+
+# ---- parameters ----------------------------------------------------------------------------------------------
+def test_bad_penalties_are_request_errors():
+    bad_values = [{"repetition_penalty": 0.0}, {"repetition_penalty": -1.0}, {"presence_penalty": 2.5}]
+    bad_values += [{"frequency_penalty": -3.0}, {"frequency_penalty": float("nan")}, {"presence_penalty": "1"}]
+    for bad in bad_values:
+        with pytest.raises(RequestError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert not SamplingParams().penalized and SamplingParams(presence_penalty=0.1).penalized
+
+
+# ---- against references -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("penalty", [1.3, 0.75])
+def test_repetition_penalty_matches_hf(path, penalty):
+    hf = load_hf(path, torch.float32)
+    engine = cpu_engine(path)
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=penalty)
+    results = engine.generate(PROMPTS[:4], params)
+    for prompt, result in zip(PROMPTS[:4], results, strict=True):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                          repetition_penalty=penalty, pad_token_id=0, eos_token_id=None)  # fmt: skip
+        assert result.token_ids == out[0, len(prompt) :].tolist()
+    unpenalized = engine.generate(PROMPTS[:4], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    assert [r.token_ids for r in results] != [r.token_ids for r in unpenalized]
+
+
+@torch.inference_mode()
+def test_presence_and_frequency_match_a_reference_loop(path):
+    """Each token from a full forward over prompt + output so far, penalized with counts the loop keeps itself."""
+    hf = load_hf(path, torch.float32)
+    engine = cpu_engine(path)
+    f32 = np.float32
+    for prompt, (presence, frequency) in zip(PROMPTS[:3], [(0.9, 1.7), (0.0, -1.2), (1.5, 0.0)], strict=True):
+        params = SamplingParams(MAX_NEW, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
+        (result,) = engine.generate([prompt], params)
+        tokens, counts = list(prompt), {}
+        for _ in range(MAX_NEW):
+            logits = hf(torch.tensor([tokens])).logits[0, -1].float().numpy().copy()
+            for token, c in counts.items():
+                logits[token] = f32(f32(logits[token] - f32(frequency) * f32(c)) - f32(presence))
+            token = int(np.argmax(logits))
+            counts[token] = counts.get(token, 0) + 1
+            tokens.append(token)
+        assert result.token_ids == tokens[len(prompt) :]
+
+
+# ---- MTP on == MTP off --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_penalized_mtp_equals_plain_batched_and_alone(path, plain, k):
+    engine = cpu_engine(path, k, draft="oracle", oracle_accept=0.8)
+    assert run(engine, mixed, oracles=tokens_of(plain)) == plain
+    assert engine.stats()["acceptance_length"] > 1 + k / 2  # drafts accepted: the verify's draft counts mattered
+    for i in (1, 3, 4):  # alone
+        alone = run(engine, lambda _, i=i: mixed(i), [PROMPTS[i]], [plain[i][0]])
+        assert alone == [plain[i]]
+
+
+def test_penalized_mtp_with_head_drafts_equals_plain(path, plain):
+    engine = cpu_engine(path, 3)
+    assert run(engine, mixed) == plain
+
+
+def test_penalties_change_the_tokens_and_keep_unpenalized_logprobs(path, plain):
+    """The penalized requests differ from their unpenalized selves, the unpenalized ones beside them do not, and a
+    penalized request's logprobs are those of the model's own distribution at the tokens it chose."""
+    free = run(cpu_engine(path), lambda i: SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=2))
+    assert tokens_of(plain)[2] == tokens_of(free)[2]
+    assert tokens_of(plain)[0] != tokens_of(free)[0] and tokens_of(plain)[3] != tokens_of(free)[3]
+    tokens, logprobs = plain[6]
+    hf = load_hf(path, torch.float32)
+    with torch.inference_mode():
+        full = hf(torch.tensor([PROMPTS[6] + tokens])).logits[0, len(PROMPTS[6]) - 1 : -1].float()
+    expected = torch.log_softmax(full, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([entry.logprob for entry in logprobs]), expected, atol=1e-5)
+
+
+def test_penalized_k_per_step_and_lookahead_equal_plain(path, plain):
+    """K changing every step (K = 0 plain steps and filler drafts included), and verify steps launched ahead of the
+    previous one's read-back (its counts still on the device)."""
+    from test_k_auto import Scripted
+
+    engine = cpu_engine(path, "auto", max_k=3, draft="oracle", oracle_accept=0.8)
+    engine.speculator.policy = Scripted([3, 1, 0, 2, 0, 3])
+    assert run(engine, mixed, oracles=tokens_of(plain)) == plain
+    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"},
+              "cache": {"prefill_chunk": 16, "lookahead": True},
+              "mtp": {"enabled": True, "k": 2, "draft": "oracle", "oracle_accept": 0.8}}  # fmt: skip
+    ahead = Engine.from_recipe(recipe, log=lambda _: None)
+    assert run(ahead, mixed, oracles=tokens_of(plain)) == plain
+    assert ahead.lookahead_steps > 0
+    plain_ahead = Engine.from_recipe({**recipe, "mtp": {"enabled": False}}, log=lambda _: None)
+    assert run(plain_ahead, mixed) == plain and plain_ahead.lookahead_steps > 0

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -57,7 +57,10 @@
 #   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
 #                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
-#                without it.
+#                without it;
+#   penalties    logit bias and repetition / presence / frequency penalties: the op tests, sampled and penalized
+#                MTP-on == MTP-off under graphs, the kernel's time beside the sampler's, the 27B B1 / B32 bench with
+#                every row penalized against unpenalized.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -368,6 +371,16 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~9 min; carry torchao): th
       --choice-m 1,8,16 --out "$OUT/gemm-w8a8-splits-$shape.json" >"$OUT/gemm-w8a8-splits-$shape.log" 2>&1
     echo "[rc $? at ${SECONDS}s] w8a8 $shape"; grep -A4 "^Best W8A8" "$OUT/gemm-w8a8-splits-$shape.log"
   done
+fi
+if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and logit bias on the GPU
+  counted 120 penalty-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_penalties.py \
+    tests/ops/test_backend.py tests/ops/test_pdl.py
+  counted 200 sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
+  timeout 60 python3 benchmarks/sampler.py --rows 1 4 32 128 >"$OUT/sampler-penalties.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] sampler"; grep "R=" "$OUT/sampler-penalties.log"
+  bench_27b 80 bench-unpenalized --set 'bench.batch_sizes=[1,32]'
+  bench_27b 80 bench-penalized --set 'bench.batch_sizes=[1,32]' --set bench.repetition_penalty=1.1 \
+    --set bench.frequency_penalty=0.3
 fi
 if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
   # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept

@@ -1,8 +1,10 @@
 """Micro-benchmark on the GPU: the filters' threshold (`filter_threshold_triton`, no sort: bf16 value counts of a
 window of each row, or radix selects) against the sort the removed top-p path ran first
 (`logits.float().sort(descending=True)`, before its scan kernel), and the sampler kernel itself for scale, at 1, 4,
-32 and 128 rows (B32 K=3 verifies 128) of the real vocabulary, each timed as a replayed CUDA graph. Checks the
-kernels against the reference on every shape, and reports how many tokens a row's value counts held (the window).
+32 and 128 rows (B32 K=3 verifies 128) of the real vocabulary, each timed as a replayed CUDA graph; and the
+penalties (`apply_penalties_triton`) over the same rows as a K=3 verify lays them out (rows of 4 positions, 0..3
+drafts counted before each). Checks the kernels against the reference on every shape, and reports how many tokens a
+row's value counts held (the window).
 Prints a table; writes sampler.json to $OUT or cwd. `--profile` prints each kernel's time instead (torch.profiler,
 the counts method at the largest row count).
 
@@ -17,6 +19,7 @@ import torch
 import triton
 
 from qwen_mtp.ops import sampling as ops
+from qwen_mtp.ops.penalties import apply_penalties_reference, apply_penalties_triton
 
 VOCAB = 248_320
 
@@ -62,7 +65,32 @@ def measure(rows: int, top_k: bool, dtype: torch.dtype, block: int) -> dict:
 
         result[f"{method}_us"] = graphed_us(threshold)
         result[f"{method}_equals_reference"] = torch.equal(threshold(), expected)
+    penalties = penalty_inputs(logits)
+    result["penalties_us"] = graphed_us(lambda: apply_penalties_triton(*penalties))
+    result["penalties_equal_reference"] = torch.equal(
+        apply_penalties_triton(*penalties), apply_penalties_reference(*penalties)
+    )
     return result
+
+
+def penalty_inputs(logits: torch.Tensor) -> tuple:
+    """Penalties over `logits` laid out as a K=3 verify's rows (request r // 4, position r % 4 with the r % 4 drafts
+    before it), every request with all three penalties, a few hundred tokens counted and 20 biased."""
+    rows, gen = logits.shape[0], torch.Generator().manual_seed(7)
+    requests = -(-rows // 4)
+    counts = torch.zeros(requests, VOCAB, dtype=torch.int32)
+    counts.scatter_add_(
+        1, torch.randint(0, VOCAB, (requests, 300), generator=gen), torch.ones(requests, 300, dtype=torch.int32)
+    )
+    seen = torch.zeros(requests, VOCAB, dtype=torch.bool)
+    seen.scatter_(1, torch.randint(0, VOCAB, (requests, 1000), generator=gen), True)
+    bias = torch.zeros(requests, VOCAB)
+    bias.scatter_(1, torch.randint(0, VOCAB, (requests, 20), generator=gen), 5.0)
+    state_rows = torch.arange(rows) // 4
+    drafts = torch.randint(0, VOCAB, (rows, 3), generator=gen)
+    drafts[torch.arange(3)[None, :] >= (torch.arange(rows) % 4)[:, None]] = -1
+    values = (torch.full((rows,), 1.1), torch.full((rows,), 0.5), torch.full((rows,), 0.3))
+    return (logits, *(t.cuda() for t in (counts, seen, bias, state_rows, drafts, *values)))
 
 
 def profile(rows: int, block: int) -> None:
@@ -107,7 +135,8 @@ def main() -> None:
             )
             print(
                 f"R={rows:4d} {r['filters']:22s} {methods}  sort alone {r['sort_us']:8.1f} us"
-                f"  sampler {r['sampler_us']:7.1f} us  kept {r['kept']:8.0f} tokens"
+                f"  sampler {r['sampler_us']:7.1f} us  penalties {r['penalties_us']:7.1f} us"
+                f" (exact: {r['penalties_equal_reference']})  kept {r['kept']:8.0f} tokens"
                 + (f", counted {r['counted']:8.0f}" if "counted" in r else ""),
                 flush=True,
             )

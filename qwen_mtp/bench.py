@@ -10,7 +10,8 @@ plus every request's KV cache once per attention layer (the MTP layer's once per
 state (the committed SSM state and conv window read, one SSM slot per verified position written), at the mean
 context of the decode phase; `% roof w` counts the weights alone, as earlier reports did. For MoE models the
 weights are those of the experts the step's tokens touch (expected distinct experts under uniform routing).
-Rows decode greedily, or sample with `bench.temperature` (and `bench.top_p`) for the sampler's cost.
+Rows decode greedily, or sample with `bench.temperature` (and `bench.top_p`) for the sampler's cost; with
+`bench.repetition_penalty` / `bench.frequency_penalty` every row is penalized, for the penalties' cost.
 `bench.out_dir` is checked before the first run, and the JSON and table are rewritten after every row, so a
 failure late in a run keeps the rows before it.
 """
@@ -31,7 +32,7 @@ from qwen_mtp.cache.kv import pages_for
 from qwen_mtp.engine.engine import Engine
 from qwen_mtp.engine.params import SamplingParams
 from qwen_mtp.engine.setup import LoadedModel, load_from_recipe
-from qwen_mtp.errors import RecipeError
+from qwen_mtp.errors import RecipeError, RequestError
 from qwen_mtp.parallel import current
 from qwen_mtp.recipe import Recipe
 
@@ -264,10 +265,18 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
     from tqdm import tqdm
 
     bench = recipe.bench
-    if recipe.parallel.tp != 1 and bench.temperature > 0:
+    sampled = {"temperature": bench.temperature, "top_p": bench.top_p}
+    sampled |= {"repetition_penalty": bench.repetition_penalty, "frequency_penalty": bench.frequency_penalty}
+    try:
+        params = SamplingParams(**sampled)
+    except RequestError as err:
+        raise RecipeError(f"bench: {err}") from None
+    if recipe.parallel.tp != 1 and (not params.greedy or params.penalized):
+        neutral = SamplingParams()
+        asked = ", ".join(f"bench.{k}={v}" for k, v in sampled.items() if v != getattr(neutral, k))
         raise RecipeError(
-            f"bench.temperature={bench.temperature} with parallel.tp={recipe.parallel.tp}: tensor parallelism decodes "
-            "greedily only for now; use bench.temperature 0 or parallel.tp 1"
+            f"{asked} with parallel.tp={recipe.parallel.tp}: tensor parallelism decodes greedily only for now; use "
+            "bench.temperature 0 without penalties, or parallel.tp 1"
         )
     parallel = current(recipe.parallel.tp)
     lead = parallel is None or parallel.rank == 0  # tensor parallel: every rank runs the rows, rank 0 writes them
@@ -317,7 +326,6 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 report["mixed_steps"] = engine.mixed_steps  # `cache.mixed_steps` as it resolved on this device
             engine.warmup()  # compile / capture outside the timed run
             oracles = plain_tokens if draft == "oracle" else None
-            sampled = {"temperature": bench.temperature, "top_p": bench.top_p}
             # warm-up: a batch like the timed one (fresh prompts, so a prefix cache cannot serve the timed run), so
             # the prefill shapes it compiles (a packed step's rows pick the GEMM's plan) are compiled before the
             # clock starts; the oracle drafts are any tokens here, rejected ones cost nothing

@@ -120,6 +120,9 @@ class BenchSection:
     out_dir: str = "bench-results"
     temperature: float = 0.0  # > 0: every row samples (prompt i seeded with i), to compare step cost with greedy
     top_p: float = 1.0  # with temperature: top-p (< 1 adds the per-row sort)
+    # != neutral: every row has these penalties (`SamplingParams`), to compare a penalized step's cost
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
 
     @property
     def prompt_lens(self) -> list[int]:

@@ -69,6 +69,16 @@ def test_a_full_run_writes_json_table_and_plot(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_penalized_rows_run_exact_and_bad_penalties_fail_before_loading(tmp_path):
+    recipe = bench_recipe(tmp_path)
+    recipe.bench.repetition_penalty, recipe.bench.frequency_penalty = 1.3, 0.5
+    report = bench.run_bench(recipe, progress=False, log=lambda _: None)
+    assert [(r["mode"], r["exact"]) for r in report["rows"]] == [("plain", True), ("mtp", True)]
+    recipe.bench.frequency_penalty = 3.0
+    with pytest.raises(RecipeError, match="frequency_penalty must be a number in"):
+        bench.run_bench(recipe, progress=False, log=lambda _: None)
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_step_bytes_count_weights_kv_and_recurrent_state(k):
     """The roofline's bytes, recomputed from the config: each request's keys and values once per target

@@ -134,6 +134,23 @@ def test_lm_eval_loglikelihood_and_generation_in_process_and_through_the_server(
     assert served["qmtp_gen"]["exact_match,none"] == local["qmtp_gen"]["exact_match,none"]
 
 
+def test_generate_until_honours_repetition_penalty_and_refuses_what_it_cannot(recipe_file, engine):
+    """A task's `repetition_penalty` (Hugging Face's generation argument) reaches the engine; an argument the engine
+    cannot honour is an error, not silently dropped."""
+    from qwen_mtp.eval.lm import QwenMTPLM
+
+    lm = QwenMTPLM(recipe=str(recipe_file), max_gen_toks=12)
+    context = GEN_PROMPTS[2]
+    [text] = lm.generate_until([SimpleNamespace(args=(context, {"until": [], "repetition_penalty": 1.5}))])
+    params = SamplingParams(12, repetition_penalty=1.5)
+    (result,) = engine.generate([engine.encode(context)], params)
+    assert text == engine.decode(result.token_ids)
+    (unpenalized,) = engine.generate([engine.encode(context)], SamplingParams(12))
+    assert unpenalized.token_ids != result.token_ids
+    with pytest.raises(Exception, match="cannot honour.*length_penalty"):
+        lm.generate_until([SimpleNamespace(args=(context, {"until": [], "length_penalty": 2.0}))])
+
+
 def test_loglikelihood_rolling_equals_hf(recipe_file, checkpoint):
     import qwen_mtp.eval.lm as adapter
 

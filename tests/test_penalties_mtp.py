@@ -1,8 +1,9 @@
-"""Repetition, presence and frequency penalties: greedy `repetition_penalty` gives Hugging Face's
-`generate(repetition_penalty=...)` tokens; presence and frequency penalties give what a reference loop over full
-forwards gives (its own counts and its own float32 arithmetic); MTP on (K = 1..4 with oracle and head drafts, K per
-step including K = 0, lookahead) emits exactly MTP-off's tokens, for penalized requests batched with unpenalized,
-sampled and logprob ones, and alone. Logprobs stay those of the unpenalized distribution."""
+"""Logit bias, repetition, presence and frequency penalties: greedy `repetition_penalty` and `logit_bias` give
+Hugging Face's `generate(repetition_penalty=...)` / `generate(sequence_bias=...)` tokens; presence and frequency
+penalties give what a reference loop over full forwards gives (its own counts and its own float32 arithmetic); MTP
+on (K = 1..4 with oracle and head drafts, K per step including K = 0, lookahead) emits exactly MTP-off's tokens, for
+penalized requests batched with unpenalized, sampled and logprob ones, and alone. Logprobs stay those of the
+unpenalized distribution."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from qwen_mtp.errors import RequestError
 
 MAX_NEW = 20
 # prompts that repeat tokens (a repetition penalty sees them) and plain random ones
-PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4)]
+PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4, 12, 2)]
 PROMPTS[1] = PROMPTS[1] * 3
 
 
@@ -28,8 +29,10 @@ def mixed(i: int) -> SamplingParams:
         {"repetition_penalty": 1.3},
         {"presence_penalty": 0.9, "frequency_penalty": 1.7},
         {},
-        {"frequency_penalty": -1.2},
+        {"frequency_penalty": -1.2, "logit_bias": {17: 4.0, 300: -100.0}},
         {"temperature": 0.8, "top_p": 0.9, "seed": 13, "presence_penalty": 1.1, "repetition_penalty": 0.8},
+        {"logit_bias": {5: 2.5, 6: 3.0}},
+        {"temperature": 0.7, "seed": 16, "logit_bias": {9: 3.0}, "frequency_penalty": 0.6},
         {"temperature": 0.9, "seed": 14},
         {"repetition_penalty": 1.6, "frequency_penalty": 0.4, "logprobs": 2},
         {"frequency_penalty": 2.0, "top_k": 5, "temperature": 1.0, "seed": 15},
@@ -77,6 +80,19 @@ def test_bad_penalties_are_request_errors():
         with pytest.raises(RequestError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert not SamplingParams().penalized and SamplingParams(presence_penalty=0.1).penalized
+    for bad, message in (({3: 101.0}, "in \\[-100, 100\\]"), ({-1: 1.0}, "token ids"), ({"3": 1.0}, "token ids"),
+                         ([(3, 1.0), (3, 2.0)], "twice"), ("3:1", "map token ids")):  # fmt: skip
+        with pytest.raises(RequestError, match=message):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={7: 1, 2: -3.5}).logit_bias == ((2, -3.5), (7, 1.0))
+    assert SamplingParams(logit_bias={7: 0.0}).penalized is False
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(path):
+    engine = cpu_engine(path)
+    with pytest.raises(RequestError, match="logit_bias names token ids outside the vocabulary"):
+        engine.submit([1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+    assert engine.stats()["running"] == engine.stats()["waiting"] == 0
 
 
 # ---- against references -----------------------------------------------------------------------------------------
@@ -93,6 +109,24 @@ def test_repetition_penalty_matches_hf(path, penalty):
         assert result.token_ids == out[0, len(prompt) :].tolist()
     unpenalized = engine.generate(PROMPTS[:4], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     assert [r.token_ids for r in results] != [r.token_ids for r in unpenalized]
+
+
+def test_logit_bias_matches_hf_and_bans_and_forces(path):
+    hf = load_hf(path, torch.float32)
+    engine = cpu_engine(path)
+    free = engine.generate(PROMPTS[:4], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    for prompt, unbiased in zip(PROMPTS[:4], free, strict=True):
+        bias = {unbiased.token_ids[0]: -100.0, unbiased.token_ids[3]: -2.0, 11: 3.5}
+        params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logit_bias=bias)
+        (result,) = engine.generate([prompt], params)
+        ids = torch.tensor([prompt])
+        sequence_bias = [[[token], value] for token, value in bias.items()]
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                          sequence_bias=sequence_bias, pad_token_id=0, eos_token_id=None)  # fmt: skip
+        assert result.token_ids == out[0, len(prompt) :].tolist()
+        assert unbiased.token_ids[0] not in result.token_ids  # banned
+    (forced,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={42: 100}))
+    assert forced.token_ids == [42] * 8
 
 
 @torch.inference_mode()
@@ -121,7 +155,7 @@ def test_penalized_mtp_equals_plain_batched_and_alone(path, plain, k):
     engine = cpu_engine(path, k, draft="oracle", oracle_accept=0.8)
     assert run(engine, mixed, oracles=tokens_of(plain)) == plain
     assert engine.stats()["acceptance_length"] > 1 + k / 2  # drafts accepted: the verify's draft counts mattered
-    for i in (1, 3, 4):  # alone
+    for i in (1, 3, 4, 9):  # alone
         alone = run(engine, lambda _, i=i: mixed(i), [PROMPTS[i]], [plain[i][0]])
         assert alone == [plain[i]]
 
@@ -137,10 +171,10 @@ def test_penalties_change_the_tokens_and_keep_unpenalized_logprobs(path, plain):
     free = run(cpu_engine(path), lambda i: SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=2))
     assert tokens_of(plain)[2] == tokens_of(free)[2]
     assert tokens_of(plain)[0] != tokens_of(free)[0] and tokens_of(plain)[3] != tokens_of(free)[3]
-    tokens, logprobs = plain[6]
+    tokens, logprobs = plain[8]
     hf = load_hf(path, torch.float32)
     with torch.inference_mode():
-        full = hf(torch.tensor([PROMPTS[6] + tokens])).logits[0, len(PROMPTS[6]) - 1 : -1].float()
+        full = hf(torch.tensor([PROMPTS[8] + tokens])).logits[0, len(PROMPTS[8]) - 1 : -1].float()
     expected = torch.log_softmax(full, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor([entry.logprob for entry in logprobs]), expected, atol=1e-5)
 

@@ -124,6 +124,24 @@ def test_chat_completion_through_the_template(server, reference):
     assert tokens == prompt
 
 
+def test_chat_template_kwargs_reach_the_template(server, reference):
+    """`chat_template_kwargs` (vLLM's and SGLang's extension), e.g. Qwen's enable_thinking: in chat completions
+    and /tokenize; the arguments the server sets itself are refused."""
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    prompt = reference.encode(plain + "<think>\n\n</think>\n\n")
+    extra = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    out = client(server).chat.completions.create(messages=messages, max_tokens=6, **GREEDY, **extra)
+    assert out.usage.prompt_tokens == len(prompt) and out.choices[0].message.content == expected(reference, prompt, 6)
+    body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    assert httpx.post(server.base + "/tokenize", json=body).json()["tokens"] == prompt
+    default = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert default == reference.encode(plain)
+    bad = {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}, **GREEDY}
+    response = httpx.post(server.url + "/chat/completions", json=bad)
+    assert response.status_code == 400 and "add_generation_prompt" in response.json()["error"]["message"]
+
+
 def test_chat_without_a_template_is_a_clear_400(small_server):
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client(small_server).chat.completions.create(messages=[{"role": "user", "content": "hi"}], **GREEDY)
@@ -224,6 +242,9 @@ def test_request_timeout_ends_with_finish_reason_timeout(small_server):
         ({"prompt": "hi", "model": "gpt-4"}, 404, "not served here"),
         ({"prompt": "hi", "presence_penalty": 2.5, **GREEDY}, 400, "presence_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0, **GREEDY}, 400, "repetition_penalty"),
+        ({"prompt": "hi", "logit_bias": {"a": 1}, **GREEDY}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"5": 200}, **GREEDY}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"999999": 1}, **GREEDY}, 400, "outside the vocabulary"),
     ],
 )
 def test_bad_requests_are_refused_with_the_reason(server, body, status, message):
@@ -339,18 +360,20 @@ def test_stop_strings_cut_the_text(server, reference):
 
 
 def test_penalties_reach_the_engine_and_mtp_keeps_them(server, mtp_server, reference):
-    """presence / frequency penalties (OpenAI fields) and repetition_penalty (vLLM's extension): the engine's own
-    tokens for those parameters, the same with MTP on."""
+    """presence / frequency penalties and logit_bias (OpenAI fields) and repetition_penalty (vLLM's extension): the
+    engine's own tokens for those parameters, the same with MTP on."""
     prompt = reference.encode("Once upon a time")
     penalties = {"presence_penalty": 0.8, "frequency_penalty": 1.5}
+    (plain,) = reference.generate([prompt], SamplingParams(24, ignore_eos=True))
+    bias = {plain.token_ids[1]: -100.0, 42: 2.0}
     kwargs = {"prompt": prompt, "max_tokens": 24, **GREEDY, **penalties}
+    kwargs["logit_bias"] = {str(token): value for token, value in bias.items()}
     extra = {"extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}}
     answers = [client(live).completions.create(**kwargs, **extra).choices[0].text for live in (server, mtp_server)]
-    params = SamplingParams(24, ignore_eos=True, repetition_penalty=1.3, **penalties)
+    params = SamplingParams(24, ignore_eos=True, repetition_penalty=1.3, logit_bias=bias, **penalties)
     (result,) = reference.generate([prompt], params)
     assert answers == [text_of(reference, result.token_ids)] * 2
-    (plain,) = reference.generate([prompt], SamplingParams(24, ignore_eos=True))
-    assert plain.token_ids != result.token_ids  # the penalties changed the answer
+    assert plain.token_ids != result.token_ids and plain.token_ids[1] not in result.token_ids
 
 
 def test_seeded_sampling_is_reproducible(server):

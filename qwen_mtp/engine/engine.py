@@ -367,6 +367,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:10]}")
+        biased = [t for t, _ in params.logit_bias if t >= vocab]
+        if biased:
+            raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {biased[:10]}")
         max_new, limit = params.max_new_tokens, self.config.max_position_embeddings
         if len(prompt) + max_new > limit:
             raise RequestError(
@@ -383,8 +386,8 @@ class Engine:
 
     def _check_tensor_parallel(self, params: SamplingParams) -> None:
         """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
-        cross-rank argmax (`parallel.vocab`): sampling, penalties and logprobs, which need the whole vocabulary's
-        logits, are refused."""
+        cross-rank argmax (`parallel.vocab`): sampling, penalties, logit biases and logprobs, which need the whole
+        vocabulary's logits, are refused."""
         asked = _softmax_features(params)
         if asked:
             raise RequestError(
@@ -946,6 +949,7 @@ def _softmax_features(params: SamplingParams) -> list[str]:
         (f"repetition_penalty={params.repetition_penalty}", params.repetition_penalty != 1.0),
         (f"presence_penalty={params.presence_penalty}", params.presence_penalty != 0.0),
         (f"frequency_penalty={params.frequency_penalty}", params.frequency_penalty != 0.0),
+        ("logit_bias", bool(params.logit_bias)),
         (f"logprobs={params.logprobs}", params.logprobs is not None),
         (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
     )

@@ -169,8 +169,7 @@ class StepGraphs:
             sampler = "" if mode.greedy else f" ({mode})"
             self.log(f"{what} the {kind} step for batch {size} x {length} tokens{sampler} ...")
             padding = scratch_inputs(self.steps.pages, self.steps.states, size, length, self.width)
-            if not mode.greedy:
-                padding |= padding_rows(size, padding["tokens"].device)
+            padding |= padding_rows(size, padding["tokens"].device, mode)
             if kind == "target":
                 step = StaticStep(functools.partial(self.target_fn, mode=mode), padding, self.capture, self.pool)
             else:

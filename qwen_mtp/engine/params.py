@@ -12,6 +12,7 @@ import torch
 from qwen_mtp.errors import RequestError
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position (the OpenAI API's bound)
+MAX_LOGIT_BIAS = 100.0  # the OpenAI API's bound
 MAX_REPETITION_PENALTY = 100.0  # past it every seen token is gone anyway; a bound keeps x / r and x * r finite
 
 
@@ -31,6 +32,8 @@ class SamplingParams:
       `presence_penalty` and `frequency_penalty` (0.0 = off, in [-2, 2] as in the OpenAI API): every token of
       the output so far has its logit lowered by `presence_penalty` once and by `frequency_penalty` per
       occurrence. They apply before temperature and the filters, greedy requests included;
+    - `logit_bias`: {token id: bias in [-100, 100]} (or (id, bias) pairs) added to those tokens' logits at every
+      position, before the penalties (the OpenAI API's field; -100 bans a token, 100 all but forces it);
     - `stop`: strings that end the request (finish_reason "stop"), checked on the detokenized output;
     - `logprobs`: report the chosen token's log-probability and the `logprobs` most likely tokens per position
       (None = off); `prompt_logprobs`: the same for every prompt position (None = off).
@@ -47,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -77,6 +81,7 @@ class SamplingParams:
             raise RequestError("top_p must be > 0 (1.0 turns it off)")
         if self.repetition_penalty == 0.0:
             raise RequestError("repetition_penalty must be > 0 (1.0 turns it off)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if not is_token_id(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (0 turns it off), got {_given(self.top_k)}")
         if self.seed is not None and (not is_token_id(self.seed) or not 0 <= self.seed < 2**63):
@@ -96,8 +101,27 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty changes this request's logits."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether a penalty or a logit bias changes this request's logits."""
+        penalties = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return penalties or any(bias != 0.0 for _, bias in self.logit_bias)
+
+
+def _logit_bias(given: Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs, from a dict or pairs; `RequestError` saying what was wrong."""
+    if isinstance(given, dict):
+        pairs = list(given.items())
+    elif isinstance(given, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in given):
+        pairs = [tuple(p) for p in given]
+    else:
+        raise RequestError(f"logit_bias must map token ids to biases, got {_given(given)}")
+    for token, bias in pairs:
+        if not is_token_id(token) or token < 0:
+            raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {_given(token)}")
+        if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias of token {token} must be a number in [-100, 100], got {_given(bias)}")
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise RequestError("logit_bias names a token twice")
+    return tuple(sorted((int(token), float(bias)) for token, bias in pairs))
 
 
 def as_token_ids(prompt: Any) -> list[int]:

@@ -25,7 +25,7 @@ from qwen_mtp.engine import sampling
 from qwen_mtp.engine.graphs import ChunkGraphs, StepGraphs, compile_chunk_step
 from qwen_mtp.engine.packed import PackedChunks
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
-from qwen_mtp.engine.penalties import PenaltyCounts
+from qwen_mtp.engine.penalties import PenaltyState
 from qwen_mtp.engine.request import Request
 from qwen_mtp.engine.scheduler import PrefillChunk
 from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
@@ -76,7 +76,7 @@ class Runner:
         self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
         self.steps = DecodeSteps(model, pages, states, k)
         if model.vocab_shard is None:  # tensor parallel refuses penalties (`Engine.check_request`)
-            self.penalties = PenaltyCounts(states.num_rows + 1, model.lm_head_weight.shape[0], device)
+            self.penalties = PenaltyState(states.num_rows + 1, model.lm_head_weight.shape[0], device)
             self.steps.penalties = self.penalties
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
         self.chunk_graphs: ChunkGraphs | None = None  # full prefill chunks in graphs (compile.prefill_graphs)
@@ -192,7 +192,9 @@ class Runner:
         penalized, state_row = None, None
         if rows.mode.penalized:
             state_row = self.tensor([self.states.rows[request.id]])
-            self.penalties.start(state_row, self.tensor(request.prompt))
+            bias = request.params.logit_bias
+            ids, values = self.tensor([t for t, _ in bias]), self.tensor([b for _, b in bias], torch.float32)
+            self.penalties.start(state_row, self.tensor(request.prompt), ids, values)
             penalized = self.penalties.inputs(state_row)
         position = self.tensor([position])
         shard = self.model.vocab_shard
@@ -203,7 +205,7 @@ class Runner:
 
     def count_emitted(self, batch: StepBatch, chosen: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
         """After a penalized decode or verify step (`chosen` [B, T]; a verify's `accepted` [B]): its emitted tokens
-        join the counts the next steps' penalties read (`PenaltyCounts.count`)."""
+        join the counts the next steps' penalties read (`PenaltyState.count`)."""
         if batch.sampling is not None and batch.sampling.mode.penalized:
             self.penalties.count(batch.state_rows, chosen, accepted)
 
@@ -228,7 +230,7 @@ class Runner:
     def sampling_for_drafts(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], sampling.Mode]:
         rows = batch.sampling
         mode = rows.mode.for_drafts(self.coupled_drafts) if rows is not None else sampling.GREEDY
-        return (rows.tensors if not mode.greedy else {}), mode
+        return {name: rows.tensors[name] for name in sampling.row_fields(mode)}, mode
 
     # ---- decode path (graphs when enabled) -------------------------------------------------------------------
     def decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, sampling.Logprobs | None]:

@@ -54,8 +54,9 @@ from qwen_mtp.ops.penalties import apply_penalties
 if TYPE_CHECKING:
     from qwen_mtp.parallel.vocab import VocabShard
 
-# the per-request sampler inputs
-ROW_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed", "repetition", "frequency", "presence")
+# the per-request sampler inputs; a step passes the penalties' only when some request is penalized (`row_fields`)
+SAMPLER_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed")
+PENALTY_FIELDS = ("repetition", "frequency", "presence")
 
 
 class Mode(NamedTuple):
@@ -80,6 +81,14 @@ class Mode(NamedTuple):
 GREEDY = Mode()
 
 
+def row_fields(mode: Mode) -> tuple[str, ...]:
+    """The per-request inputs a step of `mode` takes (none when greedy): each is a static buffer of its graph,
+    copied every step, so an unpenalized step does not carry the penalties'."""
+    if mode.greedy:
+        return ()
+    return SAMPLER_FIELDS + (PENALTY_FIELDS if mode.penalized else ())
+
+
 def mode_of(params: Sequence[SamplingParams]) -> Mode:
     sampled = [p for p in params if not p.greedy]
     filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled)
@@ -89,8 +98,8 @@ def mode_of(params: Sequence[SamplingParams]) -> Mode:
 
 @dataclass
 class SamplingRows:
-    """One step's sampler inputs: its `mode` and, unless greedy, per-request device tensors [B] named as in
-    `ROW_FIELDS` (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed; the
+    """One step's sampler inputs: its `mode` and per-request device tensors [B] named as in `row_fields(mode)`
+    (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed; when penalized, the
     repetition, frequency and presence penalties, 1 / 0 / 0 = off)."""
 
     mode: Mode
@@ -102,13 +111,14 @@ def rows_of(params: Sequence[SamplingParams], to_device: Callable[[list, torch.d
     mode = mode_of(params)
     if mode.greedy:
         return SamplingRows(mode, {})
-    floats = to_device([[_inverse(p.temperature) for p in params], [p.top_p for p in params],
-                        [_min_p_offset(p) for p in params], [p.repetition_penalty for p in params],
-                        [p.frequency_penalty for p in params], [p.presence_penalty for p in params]],
-                       torch.float32)  # fmt: skip
+    floats = [[_inverse(p.temperature) for p in params], [p.top_p for p in params], [_min_p_offset(p) for p in params]]
+    if mode.penalized:
+        floats += [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                   [p.presence_penalty for p in params]]  # fmt: skip
+    floats = to_device(floats, torch.float32)
     ints = to_device([[p.top_k if not p.greedy else 0 for p in params], [p.seed or 0 for p in params]], torch.long)
-    values = (floats[0], ints[0], floats[1], floats[2], ints[1], floats[3], floats[4], floats[5])
-    names = dict(zip(ROW_FIELDS, values, strict=True))
+    values = (floats[0], ints[0], floats[1], floats[2], ints[1], *floats[3:])
+    names = dict(zip(row_fields(mode), values, strict=True))
     return SamplingRows(mode, names)
 
 
@@ -123,9 +133,10 @@ def _min_p_offset(params: SamplingParams) -> float:
     return params.temperature * math.log(params.min_p)
 
 
-def padding_rows(size: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Sampler inputs of padding rows (greedy, no filters): static buffers' defaults."""
-    return {
+def padding_rows(size: int, device: torch.device, mode: Mode) -> dict[str, torch.Tensor]:
+    """Sampler inputs of padding rows (greedy, no filters, no penalties) for a step of `mode`: static buffers'
+    defaults."""
+    rows = {
         "inv_temperature": torch.zeros(size, dtype=torch.float32, device=device),
         "top_k": torch.zeros(size, dtype=torch.long, device=device),
         "top_p": torch.ones(size, dtype=torch.float32, device=device),
@@ -135,6 +146,7 @@ def padding_rows(size: int, device: torch.device) -> dict[str, torch.Tensor]:
         "frequency": torch.zeros(size, dtype=torch.float32, device=device),
         "presence": torch.zeros(size, dtype=torch.float32, device=device),
     }
+    return {name: rows[name] for name in row_fields(mode)}
 
 
 Logprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # chosen [...], top ids [..., N], top logprobs [..., N]
@@ -156,7 +168,7 @@ def choose(
     shard: VocabShard | None = None,  # tensor parallel: `logits` are this rank's vocabulary shard [..., V/tp]
 ) -> tuple[torch.Tensor, Logprobs | None]:
     """The emitted token ids [B] or [B, T], and (with `mode.logprobs`) their logprobs. With `mode.penalized`,
-    `penalty_inputs` holds what each row's penalties read (`PenaltyCounts.inputs`); the choice is made on the
+    `penalty_inputs` holds what each row's penalties read (`PenaltyState.inputs`); the choice is made on the
     penalized logits, the logprobs stay those of the model's own distribution."""
     if shard is not None:
         if not mode.greedy:

@@ -11,7 +11,7 @@ decode path, run them on static buffers in CUDA graphs); eagerly they are the sa
 - `chain`:  the draft chain alone (after a prefill, where the catch-up is the prefill's MTP pass).
 Their caches are DECODE-kind (`batch_invariant`), so every linear computes each row on its own and a row's
 numbers never depend on the other rows (padding rows included). Each takes the sampler's `mode` (a Python
-constant: one graph per mode) and its per-request inputs (`sampling.ROW_FIELDS`, absent when greedy).
+constant: one graph per mode) and its per-request inputs (`sampling.row_fields(mode)`, none when greedy).
 
 `PrefillSteps`, one request's prompt chunk of any length (compiled with the length dynamic, no graphs):
 - `target`: the target model over the chunk (chunked delta rule, tiled causal attention).
@@ -30,7 +30,7 @@ from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import sampling
 from qwen_mtp.engine.packed import PackedChunks, PackedStepCache
 from qwen_mtp.engine.paged_cache import PagedStepCache, StepBatch, StepKind
-from qwen_mtp.engine.penalties import PenaltyCounts
+from qwen_mtp.engine.penalties import PenaltyState
 from qwen_mtp.engine.sampling import GREEDY, Mode
 from qwen_mtp.model import QwenHybridForCausalLM
 from qwen_mtp.model.mtp import DraftLmHead
@@ -42,7 +42,7 @@ class DecodeSteps:
         self.model, self.pages, self.states, self.k = model, pages, states, k  # k: the most drafts a step makes
         # `mtp.draft_vocab` / `mtp.draft_lm_head: fp8`: what the drafts score with (None: the target's lm_head)
         self.draft_head: DraftLmHead | None = None
-        self.penalties: PenaltyCounts | None = None  # what penalized steps read (set by the runner)
+        self.penalties: PenaltyState | None = None  # what penalized steps read (set by the runner)
 
     def _cache(self, tokens, positions, rows, tables, lens) -> PagedStepCache:
         batch = StepBatch(StepKind.DECODE, tokens, positions, rows, tables, lens, fresh=False)
@@ -79,7 +79,7 @@ class DecodeSteps:
         tables: torch.Tensor,  # [B, W] int32: page tables
         lens: torch.Tensor,  # [B] int32: positions cached after the step
         mode: Mode = GREEDY,
-        **sampling_rows: torch.Tensor,  # [B] each: `sampling.ROW_FIELDS`
+        **sampling_rows: torch.Tensor,  # [B] each: `sampling.row_fields(mode)`
     ) -> tuple[torch.Tensor, torch.Tensor, sampling.Logprobs | None]:
         """Post-norm hidden states [B, T, H], the tokens chosen from them [B, T], and their logprobs when the
         mode reports them."""

@@ -113,6 +113,7 @@ class QwenMTPLM(TemplateLM):
                 temperature=temperature,
                 top_p=float(kwargs.pop("top_p", 1.0)),
                 top_k=int(kwargs.pop("top_k", 0)),
+                repetition_penalty=float(kwargs.pop("repetition_penalty", 1.0)),
                 seed=kwargs.pop("seed", None),
                 stop=until,
             )

@@ -1,19 +1,22 @@
-"""`qwen_mtp::apply_penalties`: repetition, presence and frequency penalties on a batch of logit rows.
+"""`qwen_mtp::apply_penalties`: a logit bias, then repetition, presence and frequency penalties on a batch of
+logit rows.
 
 Logit row r belongs to the request on state row `rows[r]`; its counts are that row's output counts (`counts`
 [S, V] int32: how many times the request emitted each token) plus one for each token of `drafts[r]` (the drafts
-a verify position reads before it, -1 for none: `engine/penalties.py` says why), and `seen` [S, V] marks its
-prompt's tokens. With its request's three penalties, per element, in float32 and in this order:
+a verify position reads before it, -1 for none: `engine/penalties.py` says why), `seen` [S, V] marks its
+prompt's tokens and `bias` [S, V] float32 holds its logit bias. With its request's three penalties, per element,
+in float32 and in this order:
 
-    x = logit
+    x = logit + bias                                        where the bias is not 0
     x = x / repetition if x > 0 else x * repetition       where the token is in the prompt or its count > 0
     x = x - frequency * count                               (the product rounded to fp32, then the difference)
     x = x - presence * (count > 0)
 
 Hugging Face's `RepetitionPenaltyLogitsProcessor` applies the first rule to the tokens of its input ids (prompt and
 output); vLLM applies all three so (presence and frequency to output tokens only, as the OpenAI API defines them).
-Neutral values (1, 0, 0) give back every logit bit for bit (x / 1, x * 1 and x - 0 are exact), so a row without
-penalties chooses in a penalized step as it would in any other.
+The OpenAI API adds `logit_bias` before sampling, as vLLM does before its penalties. Neutral values (no bias, 1, 0,
+0) give back every logit bit for bit (x / 1, x * 1 and x - 0 are exact, and a zero bias is not added, which would
+turn -0.0 into +0.0), so a row without penalties chooses in a penalized step as it would in any other.
 
 Every element's result depends only on its own logit, count and its row's values, so a row's numbers never depend
 on the other rows, in a 1-token decode or a verify. The kernel reads the counts by state row and adds the drafts
@@ -37,6 +40,7 @@ def apply_penalties_reference(
     logits: torch.Tensor,  # [R, V]
     counts: torch.Tensor,  # [S, V] int32: each state row's output token counts
     seen: torch.Tensor,  # [S, V] bool: each state row's prompt tokens
+    bias: torch.Tensor,  # [S, V] float32: each state row's logit bias
     rows: torch.Tensor,  # [R] long: the state row of each logit row
     drafts: torch.Tensor,  # [R, D] long: tokens counted once more for the row (-1: none)
     repetition: torch.Tensor,  # [R] float32, 1 = off
@@ -45,6 +49,8 @@ def apply_penalties_reference(
 ) -> torch.Tensor:
     """The penalized logits [R, V] in float32 (the rule above)."""
     x = logits.float()
+    row_bias = bias[rows]
+    x = torch.where(row_bias != 0, x + row_bias, x)
     count = counts[rows]
     if drafts.shape[1]:
         count.scatter_add_(1, drafts.clamp(min=0), (drafts >= 0).to(count.dtype))
@@ -62,8 +68,8 @@ def _penalty_kernel():
 
     @triton.jit
     def penalize_rows(
-        logits_ptr, counts_ptr, seen_ptr, rows_ptr, drafts_ptr, rep_ptr, freq_ptr, pres_ptr, out_ptr,
-        V, s_logits, s_counts, s_seen, s_drafts, D, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+        logits_ptr, counts_ptr, seen_ptr, bias_ptr, rows_ptr, drafts_ptr, rep_ptr, freq_ptr, pres_ptr, out_ptr,
+        V, s_logits, s_counts, s_seen, s_bias, s_drafts, D, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         triton_utils.wait_for_previous_kernel(PDL)
         r = tl.program_id(0)
@@ -71,6 +77,8 @@ def _penalty_kernel():
         mask = cols < V
         state = tl.load(rows_ptr + r).to(tl.int64)
         x = tl.load(logits_ptr + r.to(tl.int64) * s_logits + cols, mask=mask, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + state * s_bias + cols, mask=mask, other=0.0)
+        x = tl.where(bias != 0, x + bias, x)
         count = tl.load(counts_ptr + state * s_counts + cols, mask=mask, other=0)
         for d in range(D):
             count += (cols == tl.load(drafts_ptr + r * s_drafts + d)).to(tl.int32)
@@ -87,7 +95,9 @@ def _penalty_kernel():
     return penalize_rows
 
 
-def apply_penalties_triton(logits, counts, seen, rows, drafts, repetition, frequency, presence, block: int = 2048):
+def apply_penalties_triton(
+    logits, counts, seen, bias, rows, drafts, repetition, frequency, presence, block: int = 2048
+):
     """Triton version of `apply_penalties_reference` (same arguments and result): a program per row and block of
     `block` tokens."""
     import triton
@@ -96,13 +106,13 @@ def apply_penalties_triton(logits, counts, seen, rows, drafts, repetition, frequ
     out = torch.empty(count, vocab, dtype=torch.float32, device=logits.device)
     if count == 0:
         return out
-    assert logits.stride(1) == 1 and counts.stride(1) == 1 and seen.stride(1) == 1
+    assert logits.stride(1) == 1 and counts.stride(1) == 1 and seen.stride(1) == 1 and bias.stride(1) == 1
     repetition, frequency, presence, rows = (t.contiguous() for t in (repetition, frequency, presence, rows))
     width = drafts.shape[1]
     drafts = drafts.contiguous() if width else rows[:, None]  # no drafts: any valid pointer (never read)
     _penalty_kernel()[(count, triton.cdiv(vocab, block))](
-        logits, counts, seen.view(torch.uint8), rows, drafts, repetition, frequency, presence, out,
-        vocab, logits.stride(0), counts.stride(0), seen.stride(0), drafts.stride(0), width,
+        logits, counts, seen.view(torch.uint8), bias, rows, drafts, repetition, frequency, presence, out,
+        vocab, logits.stride(0), counts.stride(0), seen.stride(0), bias.stride(0), drafts.stride(0), width,
         BLOCK=block, enable_fp_fusion=False, **triton_utils.launch(logits.device),
     )  # fmt: skip
     return out
@@ -113,6 +123,7 @@ def apply_penalties(
     logits: torch.Tensor,
     counts: torch.Tensor,
     seen: torch.Tensor,
+    bias: torch.Tensor,
     rows: torch.Tensor,
     drafts: torch.Tensor,
     repetition: torch.Tensor,
@@ -120,17 +131,17 @@ def apply_penalties(
     presence: torch.Tensor,
 ) -> torch.Tensor:
     """Custom op: `apply_penalties_reference` on CPU, the Triton kernel on CUDA (equal bit for bit)."""
-    return apply_penalties_reference(logits, counts, seen, rows, drafts, repetition, frequency, presence)
+    return apply_penalties_reference(logits, counts, seen, bias, rows, drafts, repetition, frequency, presence)
 
 
 @cuda_kernel(apply_penalties)
-def _(logits, counts, seen, rows, drafts, repetition, frequency, presence):
-    args = (logits, counts, seen, rows, drafts, repetition, frequency, presence)
+def _(logits, counts, seen, bias, rows, drafts, repetition, frequency, presence):
+    args = (logits, counts, seen, bias, rows, drafts, repetition, frequency, presence)
     if reference_forced("apply_penalties"):
         return apply_penalties_reference(*args)
     return apply_penalties_triton(*args)
 
 
 @apply_penalties.register_fake
-def _(logits, counts, seen, rows, drafts, repetition, frequency, presence):
+def _(logits, counts, seen, bias, rows, drafts, repetition, frequency, presence):
     return logits.new_empty(logits.shape, dtype=torch.float32)

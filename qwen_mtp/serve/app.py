@@ -34,6 +34,8 @@ from qwen_mtp.serve.responses import Choice
 from qwen_mtp.serve.text import TextAssembler, output_decoder
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+# `apply_chat_template` arguments the server itself sets: a request's chat_template_kwargs may not
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "tools"})
 
 
 class ModelNotFound(RequestError):
@@ -92,7 +94,7 @@ def create_app(engine: Engine, settings: ServerSection, log: Callable[[str], Non
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if body.messages is not None:
-            tokens = api.chat_prompt(body.messages, body.add_generation_prompt)
+            tokens = api.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         else:
             tokens = engine.encode(body.prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.config.max_position_embeddings}
@@ -202,7 +204,15 @@ class _Api:
         """One token's or the prompt's text, special tokens included (logprob entries, echo)."""
         return self.engine.decode(token_ids)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> list[int]:
+        """The token ids of `messages` through the checkpoint's chat template, with `template_kwargs` (the
+        request's `chat_template_kwargs`) as more template variables."""
+        template_kwargs = template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise RequestError(f"chat_template_kwargs may not set {reserved}: the server sets them")
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise RequestError(
@@ -211,7 +221,10 @@ class _Api:
             )
         try:
             text = tokenizer.apply_chat_template(
-                [m.as_template_input() for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+                [m.as_template_input() for m in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
             )
         except Exception as err:  # jinja2 errors, and templates that raise on a message order they refuse
             raise RequestError(f"the chat template refused these messages: {type(err).__name__}: {err}") from None
@@ -287,7 +300,7 @@ class _Api:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         logprobs = body.logprobs_count
-        prompt = self.chat_prompt(body.messages)
+        prompt = self.chat_prompt(body.messages, template_kwargs=body.chat_template_kwargs)
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
         else:

@@ -2,12 +2,13 @@
 
 Unknown fields are refused (422 -> 400 naming the field) rather than ignored, so a misspelt option never
 silently changes what a client gets. Extensions beyond the OpenAI API follow vLLM's names: `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`.
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`. `logit_bias` keys are token ids
+written as strings, as JSON objects need.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -46,6 +47,7 @@ class _Sampling(BaseModel):
     presence_penalty: Number | None = None  # None: 0, off
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None  # None: 1, off
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a JSON key: a string) -> bias in [-100, 100]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The engine's parameters for one choice (`max_tokens` already resolved; 0 runs one token, dropped)."""
@@ -62,6 +64,7 @@ class _Sampling(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=_token_biases(self.logit_bias or {}),
             stop=tuple(stop),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -70,6 +73,14 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _token_biases(given: dict[str, float]) -> dict[int, float]:
+    """`logit_bias` with its keys (token ids written as JSON strings) as ints; `RequestError` for another key."""
+    bad = [key for key in given if not key.strip().isdigit()]
+    if bad:
+        raise RequestError(f'logit_bias keys must be token ids ("123"), got {bad[0][:40]!r}')
+    return {int(key): bias for key, bias in given.items()}
 
 
 class CompletionRequest(_Sampling):
@@ -121,6 +132,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # extension (vLLM's and SGLang's name): more variables for the chat template, e.g. Qwen's enable_thinking
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
     @property
     def logprobs_count(self) -> int | None:
@@ -136,6 +149,7 @@ class TokenizeRequest(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

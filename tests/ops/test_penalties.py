@@ -1,6 +1,6 @@
-"""Repetition, presence and frequency penalties (`qwen_mtp::apply_penalties`): the rule element by element in
-float32 (numpy), the kernel equal to the reference bit for bit (counts read by state row, drafts added in the
-kernel), neutral penalties change no bit, and a row's result does not depend on the rows beside it."""
+"""Logit bias, repetition, presence and frequency penalties (`qwen_mtp::apply_penalties`): the rule element by
+element in float32 (numpy), the kernel equal to the reference bit for bit (counts read by state row, drafts added in
+the kernel), neutral values change no bit, and a row's result does not depend on the rows beside it."""
 
 import itertools
 
@@ -22,6 +22,7 @@ def inputs(rows=5, vocab=VOCAB, dtype=torch.float32, drafts=3, seed=0):
         torch.rand(4, vocab, generator=gen) < 0.2
     )
     seen = torch.rand(4, vocab, generator=gen) < 0.2
+    bias = torch.randn(4, vocab, generator=gen) * 3 * (torch.rand(4, vocab, generator=gen) < 0.1)
     state_rows = torch.randint(0, 4, (rows,), generator=gen)
     tokens = torch.randint(0, vocab, (rows, drafts), generator=gen)
     tokens[torch.rand(rows, drafts, generator=gen) < 0.3] = -1
@@ -29,17 +30,19 @@ def inputs(rows=5, vocab=VOCAB, dtype=torch.float32, drafts=3, seed=0):
     rep = torch.empty(rows).uniform_(0.5, 2.0, generator=gen)
     freq, pres = torch.empty(rows).uniform_(-2, 2, generator=gen), torch.empty(rows).uniform_(-2, 2, generator=gen)
     rep[1], freq[1], pres[1] = 1.0, 0.0, 0.0  # an unpenalized row
-    parts = (logits, counts, seen, state_rows, tokens, rep, freq, pres)
+    parts = (logits, counts, seen, bias, state_rows, tokens, rep, freq, pres)
     return tuple(t.to(DEVICE) for t in parts)
 
 
 def test_rule_element_by_element():
     """Each element as its own float32 operations (numpy scalars round every operation), against the reference."""
-    logits, counts, seen, rows, drafts, rep, freq, pres = args = inputs(rows=4, vocab=40)
+    logits, counts, seen, bias, rows, drafts, rep, freq, pres = args = inputs(rows=4, vocab=40)
     out = apply_penalties_reference(*args).cpu()
     f32 = np.float32
     for r, v in itertools.product(range(4), range(40)):
-        x = f32(logits[r, v].item())
+        x, b = f32(logits[r, v].item()), f32(bias[rows[r], v].item())
+        if b != 0:
+            x = f32(x + b)
         c = int(counts[rows[r], v]) + int((drafts[r] == v).sum())
         if seen[rows[r], v] or c > 0:
             x = x / f32(rep[r].item()) if x > 0 else x * f32(rep[r].item())
@@ -57,11 +60,11 @@ def test_kernel_equals_reference_bitwise(dtype, drafts):
 
 
 def test_neutral_penalties_change_no_bit():
-    logits, counts, seen, rows, drafts, *_ = inputs()
+    logits, counts, seen, bias, rows, drafts, *_ = inputs()
     logits[0, :4] = torch.tensor([0.0, -0.0, float("-inf"), 1e-30])
     ones, zeros = torch.ones(5, device=DEVICE), torch.zeros(5, device=DEVICE)
     for run in (apply_penalties_reference, apply_penalties_triton):
-        out = run(logits, counts, seen, rows, drafts, ones, zeros, zeros)
+        out = run(logits, counts, seen, torch.zeros_like(bias), rows, drafts, ones, zeros, zeros)
         assert torch.equal(out.view(torch.int32), logits.view(torch.int32))
 
 
@@ -69,9 +72,9 @@ def test_a_row_alone_equals_the_row_in_a_batch():
     args = inputs(drafts=2)
     batch = apply_penalties_triton(*args, block=128)
     for r in range(5):
-        logits, counts, seen, rows, drafts, rep, freq, pres = args
-        one = (logits[r : r + 1], counts, seen, rows[r : r + 1], drafts[r : r + 1], rep[r : r + 1], freq[r : r + 1])
-        assert torch.equal(apply_penalties_triton(*one, pres[r : r + 1], block=128), batch[r : r + 1])
+        logits, buffers, (rows, drafts, rep, freq, pres) = args[0], args[1:4], args[4:]
+        one = (logits[r : r + 1], *buffers, *(t[r : r + 1] for t in (rows, drafts, rep, freq, pres)))
+        assert torch.equal(apply_penalties_triton(*one, block=128), batch[r : r + 1])
 
 
 def test_penalties_pass_opcheck():

@@ -75,7 +75,8 @@ def measure(rows: int, top_k: bool, dtype: torch.dtype, block: int) -> dict:
 
 def penalty_inputs(logits: torch.Tensor) -> tuple:
     """Penalties over `logits` laid out as a K=3 verify's rows (request r // 4, position r % 4 with the r % 4 drafts
-    before it), every request with all three penalties, a few hundred tokens counted and 20 biased."""
+    before it), every request with all three penalties, a few hundred tokens counted, 20 biased, and two stop tokens
+    banned at the first two positions (min_tokens)."""
     rows, gen = logits.shape[0], torch.Generator().manual_seed(7)
     requests = -(-rows // 4)
     counts = torch.zeros(requests, VOCAB, dtype=torch.int32)
@@ -86,11 +87,15 @@ def penalty_inputs(logits: torch.Tensor) -> tuple:
     seen.scatter_(1, torch.randint(0, VOCAB, (requests, 1000), generator=gen), True)
     bias = torch.zeros(requests, VOCAB)
     bias.scatter_(1, torch.randint(0, VOCAB, (requests, 20), generator=gen), 5.0)
+    stops = torch.zeros(requests, VOCAB, dtype=torch.bool)
+    stops[:, :2] = True
     state_rows = torch.arange(rows) // 4
     drafts = torch.randint(0, VOCAB, (rows, 3), generator=gen)
     drafts[torch.arange(3)[None, :] >= (torch.arange(rows) % 4)[:, None]] = -1
-    values = (torch.full((rows,), 1.1), torch.full((rows,), 0.5), torch.full((rows,), 0.3))
-    return (logits, *(t.cuda() for t in (counts, seen, bias, state_rows, drafts, *values)))
+    positions = 1000 + torch.arange(rows) % 4
+    values = (torch.full((rows,), 1.1), torch.full((rows,), 0.5), torch.full((rows,), 0.3), torch.full((rows,), 1002))
+    parts = (counts, seen, bias, stops, state_rows, drafts, positions, *values)
+    return (logits, *(t.cuda() for t in parts))
 
 
 def profile(rows: int, block: int) -> None:

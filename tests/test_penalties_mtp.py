@@ -1,5 +1,6 @@
-"""Logit bias, repetition, presence and frequency penalties: greedy `repetition_penalty` and `logit_bias` give
-Hugging Face's `generate(repetition_penalty=...)` / `generate(sequence_bias=...)` tokens; presence and frequency
+"""Logit bias, repetition, presence and frequency penalties, min_tokens: greedy `repetition_penalty`, `logit_bias`
+and `min_tokens` give Hugging Face's `generate(repetition_penalty=...)` / `(sequence_bias=...)` /
+`(min_new_tokens=...)` tokens; presence and frequency
 penalties give what a reference loop over full forwards gives (its own counts and its own float32 arithmetic); MTP
 on (K = 1..4 with oracle and head drafts, K per step including K = 0, lookahead) emits exactly MTP-off's tokens, for
 penalized requests batched with unpenalized, sampled and logprob ones, and alone. Logprobs stay those of the
@@ -17,7 +18,7 @@ from qwen_mtp.errors import RequestError
 
 MAX_NEW = 20
 # prompts that repeat tokens (a repetition penalty sees them) and plain random ones
-PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4, 12, 2)]
+PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4, 12, 2, 7)]
 PROMPTS[1] = PROMPTS[1] * 3
 
 
@@ -36,6 +37,8 @@ def mixed(i: int) -> SamplingParams:
         {"temperature": 0.9, "seed": 14},
         {"repetition_penalty": 1.6, "frequency_penalty": 0.4, "logprobs": 2},
         {"frequency_penalty": 2.0, "top_k": 5, "temperature": 1.0, "seed": 15},
+        # min_tokens against a stop token the bias makes the favourite: it ends the request right after them
+        {"min_tokens": 6, "stop_token_ids": (77,), "logit_bias": {77: 50.0}},
     ]
     return SamplingParams(**base, **kinds[i % len(kinds)])
 
@@ -80,6 +83,9 @@ def test_bad_penalties_are_request_errors():
         with pytest.raises(RequestError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert not SamplingParams().penalized and SamplingParams(presence_penalty=0.1).penalized
+    with pytest.raises(RequestError, match="min_tokens must be an integer in \\[0, max_new_tokens\\]"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    assert SamplingParams(min_tokens=1).penalized
     for bad, message in (({3: 101.0}, "in \\[-100, 100\\]"), ({-1: 1.0}, "token ids"), ({"3": 1.0}, "token ids"),
                          ([(3, 1.0), (3, 2.0)], "twice"), ("3:1", "map token ids")):  # fmt: skip
         with pytest.raises(RequestError, match=message):
@@ -127,6 +133,41 @@ def test_logit_bias_matches_hf_and_bans_and_forces(path):
         assert unbiased.token_ids[0] not in result.token_ids  # banned
     (forced,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={42: 100}))
     assert forced.token_ids == [42] * 8
+
+
+def test_min_tokens_matches_hf_and_holds_back_every_stop(path):
+    """EOS (the model's own third greedy token, declared EOS), stop token ids and stop strings end nothing among the
+    first min_tokens tokens; greedy tokens equal HF's `generate(min_new_tokens=...)`."""
+    hf = load_hf(path, torch.float32)
+    engine = cpu_engine(path)
+    prompt = PROMPTS[2]
+    (free,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    stop = free.token_ids[2]
+    engine.eos_ids = {stop}
+    (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, min_tokens=5))
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, min_new_tokens=5,
+                      eos_token_id=[stop], pad_token_id=stop)  # fmt: skip
+    expected = out[0, len(prompt) :].tolist()
+    expected = expected[: expected.index(stop) + 1] if stop in expected else expected
+    assert result.token_ids == expected and stop not in result.token_ids[:5]
+    plain = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_tokens=5)
+    assert engine.generate([prompt], plain)[0].token_ids == result.token_ids
+    (early,) = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,)))
+    assert early.token_ids == free.token_ids[:3] and early.finish_reason == "stop"
+
+
+def test_min_tokens_ends_the_request_right_after_them_with_mtp_on(path, plain):
+    """The last kind of `mixed`: a stop token biased to be every position's favourite is banned for 6 tokens, so the
+    request ends with it as token 7, also when a verify's positions straddle the boundary."""
+    tokens, _ = plain[10]
+    assert len(tokens) == 7 and tokens[-1] == 77 and 77 not in tokens[:6]
+    engine = cpu_engine(path, 4, draft="oracle", oracle_accept=1.0)
+    ids = [engine.submit_with_oracle(PROMPTS[10], tokens, mixed(10))]
+    while engine.has_unfinished():
+        engine.step()
+    result = engine.result(ids[0])
+    assert result.token_ids == tokens and result.finish_reason == "stop"
 
 
 @torch.inference_mode()

@@ -243,6 +243,7 @@ def test_request_timeout_ends_with_finish_reason_timeout(small_server):
         ({"prompt": "hi", "presence_penalty": 2.5, **GREEDY}, 400, "presence_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0, **GREEDY}, 400, "repetition_penalty"),
         ({"prompt": "hi", "logit_bias": {"a": 1}, **GREEDY}, 400, "logit_bias"),
+        ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3, **GREEDY}, 400, "min_tokens"),
         ({"prompt": "hi", "logit_bias": {"5": 200}, **GREEDY}, 400, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"999999": 1}, **GREEDY}, 400, "outside the vocabulary"),
     ],
@@ -368,9 +369,9 @@ def test_penalties_reach_the_engine_and_mtp_keeps_them(server, mtp_server, refer
     bias = {plain.token_ids[1]: -100.0, 42: 2.0}
     kwargs = {"prompt": prompt, "max_tokens": 24, **GREEDY, **penalties}
     kwargs["logit_bias"] = {str(token): value for token, value in bias.items()}
-    extra = {"extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}}
+    extra = {"extra_body": {"ignore_eos": True, "repetition_penalty": 1.3, "min_tokens": 3}}
     answers = [client(live).completions.create(**kwargs, **extra).choices[0].text for live in (server, mtp_server)]
-    params = SamplingParams(24, ignore_eos=True, repetition_penalty=1.3, logit_bias=bias, **penalties)
+    params = SamplingParams(24, ignore_eos=True, repetition_penalty=1.3, logit_bias=bias, min_tokens=3, **penalties)
     (result,) = reference.generate([prompt], params)
     assert answers == [text_of(reference, result.token_ids)] * 2
     assert plain.token_ids != result.token_ids and plain.token_ids[1] not in result.token_ids

@@ -653,7 +653,8 @@ class Engine:
                 [request], prompt_parts,
                 lambda values: [Outcome(request, computed=length, prompt_logprobs=prompt_logprobs(values))],
             )  # fmt: skip
-        first, logprobs = self.runner.choose(hidden[:, -1], request, start + length)  # the first output token [1]
+        stops = set(request.params.stop_token_ids) | (set() if request.params.ignore_eos else self.eos_ids)
+        first, logprobs = self.runner.choose(hidden[:, -1], request, start + length, stops)  # the first output token
         parts = [first]
         if speculative:
             parts.append(self.speculator.prefill_chunk(request, start, hidden, first))  # drafts [1, K]

@@ -21,6 +21,8 @@ class SamplingParams:
     """How one request generates.
 
     - `max_new_tokens`: the most tokens to generate (the request ends with finish_reason "length");
+    - `min_tokens`: the fewest (vLLM's extension): the first `min_tokens` output tokens cannot be EOS or a
+      `stop_token_ids` token (their logits are -inf there) and no stop string ends the request before them;
     - `ignore_eos`: keep going past the model's EOS tokens;
     - `stop_token_ids`: more tokens that end the request as EOS does (finish_reason "stop", the token included
       in the output), whether or not `ignore_eos` is set;
@@ -40,6 +42,7 @@ class SamplingParams:
     """
 
     max_new_tokens: int = 32
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0
@@ -67,6 +70,9 @@ class SamplingParams:
         if bad:
             raise RequestError(f"stop_token_ids must be token ids (integers >= 0), got {_given(bad[0])}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        if not is_token_id(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_new_tokens], got {_given(self.min_tokens)}")
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         bounds = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                   ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
@@ -101,9 +107,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty or a logit bias changes this request's logits."""
+        """Whether a penalty, a logit bias or `min_tokens` changes this request's logits."""
         penalties = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        return penalties or any(bias != 0.0 for _, bias in self.logit_bias)
+        return penalties or self.min_tokens > 0 or any(bias != 0.0 for _, bias in self.logit_bias)
 
 
 def _logit_bias(given: Any) -> tuple[tuple[int, float], ...]:

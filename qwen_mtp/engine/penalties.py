@@ -1,23 +1,23 @@
-"""What the penalties of a request read: its output token counts, its prompt's tokens and its logit bias, on the
-device, by state row.
+"""What the penalties of a request read: its output token counts, its prompt's tokens, its logit bias and its stop
+tokens (`min_tokens`), on the device, by state row.
 
 A penalized request's token at position p depends on the tokens it emitted before p (`ops/penalties.py`). With
 MTP on, a verify chooses K+1 positions at once, and the step after it may be launched before the host has read
 what it accepted (`cache.lookahead`); so the counts live on the device, one row per state-pool row, and the step
 that emits tokens adds them there, in stream order, before any later step reads them:
 
-- `start(row, prompt, bias)`: when a request chooses its first token (its prompt's last chunk): counts zero, the
-  prompt's tokens marked seen, its logit bias written.
+- `start(row, prompt, bias, stops)`: when a request chooses its first token (its prompt's last chunk): counts
+  zero, the prompt's tokens marked seen, its logit bias and stop tokens written.
 - `count(rows, tokens, accepted)`: after a decode (one token per row) or a verify (tokens c_0..c_K, of which
   c_0..c_j are emitted, j the accepted drafts), add the emitted tokens.
-- `inputs(rows, tokens)`: what each chosen position reads. Verify position i chooses the token after d_i; it
+- `inputs(rows, positions, tokens)`: what each chosen position reads. Verify position i chooses the token after d_i; it
   matters only when d_1..d_i are all accepted, and then they are the tokens emitted there: so it reads its row's
   counts plus d_1..d_i, which is what plain decoding reads at that position.
 
 The counts are integers and every addition is exact, so they are the same whatever order adds them. Rows of
 requests without penalties are never started and hold stale counts; their neutral penalties ignore them. The
-buffers ([rows + 1, V] int32, bool and float32, the scratch row included: ~2.2 MiB a row at a 248k vocabulary) are
-made with the runner; only steps with a penalized request touch them (`sampling.Mode.penalized`).
+buffers ([rows + 1, V] int32, float32 and two bool, the scratch row included: ~2.4 MiB a row at a 248k vocabulary)
+are made with the runner; only steps with a penalized request touch them (`sampling.Mode.penalized`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ import torch
 
 
 class PenaltyInputs(NamedTuple):
-    """What `qwen_mtp::apply_penalties` reads besides the logits and the penalties: the count, prompt and bias
-    buffers, the state row of each logit row [R], and the drafts counted before each logit row's position [R, D]
-    (-1: none)."""
+    """What `qwen_mtp::apply_penalties` reads besides the logits and the per-request values: the count, prompt, bias
+    and stop buffers, the state row of each logit row [R], the drafts counted before each logit row's position
+    [R, D] (-1: none), and the position each logit row chooses [R]."""
 
     counts: torch.Tensor
     seen: torch.Tensor
     bias: torch.Tensor
+    stops: torch.Tensor
     rows: torch.Tensor
     drafts: torch.Tensor
+    positions: torch.Tensor
 
 
 class PenaltyState:
@@ -44,15 +46,21 @@ class PenaltyState:
         self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.stops = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
 
-    def start(self, row: torch.Tensor, prompt: torch.Tensor, bias_ids: torch.Tensor, bias: torch.Tensor) -> None:
+    def start(
+        self, row: torch.Tensor, prompt: torch.Tensor, bias_ids: torch.Tensor, bias: torch.Tensor, stops: torch.Tensor
+    ) -> None:
         """A request's row [1] before its first token: no output yet; `prompt` [P] (long, on the device) seen;
-        the bias of tokens `bias_ids` [N] (long) is `bias` [N] (float32), 0 elsewhere."""
+        the bias of tokens `bias_ids` [N] (long) is `bias` [N] (float32), 0 elsewhere; `stops` [M] (long) its stop
+        tokens."""
         self.counts[row] = 0
         self.seen[row] = False
         self.seen[row.expand(prompt.shape[0]), prompt] = True
         self.bias[row] = 0.0
         self.bias[row.expand(bias_ids.shape[0]), bias_ids] = bias
+        self.stops[row] = False
+        self.stops[row.expand(stops.shape[0]), stops] = True
 
     def count(self, rows: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
         """Add the tokens a step emitted: `tokens` [B, T] chosen for the requests on `rows` [B]; with
@@ -63,15 +71,17 @@ class PenaltyState:
             emitted = (torch.arange(width, device=tokens.device)[None, :] <= accepted[:, None]).int()
         self.counts.index_put_((rows[:, None].expand_as(tokens), tokens), emitted, accumulate=True)
 
-    def inputs(self, rows: torch.Tensor, tokens: torch.Tensor | None = None) -> PenaltyInputs:
-        """For the T positions a step over `tokens` [B, T] chooses (request b on state row rows[b]; None: one
-        position each): position i counts tokens[b, 1..i] (the drafts before it) on top of its row's counts."""
+    def inputs(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> PenaltyInputs:
+        """For the T positions [B, T] (or [B]) a step over `tokens` [B, T] chooses (request b on state row rows[b];
+        None: one position each): position i counts tokens[b, 1..i] (the drafts before it) on top of its row's
+        counts."""
+        buffers = (self.counts, self.seen, self.bias, self.stops)
         if tokens is None or tokens.shape[1] == 1:
-            return PenaltyInputs(self.counts, self.seen, self.bias, rows, rows.new_empty(rows.shape[0], 0))
+            return PenaltyInputs(*buffers, rows, rows.new_empty(rows.shape[0], 0), positions.reshape(-1))
         count, width = tokens.shape
         position, draft = torch.arange(width, device=tokens.device), torch.arange(width - 1, device=tokens.device)
         before = position[:, None] > draft[None, :]  # [T, T-1]: d_(l+1) precedes position i
         drafts = torch.where(before, tokens[:, None, 1:], -1)  # [B, T, T-1]
         rows = rows[:, None].expand(count, width).reshape(-1)  # (no repeat_interleave: nothing that may sync)
         drafts = drafts.reshape(count * width, -1)
-        return PenaltyInputs(self.counts, self.seen, self.bias, rows, drafts)
+        return PenaltyInputs(*buffers, rows, drafts, positions.reshape(-1))

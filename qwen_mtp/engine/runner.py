@@ -93,7 +93,7 @@ class Runner:
 
     def sampling(self, requests: list[Request]) -> sampling.SamplingRows:
         """The requests' sampler inputs on the device (nothing to copy when they are all greedy)."""
-        return sampling.rows_of([r.params for r in requests], self.tensor)
+        return sampling.rows_of([r.params for r in requests], self.tensor, [len(r.prompt) for r in requests])
 
     def batch(
         self,
@@ -183,20 +183,23 @@ class Runner:
         return self.prefill_head(batch.token_ids, hidden, *args)
 
     def choose(
-        self, hidden: torch.Tensor, request: Request, position: int
+        self, hidden: torch.Tensor, request: Request, position: int, stop_ids: set[int] | frozenset = frozenset()
     ) -> tuple[torch.Tensor, sampling.Logprobs | None]:
         """The token [1] chosen from `hidden` [1, H] (a prefill's last position) for the token at `position`, and
-        its logprobs if the request asks: see `sampling.choose`. A penalized request's counts start here."""
+        its logprobs if the request asks: see `sampling.choose`. A penalized request's counts start here, with
+        `stop_ids` the tokens that would end it (EOS unless ignored, its stop token ids: what `min_tokens` bans)."""
         rows = self.sampling([request])
         logits = self.model.logits(hidden)
+        position = self.tensor([position])
         penalized, state_row = None, None
         if rows.mode.penalized:
             state_row = self.tensor([self.states.rows[request.id]])
             bias = request.params.logit_bias
             ids, values = self.tensor([t for t, _ in bias]), self.tensor([b for _, b in bias], torch.float32)
-            self.penalties.start(state_row, self.tensor(request.prompt), ids, values)
-            penalized = self.penalties.inputs(state_row)
-        position = self.tensor([position])
+            vocab = self.penalties.counts.shape[1]  # a stop id past the logits can never be chosen anyway
+            stops = self.tensor(sorted(t for t in stop_ids if t < vocab))
+            self.penalties.start(state_row, self.tensor(request.prompt), ids, values, stops)
+            penalized = self.penalties.inputs(state_row, position)
         shard = self.model.vocab_shard
         chosen = sampling.choose(logits, rows.mode, position, **rows.tensors, penalty_inputs=penalized, shard=shard)
         if state_row is not None:

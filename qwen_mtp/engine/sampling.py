@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 # the per-request sampler inputs; a step passes the penalties' only when some request is penalized (`row_fields`)
 SAMPLER_FIELDS = ("inv_temperature", "top_k", "top_p", "min_p_offset", "seed")
-PENALTY_FIELDS = ("repetition", "frequency", "presence")
+PENALTY_FIELDS = ("repetition", "frequency", "presence", "min_end")
 
 
 class Mode(NamedTuple):
@@ -100,14 +100,20 @@ def mode_of(params: Sequence[SamplingParams]) -> Mode:
 class SamplingRows:
     """One step's sampler inputs: its `mode` and per-request device tensors [B] named as in `row_fields(mode)`
     (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed; when penalized, the
-    repetition, frequency and presence penalties, 1 / 0 / 0 = off)."""
+    repetition, frequency and presence penalties, 1 / 0 / 0 = off, and the position where `min_tokens` ends, the
+    prompt's length plus it)."""
 
     mode: Mode
     tensors: dict[str, torch.Tensor]
 
 
-def rows_of(params: Sequence[SamplingParams], to_device: Callable[[list, torch.dtype], torch.Tensor]) -> SamplingRows:
-    """The sampler inputs of requests with `params` (seeds already drawn), through two host->device copies."""
+def rows_of(
+    params: Sequence[SamplingParams],
+    to_device: Callable[[list, torch.dtype], torch.Tensor],
+    prompt_lengths: Sequence[int] | None = None,
+) -> SamplingRows:
+    """The sampler inputs of requests with `params` (seeds already drawn) and prompts of `prompt_lengths` (where
+    `min_tokens` ends: default 0), through two host->device copies."""
     mode = mode_of(params)
     if mode.greedy:
         return SamplingRows(mode, {})
@@ -116,8 +122,12 @@ def rows_of(params: Sequence[SamplingParams], to_device: Callable[[list, torch.d
         floats += [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                    [p.presence_penalty for p in params]]  # fmt: skip
     floats = to_device(floats, torch.float32)
-    ints = to_device([[p.top_k if not p.greedy else 0 for p in params], [p.seed or 0 for p in params]], torch.long)
-    values = (floats[0], ints[0], floats[1], floats[2], ints[1], *floats[3:])
+    ints = [[p.top_k if not p.greedy else 0 for p in params], [p.seed or 0 for p in params]]
+    if mode.penalized:
+        lengths = prompt_lengths or [0] * len(params)
+        ints.append([n + p.min_tokens for n, p in zip(lengths, params, strict=True)])
+    ints = to_device(ints, torch.long)
+    values = (floats[0], ints[0], floats[1], floats[2], ints[1], *floats[3:], *ints[2:])
     names = dict(zip(row_fields(mode), values, strict=True))
     return SamplingRows(mode, names)
 
@@ -145,6 +155,7 @@ def padding_rows(size: int, device: torch.device, mode: Mode) -> dict[str, torch
         "repetition": torch.ones(size, dtype=torch.float32, device=device),
         "frequency": torch.zeros(size, dtype=torch.float32, device=device),
         "presence": torch.zeros(size, dtype=torch.float32, device=device),
+        "min_end": torch.zeros(size, dtype=torch.long, device=device),
     }
     return {name: rows[name] for name in row_fields(mode)}
 
@@ -164,6 +175,7 @@ def choose(
     repetition: torch.Tensor | None = None,  # [B] per request: the penalties (`SamplingRows`)
     frequency: torch.Tensor | None = None,
     presence: torch.Tensor | None = None,
+    min_end: torch.Tensor | None = None,
     penalty_inputs: PenaltyInputs | None = None,  # penalized: what each row's penalties read
     shard: VocabShard | None = None,  # tensor parallel: `logits` are this rank's vocabulary shard [..., V/tp]
 ) -> tuple[torch.Tensor, Logprobs | None]:
@@ -185,7 +197,7 @@ def choose(
     inv_t = per_row(inv_temperature)
     raw = flat
     if mode.penalized:
-        penalties = (per_row(repetition).contiguous(), per_row(frequency).contiguous(), per_row(presence).contiguous())
+        penalties = tuple(per_row(t).contiguous() for t in (repetition, frequency, presence, min_end))
         flat = apply_penalties(flat, *penalty_inputs, *penalties)
     threshold = None
     if mode.filtered:

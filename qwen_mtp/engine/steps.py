@@ -85,8 +85,9 @@ class DecodeSteps:
         mode reports them."""
         cache = self._cache(tokens, positions, rows, tables, lens)
         hidden = self.model.hidden_states(tokens, positions, cache)
-        penalty_inputs = self.penalties.inputs(rows, tokens) if mode.penalized else None
-        chosen, logprobs = self._choose(hidden, mode, positions + 1, sampling_rows, penalty_inputs)
+        chosen_positions = positions + 1
+        penalty_inputs = self.penalties.inputs(rows, chosen_positions, tokens) if mode.penalized else None
+        chosen, logprobs = self._choose(hidden, mode, chosen_positions, sampling_rows, penalty_inputs)
         return hidden, chosen, logprobs
 
     def draft(

@@ -93,9 +93,10 @@ class RequestUpdater:
             request.tokens.append(token)
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.append(logprobs[i])
-            if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+            may_stop = request.num_output > params.min_tokens  # the first min_tokens tokens end nothing
+            if may_stop and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids):
                 self.finish(request, "stop")
-            elif params.stop and completes_stop_string(request, self.decode):
+            elif may_stop and params.stop and completes_stop_string(request, self.decode):
                 self.finish(request, "stop")
             elif request.num_output >= params.max_new_tokens:
                 self.finish(request, "length")

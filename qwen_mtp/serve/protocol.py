@@ -2,8 +2,8 @@
 
 Unknown fields are refused (422 -> 400 naming the field) rather than ignored, so a misspelt option never
 silently changes what a client gets. Extensions beyond the OpenAI API follow vLLM's names: `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`. `logit_bias` keys are token ids
-written as strings, as JSON objects need.
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`. `logit_bias` keys are
+token ids written as strings, as JSON objects need.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class _Sampling(BaseModel):
 
     model: StrictStr | None = None
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     temperature: Number | None = None  # None: the OpenAI default, 1.0
     top_p: Number | None = None
     top_k: StrictInt | None = None  # 0 or -1: off
@@ -54,6 +55,7 @@ class _Sampling(BaseModel):
         stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop is not None else []
         return SamplingParams(
             max_new_tokens=max(max_tokens, 1),
+            min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             temperature=1.0 if self.temperature is None else self.temperature,

@@ -86,10 +86,11 @@ def sample_args():
 def penalty_args():
     counts = torch.randint(0, 3, (2, 100), generator=torch.Generator().manual_seed(17), dtype=torch.int32)
     seen, rows = counts.flip(1) > 1, torch.tensor([1, 0, 1])
-    bias = torch.where(counts == 2, 2.5, 0.0)
+    bias, stops = torch.where(counts == 2, 2.5, 0.0), counts == 1
     drafts, rep = torch.tensor([[-1, -1], [5, -1], [5, 9]]), torch.tensor([1.3, 1.0, 0.8])
     freq, pres = torch.tensor([0.5, 0.0, -1.0]), torch.tensor([1.0, 0.0, 0.2])
-    parts = (counts, seen, bias, rows, drafts, rep, freq, pres)
+    positions, min_end = torch.tensor([4, 9, 12]), torch.tensor([0, 10, 12])
+    parts = (counts, seen, bias, stops, rows, drafts, positions, rep, freq, pres, min_end)
     return (rand(3, 100, seed=18), *(t.to(DEVICE) for t in parts))
 
 

@@ -1,6 +1,7 @@
-"""Logit bias, repetition, presence and frequency penalties (`qwen_mtp::apply_penalties`): the rule element by
-element in float32 (numpy), the kernel equal to the reference bit for bit (counts read by state row, drafts added in
-the kernel), neutral values change no bit, and a row's result does not depend on the rows beside it."""
+"""Logit bias, repetition, presence and frequency penalties and min_tokens' stop-token ban
+(`qwen_mtp::apply_penalties`): the rule element by element in float32 (numpy), the kernel equal to the reference bit
+for bit (counts read by state row, drafts added in the kernel), neutral values change no bit, and a row's result does
+not depend on the rows beside it."""
 
 import itertools
 
@@ -23,20 +24,24 @@ def inputs(rows=5, vocab=VOCAB, dtype=torch.float32, drafts=3, seed=0):
     )
     seen = torch.rand(4, vocab, generator=gen) < 0.2
     bias = torch.randn(4, vocab, generator=gen) * 3 * (torch.rand(4, vocab, generator=gen) < 0.1)
+    stops = torch.rand(4, vocab, generator=gen) < 0.05
+    positions = torch.randint(10, 20, (rows,), generator=gen)
+    min_end = torch.randint(0, 30, (rows,), generator=gen)
     state_rows = torch.randint(0, 4, (rows,), generator=gen)
     tokens = torch.randint(0, vocab, (rows, drafts), generator=gen)
     tokens[torch.rand(rows, drafts, generator=gen) < 0.3] = -1
     tokens[0, : min(2, drafts)] = 7  # a draft token twice
     rep = torch.empty(rows).uniform_(0.5, 2.0, generator=gen)
     freq, pres = torch.empty(rows).uniform_(-2, 2, generator=gen), torch.empty(rows).uniform_(-2, 2, generator=gen)
-    rep[1], freq[1], pres[1] = 1.0, 0.0, 0.0  # an unpenalized row
-    parts = (logits, counts, seen, bias, state_rows, tokens, rep, freq, pres)
+    rep[1], freq[1], pres[1], min_end[1] = 1.0, 0.0, 0.0, 0  # an unpenalized row
+    min_end[2] = positions[2] + 1  # a row whose stop tokens are banned
+    parts = (logits, counts, seen, bias, stops, state_rows, tokens, positions, rep, freq, pres, min_end)
     return tuple(t.to(DEVICE) for t in parts)
 
 
 def test_rule_element_by_element():
     """Each element as its own float32 operations (numpy scalars round every operation), against the reference."""
-    logits, counts, seen, bias, rows, drafts, rep, freq, pres = args = inputs(rows=4, vocab=40)
+    logits, counts, seen, bias, stops, rows, drafts, positions, rep, freq, pres, min_end = args = inputs(4, 40)
     out = apply_penalties_reference(*args).cpu()
     f32 = np.float32
     for r, v in itertools.product(range(4), range(40)):
@@ -48,6 +53,8 @@ def test_rule_element_by_element():
             x = x / f32(rep[r].item()) if x > 0 else x * f32(rep[r].item())
         x = f32(x - f32(freq[r].item()) * f32(c))
         x = f32(x - f32(pres[r].item()) * f32(c > 0))
+        if stops[rows[r], v] and positions[r] < min_end[r]:
+            x = f32("-inf")
         assert out[r, v].item() == x, (r, v)
 
 
@@ -60,11 +67,12 @@ def test_kernel_equals_reference_bitwise(dtype, drafts):
 
 
 def test_neutral_penalties_change_no_bit():
-    logits, counts, seen, bias, rows, drafts, *_ = inputs()
+    logits, counts, seen, bias, stops, rows, drafts, positions, *_ = inputs()
     logits[0, :4] = torch.tensor([0.0, -0.0, float("-inf"), 1e-30])
     ones, zeros = torch.ones(5, device=DEVICE), torch.zeros(5, device=DEVICE)
     for run in (apply_penalties_reference, apply_penalties_triton):
-        out = run(logits, counts, seen, torch.zeros_like(bias), rows, drafts, ones, zeros, zeros)
+        buffers = (counts, seen, torch.zeros_like(bias), stops)
+        out = run(logits, *buffers, rows, drafts, positions, ones, zeros, zeros, zeros.long())
         assert torch.equal(out.view(torch.int32), logits.view(torch.int32))
 
 
@@ -72,8 +80,8 @@ def test_a_row_alone_equals_the_row_in_a_batch():
     args = inputs(drafts=2)
     batch = apply_penalties_triton(*args, block=128)
     for r in range(5):
-        logits, buffers, (rows, drafts, rep, freq, pres) = args[0], args[1:4], args[4:]
-        one = (logits[r : r + 1], *buffers, *(t[r : r + 1] for t in (rows, drafts, rep, freq, pres)))
+        logits, buffers, per_row = args[0], args[1:5], args[5:]
+        one = (logits[r : r + 1], *buffers, *(t[r : r + 1] for t in per_row))
         assert torch.equal(apply_penalties_triton(*one, block=128), batch[r : r + 1])
 
 

@@ -184,6 +184,8 @@ class ServerSection:
     request_timeout_s: float | None = 600.0  # from arrival; past it the request ends with finish_reason "timeout"
     shutdown_grace_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are cancelled
     default_max_tokens: int = 256  # max_tokens of a request that gives none
+    # "qwen3": a chat answer's thinking (before `</think>`) as `reasoning_content`, apart from `content`
+    reasoning_parser: Literal["qwen3"] | None = None
 
 
 @dataclass

@@ -20,8 +20,8 @@ from qwen_mtp.serve.server import bind, uvicorn_server
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
-    "<think>\n\n</think>\n\n{% endif %}"  # as Qwen's templates do
+    "{% if add_generation_prompt and enable_thinking is defined %}"  # as Qwen's templates do
+    "{% if enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 

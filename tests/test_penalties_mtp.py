@@ -86,6 +86,8 @@ def test_bad_penalties_are_request_errors():
     with pytest.raises(RequestError, match="min_tokens must be an integer in \\[0, max_new_tokens\\]"):
         SamplingParams(max_new_tokens=4, min_tokens=5)
     assert SamplingParams(min_tokens=1).penalized
+    positional = SamplingParams(8, True, (3,), 0.5)  # the fields before these keep their places
+    assert (positional.ignore_eos, positional.stop_token_ids, positional.temperature) == (True, (3,), 0.5)
     for bad, message in (({3: 101.0}, "in \\[-100, 100\\]"), ({-1: 1.0}, "token ids"), ({"3": 1.0}, "token ids"),
                          ([(3, 1.0), (3, 2.0)], "twice"), ("3:1", "map token ids")):  # fmt: skip
         with pytest.raises(RequestError, match=message):

@@ -42,7 +42,6 @@ class SamplingParams:
     """
 
     max_new_tokens: int = 32
-    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0
@@ -50,13 +49,15 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # added after the fields above, so that positional arguments keep their meaning
+    min_tokens: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not is_token_id(self.max_new_tokens) or self.max_new_tokens < 1:

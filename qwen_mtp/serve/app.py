@@ -30,6 +30,7 @@ from qwen_mtp.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from qwen_mtp.serve.reasoning import ReasoningSplitter, opens_thinking
 from qwen_mtp.serve.responses import Choice
 from qwen_mtp.serve.text import TextAssembler, output_decoder
 
@@ -207,8 +208,14 @@ class _Api:
     def chat_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, template_kwargs: dict | None = None
     ) -> list[int]:
-        """The token ids of `messages` through the checkpoint's chat template, with `template_kwargs` (the
-        request's `chat_template_kwargs`) as more template variables."""
+        """The token ids of `messages` through the checkpoint's chat template (`chat_text`)."""
+        return self.engine.encode(self.chat_text(messages, add_generation_prompt, template_kwargs))
+
+    def chat_text(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> str:
+        """`messages` through the checkpoint's chat template, with `template_kwargs` (the request's
+        `chat_template_kwargs`) as more template variables."""
         template_kwargs = template_kwargs or {}
         reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
@@ -228,7 +235,7 @@ class _Api:
             )
         except Exception as err:  # jinja2 errors, and templates that raise on a message order they refuse
             raise RequestError(f"the chat template refused these messages: {type(err).__name__}: {err}") from None
-        return self.engine.encode(text)
+        return text
 
     def _choices(
         self, body, prompts: list[list[int]], echoes: list[str], max_tokens: int, logprobs, prompt_logprobs
@@ -300,7 +307,8 @@ class _Api:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         logprobs = body.logprobs_count
-        prompt = self.chat_prompt(body.messages, template_kwargs=body.chat_template_kwargs)
+        prompt_text = self.chat_text(body.messages, template_kwargs=body.chat_template_kwargs)
+        prompt = self.engine.encode(prompt_text)
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
         else:
@@ -308,6 +316,9 @@ class _Api:
         if max_tokens == 0:
             raise RequestError("max_tokens must be >= 1 for a chat completion")
         choices, requests = self._choices(body, [prompt], [""], max_tokens, logprobs, None)
+        if self.settings.reasoning_parser is not None:
+            for choice in choices:
+                choice.reasoning = ReasoningSplitter(opens_thinking(prompt_text))
         job = _Job(self.loop, requests)
         by_id = dict(zip(job.ids, choices, strict=True))
         response_id = shape.new_id("chatcmpl")
@@ -338,6 +349,13 @@ class _Api:
         def chunk(choice: Choice, text: str, logprobs, finish: str | None) -> dict[str, Any] | None:
             logprobs = logprobs if want_logprobs else None
             delta = {"content": text} if text else {}
+            if choice.reasoning is not None:
+                reasoning, content = choice.reasoning.push(text)
+                if finish is not None:
+                    rest = choice.reasoning.finish()
+                    reasoning, content = reasoning + rest[0], content + rest[1]
+                delta = {"reasoning_content": reasoning} if reasoning else {}
+                delta |= {"content": content} if content else {}
             return shape.chat_chunk_choice(choice, delta, logprobs, self.decode, finish)
 
         return first, chunk

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qwen_mtp.engine.update import TokenLogprob
+from qwen_mtp.serve.reasoning import ReasoningSplitter
 from qwen_mtp.serve.text import TextAssembler
 
 Decode = Callable[[list[int]], str | None]
@@ -28,6 +29,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
+    reasoning: ReasoningSplitter | None = None  # chat with `server.reasoning_parser`: thinking apart from content
 
     def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> str:
         """Take new tokens; returns the text that became final."""
@@ -122,9 +124,12 @@ def chat_logprobs(entries: list[TokenLogprob], decode: Decode) -> dict[str, Any]
 
 
 def chat_choice(choice: Choice, decode: Decode, want_logprobs: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if choice.reasoning is not None:
+        message["reasoning_content"], message["content"] = choice.reasoning.split(choice.text)
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
+        "message": message,
         "logprobs": chat_logprobs(choice.logprobs, decode) if want_logprobs else None,
         "finish_reason": choice.finish_reason,
     }

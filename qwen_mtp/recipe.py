@@ -186,6 +186,9 @@ class ServerSection:
     default_max_tokens: int = 256  # max_tokens of a request that gives none
     # "qwen3": a chat answer's thinking (before `</think>`) as `reasoning_content`, apart from `content`
     reasoning_parser: Literal["qwen3"] | None = None
+    # sampling fields a request leaves out take the checkpoint's generation_config.json values (vLLM's default)
+    generation_defaults: bool = True
+    api_key: str | None = None  # set: every /v1 request needs `Authorization: Bearer <api_key>` (else 401)
 
 
 @dataclass

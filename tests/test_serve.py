@@ -18,6 +18,7 @@ import openai
 import pytest
 from serve_helpers import LiveServer, tiny_recipe, with_chat_template
 
+import qwen_mtp
 from qwen_mtp.engine import Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,19 @@ def small_server(checkpoint):
     """One running request, one waiting, a 2 s timeout; the plain checkpoint (no chat template)."""
     recipe = tiny_recipe(checkpoint(), "cache.max_batch=1", "server.max_queue=1", "server.request_timeout_s=2.0")
     with LiveServer.from_recipe(recipe) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def keyed_server(checkpoint, tmp_path_factory):
+    """`server.api_key` set, over a copy of the checkpoint whose generation_config.json asks for top_k 1 (greedy
+    whatever the temperature) as a default."""
+    path = tmp_path_factory.getbasetemp() / "tiny-generation-config"
+    if not path.exists():
+        shutil.copytree(checkpoint(), path)
+        config = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps(config | {"top_k": 1, "temperature": 0.9}))
+    with LiveServer.from_recipe(tiny_recipe(path, "server.api_key=s3cret")) as live:
         yield live
 
 
@@ -375,6 +389,30 @@ def test_penalties_reach_the_engine_and_mtp_keeps_them(server, mtp_server, refer
     (result,) = reference.generate([prompt], params)
     assert answers == [text_of(reference, result.token_ids)] * 2
     assert plain.token_ids != result.token_ids and plain.token_ids[1] not in result.token_ids
+
+
+def test_api_key_guards_v1_and_leaves_health_metrics_version_open(keyed_server):
+    with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
+        client(keyed_server).completions.create(prompt=[1, 2], max_tokens=2, **GREEDY)
+    keyed = openai.OpenAI(base_url=keyed_server.url, api_key="s3cret", max_retries=0)
+    assert len(keyed.completions.create(prompt=[1, 2], max_tokens=2, **LONG, **GREEDY).choices[0].text) > 0
+    assert httpx.get(keyed_server.url + "/models").status_code == 401
+    assert httpx.get(keyed_server.base + "/health").status_code == 200
+    assert httpx.get(keyed_server.base + "/metrics").status_code == 200
+    assert httpx.get(keyed_server.base + "/version").json() == {"version": qwen_mtp.__version__}
+
+
+def test_generation_config_supplies_the_sampling_fields_a_request_leaves_out(keyed_server, reference):
+    """The checkpoint's generation_config.json says top_k 1: a request without top_k samples from one token (the
+    greedy one, at any temperature); a request's own top_k wins."""
+    keyed = openai.OpenAI(base_url=keyed_server.url, api_key="s3cret", max_retries=0)
+    prompt = [5, 6, 7, 8]
+    (greedy,) = reference.generate([prompt], SamplingParams(12, ignore_eos=True))
+    out = keyed.completions.create(model="qwen-mtp", prompt=prompt, max_tokens=12, seed=3, **LONG)
+    assert out.choices[0].text == text_of(reference, greedy.token_ids)
+    wide = keyed.completions.create(model="qwen-mtp", prompt=prompt, max_tokens=12, seed=3,
+                                    extra_body={"ignore_eos": True, "top_k": 0})  # fmt: skip
+    assert wide.choices[0].text != out.choices[0].text  # T = 0.9 over the whole vocabulary
 
 
 def test_seeded_sampling_is_reproducible(server):

@@ -126,6 +126,7 @@ class Engine:
             raise RecipeError(f"mtp.enabled: checkpoint {loaded.checkpoint} has no mtp.* weights (no MTP head)")
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.checkpoint = loaded.checkpoint  # the directory it was loaded from (the server reads its generation config)
         self.device = loaded.device
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from qwen_mtp import __version__
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.errors import RequestError
 from qwen_mtp.recipe import ServerSection
@@ -29,6 +31,7 @@ from qwen_mtp.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    generation_defaults,
 )
 from qwen_mtp.serve.reasoning import ReasoningSplitter, opens_thinking
 from qwen_mtp.serve.responses import Choice
@@ -53,6 +56,8 @@ def create_app(engine: Engine, settings: ServerSection, log: Callable[[str], Non
     loop = EngineLoop(engine, metrics, settings.max_queue, settings.request_timeout_s, log)
     metrics.watch(lambda: loop.stats, lambda: loop.in_flight)
     api = _Api(engine, loop, settings)
+    if api.defaults:
+        log(f"sampling defaults from the checkpoint's generation_config.json: {api.defaults}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,6 +68,12 @@ def create_app(engine: Engine, settings: ServerSection, log: Callable[[str], Non
     app = FastAPI(title="qwen-mtp", lifespan=lifespan)
     app.state.engine_loop = loop
     _add_error_handlers(app)
+    if settings.api_key is not None:
+        _require_api_key(app, settings.api_key)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -194,6 +205,8 @@ class _Job:
 class _Api:
     def __init__(self, engine: Engine, loop: EngineLoop, settings: ServerSection):
         self.engine, self.loop, self.settings = engine, loop, settings
+        # what a request's left-out sampling fields take (`server.generation_defaults`)
+        self.defaults = generation_defaults(engine.checkpoint) if settings.generation_defaults else {}
         self.output_text = output_decoder(engine.tokenizer)
         self.started = int(time.time())
 
@@ -243,7 +256,7 @@ class _Api:
         choices, requests = [], []
         for p, (prompt, echo) in enumerate(zip(prompts, echoes, strict=True)):
             for i in range(body.n):
-                params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+                params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.defaults)
                 if body.seed is not None and i > 0:  # n answers to one seeded prompt: seeds seed, seed + 1, ...
                     params = _with_seed(params, (body.seed + i) % 2**63)
                 assembler = TextAssembler(self.output_text, params.stop)
@@ -410,6 +423,20 @@ class _Api:
                 job.cancel_open()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _require_api_key(app: FastAPI, key: str) -> None:
+    """Every /v1 request must carry `Authorization: Bearer <key>` (`server.api_key`); the others (health, metrics,
+    version, tokenize) stay open, as vLLM's `--api-key` leaves them."""
+    expected = f"Bearer {key}"
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        given = request.headers.get("authorization", "")
+        if request.url.path.startswith("/v1") and not hmac.compare_digest(given.encode(), expected.encode()):
+            body = {"message": "invalid or missing API key", "type": "authentication_error", "param": None, "code": 401}
+            return JSONResponse({"error": body}, status_code=401)
+        return await call_next(request)
 
 
 def _failure_body(event: Finished) -> dict[str, Any]:

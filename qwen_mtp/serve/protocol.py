@@ -8,12 +8,14 @@ token ids written as strings, as JSON objects need.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
-from qwen_mtp.errors import RequestError
+from qwen_mtp.errors import RecipeError, RequestError
 
 Number = StrictInt | StrictFloat
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -50,20 +52,29 @@ class _Sampling(BaseModel):
     repetition_penalty: Number | None = None  # None: 1, off
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as a JSON key: a string) -> bias in [-100, 100]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """The engine's parameters for one choice (`max_tokens` already resolved; 0 runs one token, dropped)."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """The engine's parameters for one choice (`max_tokens` already resolved; 0 runs one token, dropped); a
+        sampling field the request leaves out takes `defaults` (`generation_defaults`), else the OpenAI API's."""
+        defaults = defaults or {}
+
+        def given(name: str, default: float) -> float:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, default)
+
         stop = self.stop if isinstance(self.stop, list) else [self.stop] if self.stop is not None else []
         return SamplingParams(
             max_new_tokens=max(max_tokens, 1),
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=given("temperature", 1.0),
+            top_k=max(0, given("top_k", 0)),  # -1: off
+            top_p=given("top_p", 1.0),
+            min_p=given("min_p", 0.0),
             seed=self.seed,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=_token_biases(self.logit_bias or {}),
@@ -75,6 +86,32 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(checkpoint: Path | None) -> dict[str, float]:
+    """The sampling defaults a checkpoint's `generation_config.json` sets (its `GENERATION_KEYS`), as vLLM applies
+    them to requests that leave those fields out; {} without the file. A value that is not a number is a
+    `RecipeError` naming it (the server does not start with defaults it cannot use)."""
+    file = None if checkpoint is None else Path(checkpoint) / "generation_config.json"
+    if file is None or not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RecipeError(f"server.generation_defaults: cannot read {file}: {err}") from None
+    defaults = {}
+    for key in GENERATION_KEYS:
+        value = config.get(key) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if key == "top_k" else int | float):
+            kind = "an integer" if key == "top_k" else "a number"
+            raise RecipeError(f"server.generation_defaults: {file} has {key}={value!r}, not {kind}")
+        defaults[key] = value
+    return defaults
 
 
 def _token_biases(given: dict[str, float]) -> dict[int, float]:

@@ -186,6 +186,8 @@ class ServerSection:
     default_max_tokens: int = 256  # max_tokens of a request that gives none
     # "qwen3": a chat answer's thinking (before `</think>`) as `reasoning_content`, apart from `content`
     reasoning_parser: Literal["qwen3"] | None = None
+    # "qwen3_coder": tool calls in a chat answer (Qwen3.5's XML format) as OpenAI `tool_calls`; needed for `tools`
+    tool_call_parser: Literal["qwen3_coder"] | None = None
     # sampling fields a request leaves out take the checkpoint's generation_config.json values (vLLM's default)
     generation_defaults: bool = True
     api_key: str | None = None  # set: every /v1 request needs `Authorization: Bearer <api_key>` (else 401)

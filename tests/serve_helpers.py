@@ -18,7 +18,12 @@ from qwen_mtp.serve.server import bind, uvicorn_server
 
 # A ChatML template like Qwen's (the tiny tokenizer has <|im_start|> / <|im_end|> as special tokens).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n# Tools{% for t in tools %}\n{{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments|items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}"
+    "</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     "{% if add_generation_prompt and enable_thinking is defined %}"  # as Qwen's templates do
     "{% if enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"

@@ -36,6 +36,7 @@ from qwen_mtp.serve.protocol import (
 from qwen_mtp.serve.reasoning import ReasoningSplitter, opens_thinking
 from qwen_mtp.serve.responses import Choice
 from qwen_mtp.serve.text import TextAssembler, output_decoder
+from qwen_mtp.serve.tools import ToolCallSplitter
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 # `apply_chat_template` arguments the server itself sets: a request's chat_template_kwargs may not
@@ -106,7 +107,9 @@ def create_app(engine: Engine, settings: ServerSection, log: Callable[[str], Non
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if body.messages is not None:
-            tokens = api.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            text = api.chat_text(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+            tokens = engine.encode(text)
         else:
             tokens = engine.encode(body.prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.config.max_position_embeddings}
@@ -218,17 +221,15 @@ class _Api:
         """One token's or the prompt's text, special tokens included (logprob entries, echo)."""
         return self.engine.decode(token_ids)
 
-    def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, template_kwargs: dict | None = None
-    ) -> list[int]:
-        """The token ids of `messages` through the checkpoint's chat template (`chat_text`)."""
-        return self.engine.encode(self.chat_text(messages, add_generation_prompt, template_kwargs))
-
     def chat_text(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """`messages` through the checkpoint's chat template, with `template_kwargs` (the request's
-        `chat_template_kwargs`) as more template variables."""
+        `chat_template_kwargs`) as more template variables and the request's `tools`."""
         template_kwargs = template_kwargs or {}
         reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
@@ -244,6 +245,7 @@ class _Api:
                 [m.as_template_input() for m in messages],
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
                 **template_kwargs,
             )
         except Exception as err:  # jinja2 errors, and templates that raise on a message order they refuse
@@ -320,7 +322,13 @@ class _Api:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         logprobs = body.logprobs_count
-        prompt_text = self.chat_text(body.messages, template_kwargs=body.chat_template_kwargs)
+        parse_tools = body.parses_tool_calls
+        if parse_tools and self.settings.tool_call_parser is None:
+            raise RequestError(
+                "tools need a tool call parser: start the server with server.tool_call_parser=qwen3_coder"
+            )
+        tools = body.tools_for_template()
+        prompt_text = self.chat_text(body.messages, template_kwargs=body.chat_template_kwargs, tools=tools)
         prompt = self.engine.encode(prompt_text)
         if body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
@@ -332,6 +340,9 @@ class _Api:
         if self.settings.reasoning_parser is not None:
             for choice in choices:
                 choice.reasoning = ReasoningSplitter(opens_thinking(prompt_text))
+        if parse_tools:
+            for choice in choices:
+                choice.tools = ToolCallSplitter(tools)
         job = _Job(self.loop, requests)
         by_id = dict(zip(job.ids, choices, strict=True))
         response_id = shape.new_id("chatcmpl")
@@ -361,14 +372,25 @@ class _Api:
 
         def chunk(choice: Choice, text: str, logprobs, finish: str | None) -> dict[str, Any] | None:
             logprobs = logprobs if want_logprobs else None
-            delta = {"content": text} if text else {}
+            reasoning, content = "", text
             if choice.reasoning is not None:
                 reasoning, content = choice.reasoning.push(text)
                 if finish is not None:
                     rest = choice.reasoning.finish()
                     reasoning, content = reasoning + rest[0], content + rest[1]
-                delta = {"reasoning_content": reasoning} if reasoning else {}
-                delta |= {"content": content} if content else {}
+            calls = []
+            if choice.tools is not None:
+                first = len(choice.tools.calls)  # the index of the first call this chunk completes
+                content, calls = choice.tools.push(content)
+                if finish is not None:
+                    rest = choice.tools.finish()
+                    content, calls = content + rest[0], calls + rest[1]
+                calls = [{"index": first + i, **call} for i, call in enumerate(calls)]
+                if finish == "stop" and choice.tools.calls:
+                    finish = "tool_calls"
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            delta |= {"content": content} if content else {}
+            delta |= {"tool_calls": calls} if calls else {}
             return shape.chat_chunk_choice(choice, delta, logprobs, self.decode, finish)
 
         return first, chunk

@@ -147,21 +147,76 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as the OpenAI API writes it
+
+
+class ToolCall(BaseModel):
+    """A tool call an earlier assistant message made (the conversation's history)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: StrictStr | None = None  # tool: the call it answers
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it; a tool call's arguments as an object (Qwen's templates iterate
+        over them), as vLLM hands them over."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type, "function": {"name": call.function.name,
+                                                                "arguments": _arguments(call.function)}}
+                for call in self.tool_calls
+            ]  # fmt: skip
         return message
+
+
+def _arguments(function: FunctionCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(function.arguments)
+    except json.JSONDecodeError as err:
+        raise RequestError(f"tool call {function.name!r}: arguments are not JSON: {err}") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"tool call {function.name!r}: arguments must be a JSON object")
+    return arguments
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionTool
 
 
 class ChatCompletionRequest(_Sampling):
@@ -173,6 +228,26 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # extension (vLLM's and SGLang's name): more variables for the chat template, e.g. Qwen's enable_thinking
     chat_template_kwargs: dict[StrictStr, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (None without any)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the answer is searched for tool calls: tools given and `tool_choice` not "none". Forcing a call
+        ("required", a named function) needs decoding constrained to the call's format: refused."""
+        if not self.tools:
+            return False
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise RequestError(
+                f"tool_choice {self.tool_choice!r} needs constrained decoding, which qwen-mtp does not run: use "
+                '"auto" or "none"'
+            )
+        return self.tool_choice != "none"
 
     @property
     def logprobs_count(self) -> int | None:
@@ -189,6 +264,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[StrictStr, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(BaseModel):

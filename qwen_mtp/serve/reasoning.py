@@ -16,6 +16,8 @@ on text, so the tags need not be single tokens.
 
 from __future__ import annotations
 
+from qwen_mtp.serve.text import held_back
+
 START, END = "<think>", "</think>"
 
 
@@ -58,7 +60,7 @@ class ReasoningSplitter:
         if self.state == "reasoning":
             end = text.find(END)
             if end < 0:
-                held = 0 if final else _tail_beginning(text, END)
+                held = 0 if final else held_back(text, (END,))
                 self.pending = text[len(text) - held :]
                 return text[: len(text) - held], ""
             reasoning, text = text[:end], text[end + len(END) :]
@@ -67,11 +69,3 @@ class ReasoningSplitter:
             text = text.lstrip("\n")
             self.after_end = not text
         return reasoning, text
-
-
-def _tail_beginning(text: str, tag: str) -> int:
-    """The longest tail of `text` that begins `tag` (it may complete with the next text)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -12,6 +12,7 @@ from typing import Any
 from qwen_mtp.engine.update import TokenLogprob
 from qwen_mtp.serve.reasoning import ReasoningSplitter
 from qwen_mtp.serve.text import TextAssembler
+from qwen_mtp.serve.tools import ToolCallSplitter
 
 Decode = Callable[[list[int]], str | None]
 
@@ -30,6 +31,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     reasoning: ReasoningSplitter | None = None  # chat with `server.reasoning_parser`: thinking apart from content
+    tools: ToolCallSplitter | None = None  # chat with tools: the calls apart from the content
 
     def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> str:
         """Take new tokens; returns the text that became final."""
@@ -127,11 +129,17 @@ def chat_choice(choice: Choice, decode: Decode, want_logprobs: bool) -> dict[str
     message: dict[str, Any] = {"role": "assistant", "content": choice.text}
     if choice.reasoning is not None:
         message["reasoning_content"], message["content"] = choice.reasoning.split(choice.text)
+    finish_reason = choice.finish_reason
+    if choice.tools is not None:
+        message["content"], calls = choice.tools.split(message["content"] or "")
+        if calls:
+            message["tool_calls"] = calls
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {
         "index": choice.index,
         "message": message,
         "logprobs": chat_logprobs(choice.logprobs, decode) if want_logprobs else None,
-        "finish_reason": choice.finish_reason,
+        "finish_reason": finish_reason,
     }
 
 

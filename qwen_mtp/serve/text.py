@@ -43,14 +43,14 @@ class TextAssembler:
         if cut >= 0:
             full, self.stopped = full[:cut], True
         elif not final:
-            full = full[: len(full) - _held_back(full, self.stop)]
+            full = full[: len(full) - held_back(full, self.stop)]
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """The longest tail of `text` that begins some stop string (it may complete with the next tokens)."""
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """The longest tail of `text` that begins one of `stops` (stop strings, or a tag the next text may complete)."""
     longest = 0
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), longest, -1):

@@ -205,11 +205,10 @@ def choose(
     tokens, lse = sampling_ops.sample_tokens(flat, inv_t, threshold, per_row(seed), positions.reshape(-1))
     if not mode.logprobs:
         return tokens.view(lead), None
-    if mode.penalized:  # the normaliser of the model's distribution, not of the penalized one
+    if mode.penalized:  # logprobs are the model's own distribution's: its normaliser, not the penalized one's
         lse = sampling_ops.sample_tokens(raw, torch.zeros_like(inv_t), None, per_row(seed), positions.reshape(-1))[1]
-    flat = raw
-    chosen = flat.gather(1, tokens[:, None])[:, 0].float() - lse
-    top = flat.topk(min(MAX_LOGPROBS, vocab), dim=-1)
+    chosen = raw.gather(1, tokens[:, None])[:, 0].float() - lse
+    top = raw.topk(min(MAX_LOGPROBS, vocab), dim=-1)
     top_logprobs = top.values.float() - lse[:, None]
     return tokens.view(lead), (chosen.view(lead), top.indices.view(*lead, -1), top_logprobs.view(*lead, -1))
 

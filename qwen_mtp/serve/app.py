@@ -372,25 +372,9 @@ class _Api:
 
         def chunk(choice: Choice, text: str, logprobs, finish: str | None) -> dict[str, Any] | None:
             logprobs = logprobs if want_logprobs else None
-            reasoning, content = "", text
-            if choice.reasoning is not None:
-                reasoning, content = choice.reasoning.push(text)
-                if finish is not None:
-                    rest = choice.reasoning.finish()
-                    reasoning, content = reasoning + rest[0], content + rest[1]
-            calls = []
-            if choice.tools is not None:
-                first = len(choice.tools.calls)  # the index of the first call this chunk completes
-                content, calls = choice.tools.push(content)
-                if finish is not None:
-                    rest = choice.tools.finish()
-                    content, calls = content + rest[0], calls + rest[1]
-                calls = [{"index": first + i, **call} for i, call in enumerate(calls)]
-                if finish == "stop" and choice.tools.calls:
-                    finish = "tool_calls"
-            delta = {"reasoning_content": reasoning} if reasoning else {}
-            delta |= {"content": content} if content else {}
-            delta |= {"tool_calls": calls} if calls else {}
+            delta = shape.chat_delta(choice, text, final=finish is not None)
+            if finish == "stop" and choice.tools is not None and choice.tools.calls:
+                finish = "tool_calls"
             return shape.chat_chunk_choice(choice, delta, logprobs, self.decode, finish)
 
         return first, chunk

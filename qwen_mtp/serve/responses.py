@@ -143,6 +143,28 @@ def chat_choice(choice: Choice, decode: Decode, want_logprobs: bool) -> dict[str
     }
 
 
+def chat_delta(choice: Choice, text: str, final: bool) -> dict[str, Any]:
+    """A chat stream chunk's delta for `text`, the answer's next final text (`final`: its last): its thinking as
+    `reasoning_content`, then the tool calls it completes (each whole, with its index among the answer's calls)
+    apart from the `content`, by the choice's parsers."""
+    reasoning, content, calls = "", text, []
+    if choice.reasoning is not None:
+        reasoning, content = choice.reasoning.push(text)
+        if final:
+            rest = choice.reasoning.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+    if choice.tools is not None:
+        made = len(choice.tools.calls)  # calls sent in earlier chunks
+        content, calls = choice.tools.push(content)
+        if final:
+            rest = choice.tools.finish()
+            content, calls = content + rest[0], calls + rest[1]
+        calls = [{"index": made + i, **call} for i, call in enumerate(calls)]
+    delta = {"reasoning_content": reasoning} if reasoning else {}
+    delta |= {"content": content} if content else {}
+    return delta | ({"tool_calls": calls} if calls else {})
+
+
 def chat_chunk_choice(
     choice: Choice, delta: dict[str, str], logprobs: list[TokenLogprob] | None, decode: Decode, finish: str | None
 ) -> dict[str, Any]:

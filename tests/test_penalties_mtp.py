@@ -8,6 +8,8 @@ unpenalized distribution."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -238,3 +240,23 @@ def test_penalized_k_per_step_and_lookahead_equal_plain(path, plain):
     assert ahead.lookahead_steps > 0
     plain_ahead = Engine.from_recipe({**recipe, "mtp": {"enabled": False}}, log=lambda _: None)
     assert run(plain_ahead, mixed) == plain and plain_ahead.lookahead_steps > 0
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "qwen-mtp-small"
+
+
+def test_drafts_guess_the_penalized_choice_on_the_trained_model():
+    """Coupled drafts (the default) score with the request's penalties and the chain's earlier drafts counted, as the
+    target will: on the shipped trained checkpoint at repetition_penalty 1.3 they are accepted more often than the
+    head's unpenalized argmax (`mtp.coupled_drafts: false`), and the tokens are MTP-off's either way."""
+    recipe = {"model": {"path": str(SHIPPED), "dtype": "float32", "device": "cpu"}}
+    coupled = {"penalized": True, "plain": False}
+    mtp = {name: {"enabled": True, "k": 3, "coupled_drafts": value} for name, value in coupled.items()}
+    engines = {name: Engine.from_recipe(recipe | {"mtp": section}, log=lambda _: None) for name, section in mtp.items()}
+    prompts = [engines["plain"].encode(t) for t in ("def parse_args(argv):\n", "import os\nimport sys\n\n")]
+    params = SamplingParams(64, ignore_eos=True, repetition_penalty=1.3)
+    expected = [r.token_ids for r in Engine.from_recipe(recipe, log=lambda _: None).generate(prompts, params)]
+    for engine in engines.values():
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    lengths = {name: engine.stats()["acceptance_length"] for name, engine in engines.items()}
+    assert lengths["penalized"] > lengths["plain"] + 0.1, lengths

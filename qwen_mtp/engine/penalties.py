@@ -10,9 +10,10 @@ that emits tokens adds them there, in stream order, before any later step reads 
   zero, the prompt's tokens marked seen, its logit bias and stop tokens written.
 - `count(rows, tokens, accepted)`: after a decode (one token per row) or a verify (tokens c_0..c_K, of which
   c_0..c_j are emitted, j the accepted drafts), add the emitted tokens.
-- `inputs(rows, positions, tokens)`: what each chosen position reads. Verify position i chooses the token after d_i; it
-  matters only when d_1..d_i are all accepted, and then they are the tokens emitted there: so it reads its row's
-  counts plus d_1..d_i, which is what plain decoding reads at that position.
+- `inputs(rows, positions, tokens)`: what each chosen position reads. Verify position i chooses the token after
+  d_i; it matters only when d_1..d_i are all accepted, and then they are the tokens emitted there: so it reads its
+  row's counts plus d_1..d_i, which is what plain decoding reads at that position. `inputs_after` does the same for
+  a draft chain's steps (the drafts guess what the target will choose, penalties included).
 
 The counts are integers and every addition is exact, so they are the same whatever order adds them. Rows of
 requests without penalties are never started and hold stale counts; their neutral penalties ignore them. The
@@ -70,6 +71,11 @@ class PenaltyState:
         if accepted is not None:
             emitted = (torch.arange(width, device=tokens.device)[None, :] <= accepted[:, None]).int()
         self.counts.index_put_((rows[:, None].expand_as(tokens), tokens), emitted, accumulate=True)
+
+    def inputs_after(self, rows: torch.Tensor, positions: torch.Tensor, before: torch.Tensor) -> PenaltyInputs:
+        """For one position [B] each, after the tokens `before` [B, S] that are not counted yet (a draft chain's
+        earlier drafts: the drafts guess what the target will choose there, so they count what it would)."""
+        return PenaltyInputs(self.counts, self.seen, self.bias, self.stops, rows, before, positions)
 
     def inputs(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> PenaltyInputs:
         """For the T positions [B, T] (or [B]) a step over `tokens` [B, T] chooses (request b on state row rows[b];

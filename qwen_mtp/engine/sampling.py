@@ -73,9 +73,10 @@ class Mode(NamedTuple):
         return not (self.noise or self.filtered or self.logprobs or self.penalized)
 
     def for_drafts(self, coupled: bool) -> Mode:
-        """The draft chain's mode: the same noise and filters when coupled, else greedy argmax. Drafts are never
-        penalized (the head guesses from the unpenalized logits): only acceptance can change, never a token."""
-        return Mode(self.noise, self.filtered, False) if coupled else GREEDY
+        """The draft chain's mode: the same noise, filters and penalties when coupled (a draft guesses what the
+        target will choose), else greedy argmax of the head's own logits. Either way only acceptance can change,
+        never a token."""
+        return Mode(self.noise, self.filtered, False, self.penalized) if coupled else GREEDY
 
 
 GREEDY = Mode()

@@ -57,19 +57,21 @@ class DecodeSteps:
             logits, mode, chosen_positions, **sampling_rows, penalty_inputs=penalty_inputs, shard=shard
         )
 
-    def _propose(self, hidden: torch.Tensor, mode: Mode, positions: torch.Tensor, sampling_rows: dict):
+    def _propose(
+        self, hidden: torch.Tensor, mode: Mode, positions: torch.Tensor, sampling_rows: dict, penalty_inputs=None
+    ):
         """The head's draft [B] from its post-norm output [B, H] for the token at `positions` [B], scored by the
         target's lm_head, or by `draft_head` when set. With a draft vocabulary: greedy, the argmax over its ids;
-        sampled (coupled), its logits spread over the whole vocabulary (-inf elsewhere) so each id meets the same
-        noise as in the target's choice."""
+        sampled or penalized (coupled), its logits spread over the whole vocabulary (-inf elsewhere) so each id meets
+        the same noise and penalties as in the target's choice."""
         head = self.draft_head
         if head is None:
-            return self._choose(hidden, mode, positions, sampling_rows)[0]
+            return self._choose(hidden, mode, positions, sampling_rows, penalty_inputs)[0]
         logits = head.logits(hidden)  # [B, N]
         if head.ids is not None and mode.greedy:
             return head.ids[logits.float().argmax(dim=-1)]
         full = head.full_logits(logits, self.model.lm_head_weight.shape[0])  # [B, V]
-        return sampling.choose(full, mode, positions, **sampling_rows)[0]
+        return sampling.choose(full, mode, positions, **sampling_rows, penalty_inputs=penalty_inputs)[0]
 
     def target(
         self,
@@ -125,8 +127,14 @@ class DecodeSteps:
             return override
         drafts = []
         for step in range(k):
-            # draft `step` proposes the token at position first + step + 1 (the noise of that position)
-            proposed = self._propose(hidden, mode, first + step + 1, sampling_rows)
+            # draft `step` proposes the token at position first + step + 1 (the noise of that position; penalized,
+            # the counts with the chain's earlier drafts, as the target will count them if they are accepted)
+            position = first + step + 1
+            penalty_inputs = None
+            if mode.penalized:
+                earlier = torch.stack(drafts, dim=1) if drafts else rows.new_empty(rows.shape[0], 0)
+                penalty_inputs = self.penalties.inputs_after(rows, position, earlier)
+            proposed = self._propose(hidden, mode, position, sampling_rows, penalty_inputs)
             drafts.append(torch.where(use_override[:, step], override[:, step], proposed))
             if step == k - 1:
                 break

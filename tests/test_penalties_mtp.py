@@ -20,7 +20,7 @@ from qwen_mtp.errors import RequestError
 
 MAX_NEW = 20
 # prompts that repeat tokens (a repetition penalty sees them) and plain random ones
-PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4, 12, 2, 7)]
+PROMPTS = [random_prompt(n, seed=900 + n) for n in (1, 6, 33, 3, 19, 9, 17, 4, 12, 2, 7, 5)]
 PROMPTS[1] = PROMPTS[1] * 3
 
 
@@ -41,6 +41,15 @@ def mixed(i: int) -> SamplingParams:
         {"frequency_penalty": 2.0, "top_k": 5, "temperature": 1.0, "seed": 15},
         # min_tokens against a stop token the bias makes the favourite: it ends the request right after them
         {"min_tokens": 6, "stop_token_ids": (77,), "logit_bias": {77: 50.0}},
+        # the same, sampled through the filters (-inf logits in the threshold), the stop token merely likely
+        {
+            "temperature": 0.9,
+            "top_p": 0.8,
+            "seed": 17,
+            "min_tokens": 4,
+            "stop_token_ids": (78,),
+            "logit_bias": {78: 4.0},
+        },
     ]
     return SamplingParams(**base, **kinds[i % len(kinds)])
 

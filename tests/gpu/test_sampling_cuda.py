@@ -146,9 +146,11 @@ KINDS = [
     {"temperature": 0.8},
     {"temperature": 0.8, "top_p": 0.95, "logprobs": 3},
     {"temperature": 1.2, "top_k": 50, "min_p": 0.02},
-    {"repetition_penalty": 1.3, "frequency_penalty": -0.8},
-    {"temperature": 0.8, "top_p": 0.9, "presence_penalty": 1.5, "frequency_penalty": 0.5, "logprobs": 2},
-]
+    {"repetition_penalty": 1.3, "frequency_penalty": -0.8, "logit_bias": {11: 3.0, 12: -100.0}},
+    # min_tokens bans a stop token for the first 5 positions: -inf logits through the filters' threshold
+    {"temperature": 0.8, "top_p": 0.9, "presence_penalty": 1.5, "frequency_penalty": 0.5, "logprobs": 2,
+     "min_tokens": 5, "stop_token_ids": (13,), "logit_bias": {13: 8.0}},
+]  # fmt: skip
 
 
 def mixed_params(i, max_new):

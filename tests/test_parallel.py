@@ -302,6 +302,8 @@ def rank_engine(checkpoint, **sections) -> Engine:
         (SamplingParams(4, prompt_logprobs=1), "prompt_logprobs=1"),
         (SamplingParams(4, repetition_penalty=1.2), "repetition_penalty=1.2"),
         (SamplingParams(4, frequency_penalty=0.5), "frequency_penalty=0.5"),
+        (SamplingParams(4, logit_bias={3: 1.0}), "logit_bias"),
+        (SamplingParams(4, min_tokens=2), "min_tokens=2"),
     ],
 )
 def test_sampling_and_logprobs_under_tp_are_refused_at_submit(checkpoint, params, message):

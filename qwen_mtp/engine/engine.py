@@ -952,6 +952,7 @@ def _softmax_features(params: SamplingParams) -> list[str]:
         (f"presence_penalty={params.presence_penalty}", params.presence_penalty != 0.0),
         (f"frequency_penalty={params.frequency_penalty}", params.frequency_penalty != 0.0),
         ("logit_bias", bool(params.logit_bias)),
+        (f"min_tokens={params.min_tokens}", params.min_tokens > 0),
         (f"logprobs={params.logprobs}", params.logprobs is not None),
         (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
     )

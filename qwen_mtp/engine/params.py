@@ -125,7 +125,8 @@ def _logit_bias(given: Any) -> tuple[tuple[int, float], ...]:
         if not is_token_id(token) or token < 0:
             raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {_given(token)}")
         if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise RequestError(f"logit_bias of token {token} must be a number in [-100, 100], got {_given(bias)}")
+            bound = f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            raise RequestError(f"logit_bias of token {token} must be a number in {bound}, got {_given(bias)}")
     if len({token for token, _ in pairs}) != len(pairs):
         raise RequestError("logit_bias names a token twice")
     return tuple(sorted((int(token), float(bias)) for token, bias in pairs))

@@ -32,6 +32,7 @@ from qwen_mtp.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     generation_defaults,
+    template_tools,
 )
 from qwen_mtp.serve.reasoning import ReasoningSplitter, opens_thinking
 from qwen_mtp.serve.responses import Choice
@@ -107,7 +108,7 @@ def create_app(engine: Engine, settings: ServerSection, log: Callable[[str], Non
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if body.messages is not None:
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            tools = template_tools(body.tools)
             text = api.chat_text(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
             tokens = engine.encode(text)
         else:
@@ -327,7 +328,7 @@ class _Api:
             raise RequestError(
                 "tools need a tool call parser: start the server with server.tool_call_parser=qwen3_coder"
             )
-        tools = body.tools_for_template()
+        tools = template_tools(body.tools)
         prompt_text = self.chat_text(body.messages, template_kwargs=body.chat_template_kwargs, tools=tools)
         prompt = self.engine.encode(prompt_text)
         if body.max_completion_tokens is not None:

@@ -219,6 +219,11 @@ class Tool(BaseModel):
     function: FunctionTool
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """A request's `tools` as the chat template reads them (None without any)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions: `messages` go through the checkpoint's chat template."""
 
@@ -231,10 +236,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-
-    def tools_for_template(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template reads them (None without any)."""
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -36,6 +36,14 @@ def checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def chat_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with the test chat template (tests/serve_helpers.py: `CHAT_TEMPLATE`)."""
+    from serve_helpers import with_chat_template
+
+    return with_chat_template(checkpoint(), tmp_path_factory.getbasetemp() / "tiny-chat")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_transformers():
     import transformers

@@ -8,7 +8,7 @@ import itertools
 
 import openai
 import pytest
-from serve_helpers import LiveServer, tiny_recipe, with_chat_template
+from serve_helpers import LiveServer, tiny_recipe
 
 from qwen_mtp.serve.reasoning import ReasoningSplitter, opens_thinking
 
@@ -43,9 +43,8 @@ def test_the_prompt_says_whether_the_answer_starts_thinking():
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    path = with_chat_template(checkpoint(), tmp_path_factory.getbasetemp() / "tiny-chat-reasoning")
-    with LiveServer.from_recipe(tiny_recipe(path, "server.reasoning_parser=qwen3")) as live:
+def server(chat_checkpoint):
+    with LiveServer.from_recipe(tiny_recipe(chat_checkpoint, "server.reasoning_parser=qwen3")) as live:
         yield live
 
 

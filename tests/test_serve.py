@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import LiveServer, tiny_recipe, with_chat_template
+from serve_helpers import LiveServer, tiny_recipe
 
 import qwen_mtp
 from qwen_mtp.engine import Engine, SamplingParams
@@ -24,11 +24,6 @@ from qwen_mtp.engine import Engine, SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"model": "qwen-mtp", "temperature": 0}
 LONG = {"extra_body": {"ignore_eos": True}}  # an extension (vLLM's name): the openai client sends it as extra_body
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(checkpoint, tmp_path_factory):
-    return with_chat_template(checkpoint(), tmp_path_factory.getbasetemp() / "tiny-chat")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import random
 import httpx
 import openai
 import pytest
-from serve_helpers import LiveServer, tiny_recipe, with_chat_template
+from serve_helpers import LiveServer, tiny_recipe
 
 from qwen_mtp.serve import responses as shape
 from qwen_mtp.serve.app import _Api
@@ -118,9 +118,8 @@ def test_chat_response_and_stream_chunks_carry_the_calls():
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    path = with_chat_template(checkpoint(), tmp_path_factory.getbasetemp() / "tiny-chat-tools")
-    with LiveServer.from_recipe(tiny_recipe(path, "server.tool_call_parser=qwen3_coder")) as live:
+def server(chat_checkpoint):
+    with LiveServer.from_recipe(tiny_recipe(chat_checkpoint, "server.tool_call_parser=qwen3_coder")) as live:
         yield live
 
 
@@ -152,9 +151,8 @@ def test_tools_and_earlier_calls_reach_the_template(server):
     assert response.status_code == 400 and "arguments are not JSON" in response.json()["error"]["message"]
 
 
-def test_tools_need_the_parser(checkpoint, tmp_path_factory):
-    path = with_chat_template(checkpoint(), tmp_path_factory.getbasetemp() / "tiny-chat-tools")
-    with LiveServer.from_recipe(tiny_recipe(path)) as live:
+def test_tools_need_the_parser(chat_checkpoint):
+    with LiveServer.from_recipe(tiny_recipe(chat_checkpoint)) as live:
         body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "max_tokens": 2}
         response = httpx.post(live.url + "/chat/completions", json=body)
         assert response.status_code == 400 and "server.tool_call_parser" in response.json()["error"]["message"]

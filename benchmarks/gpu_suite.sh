@@ -60,7 +60,7 @@
 #                without it;
 #   penalties    logit bias and repetition / presence / frequency penalties: the op tests, sampled and penalized
 #                MTP-on == MTP-off under graphs, the kernel's time beside the sampler's, the 27B B1 / B32 bench with
-#                every row penalized against unpenalized.
+#                every row penalized against unpenalized; structured outputs' GPU tests (carry .whl: llguidance).
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -376,6 +376,8 @@ if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and 
   counted 120 penalty-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_penalties.py \
     tests/ops/test_backend.py tests/ops/test_pdl.py
   counted 200 sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
+  # structured outputs (needs llguidance: carry .whl, install .whl/llguidance*.whl into the --target site first)
+  counted 150 structured.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_structured_cuda.py
   timeout 60 python3 benchmarks/sampler.py --rows 1 4 32 128 >"$OUT/sampler-penalties.log" 2>&1
   echo "[rc $? at ${SECONDS}s] sampler"; grep "R=" "$OUT/sampler-penalties.log"
   bench_27b 80 bench-unpenalized --set 'bench.batch_sizes=[1,32]'

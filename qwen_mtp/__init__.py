@@ -1,7 +1,7 @@
 """qwen-mtp: exact (lossless) MTP speculative decoding for Qwen3.5 hybrid models."""
 
 from qwen_mtp.config import ModelConfig
-from qwen_mtp.engine import Engine, Result, SamplingParams, Update
+from qwen_mtp.engine import Engine, Result, SamplingParams, StructuredOutput, Update
 from qwen_mtp.errors import CheckpointError, ConfigError, QwenMTPError, RecipeError, RequestError
 from qwen_mtp.loader import load_model
 
@@ -17,6 +17,7 @@ __all__ = [
     "RequestError",
     "Result",
     "SamplingParams",
+    "StructuredOutput",
     "Update",
     "load_model",
 ]

@@ -62,3 +62,35 @@ def test_reasoning_content_through_the_server(server):
     assert not any(d.content for d in deltas)
     plain = client.chat.completions.create(**kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content", None) is None
+
+
+def test_structured_outputs_apply_after_the_thinking(server, chat_checkpoint):
+    """With the parser on and thinking on, the structure starts after `</think>` (the grammar leaves the thinking
+    free): the tiny model thinks on to max_tokens; with thinking off its content is one of the choices. The grammar
+    itself: any text, `</think>`, newlines, then the structure."""
+    import llguidance
+    import llguidance.hf
+
+    from qwen_mtp import StructuredOutput
+    from qwen_mtp.engine.grammar import grammar_text
+    from qwen_mtp.engine.setup import load_tokenizer
+
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    kwargs = {"model": "qwen-mtp", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
+    structure = {"structured_outputs": {"choice": ["yes", "no"]}}
+    thinking = client.chat.completions.create(
+        **kwargs, extra_body=structure | {"chat_template_kwargs": {"enable_thinking": True}}
+    ).choices[0]
+    assert thinking.finish_reason == "length" and thinking.message.content is None
+    assert len(thinking.message.reasoning_content) > 0
+    direct = client.chat.completions.create(
+        **kwargs, extra_body=structure | {"chat_template_kwargs": {"enable_thinking": False}}
+    ).choices[0]
+    assert direct.finish_reason == "stop" and direct.message.content in ("yes", "no")
+    tokenizer = load_tokenizer(chat_checkpoint)
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    grammar = grammar_text(StructuredOutput(choice=["yes", "no"], after_thinking=True))
+    for text, complete in (("hm, </thi> no.</think>\n\nyes", True), ("</think>no", True), ("yes", False)):
+        matcher = llguidance.LLMatcher(lltokenizer, grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting() is complete, text

@@ -141,14 +141,84 @@ def test_tools_and_earlier_calls_reach_the_template(server):
                                          temperature=0)  # fmt: skip
     assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls is None  # no call written
     assert out.usage.prompt_tokens == len(tokens)
-    for choice, message in (({"type": "function", "function": {"name": "get_weather"}}, "constrained decoding"),
-                            ("required", "constrained decoding")):  # fmt: skip
-        response = httpx.post(server.url + "/chat/completions", json=body | {"tool_choice": choice, "max_tokens": 2})
+    for choice, message in (({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+                            ({"type": "function"}, "names a function as"),
+                            ("required", "not be combined")):  # fmt: skip
+        extra = {"tool_choice": choice, "max_tokens": 2, "response_format": {"type": "json_object"}}
+        response = httpx.post(server.url + "/chat/completions", json=body | extra)
         assert response.status_code == 400 and message in response.json()["error"]["message"]
+    response = httpx.post(server.url + "/chat/completions", json={"messages": messages, "tool_choice": "required"})
+    assert response.status_code == 400 and "needs tools" in response.json()["error"]["message"]
     bad = messages[:1] + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]  # fmt: skip
     response = httpx.post(server.url + "/chat/completions", json={"messages": bad, "max_tokens": 2})
     assert response.status_code == 400 and "arguments are not JSON" in response.json()["error"]["message"]
+
+
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+LATER = {"type": "function", "function": {"name": "later", "parameters": {"type": "object", "properties": {}}}}
+
+
+def matcher_for(checkpoint, grammar):
+    import llguidance
+    import llguidance.hf
+
+    from qwen_mtp.engine.setup import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint)
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), lltokenizer) == ""
+    return lambda text: _consumes(llguidance.LLMatcher(lltokenizer, llguidance.LLMatcher.grammar_from_lark(grammar)),
+                                  tokenizer.encode(text, add_special_tokens=False))  # fmt: skip
+
+
+def _consumes(matcher, ids) -> tuple[bool, bool]:
+    """(every token consumed, the grammar complete there)."""
+    return matcher.try_consume_tokens(ids) == len(ids), matcher.is_accepting()
+
+
+def test_call_grammar_takes_the_tools_calls_and_nothing_else(chat_checkpoint):
+    from qwen_mtp.serve.tools import call_grammar
+
+    tools = [WEATHER, NOW]
+    accepts = matcher_for(chat_checkpoint, call_grammar(tools))
+    weather = call("get_weather", city="Paris", days="3")
+    assert accepts(weather) == (True, True) and accepts(call("now")) == (True, True)
+    assert accepts(weather + "\n\n" + call("now")) == (True, True)  # parallel calls
+    assert accepts(call("get_weather", city="a\n</param")) == (True, True)  # a value runs to "\n</parameter>\n"
+    assert accepts(call("other"))[0] is False and accepts(call("get_weather", town="x"))[0] is False
+    assert accepts(call("now", x="1"))[0] is False  # "properties": {}: no parameter
+    assert accepts("Sure: " + call("now"))[0] is False and accepts(call("now")[:-3]) == (True, False)
+    for text in (weather, call("now")):
+        parsed = ToolCallSplitter(tools).split(text)[1]
+        assert [c["function"]["name"] for c in parsed] == [text.split("=")[1].split(">")[0]]
+    one = matcher_for(chat_checkpoint, call_grammar(tools, "now", parallel=False))
+    assert one(call("now")) == (True, True) and one(weather)[0] is False
+    assert one(call("now") + "\n" + call("now"))[0] is False
+
+
+def test_forced_tool_choice_writes_calls_with_mtp_as_without(chat_checkpoint):
+    """A named function: exactly its call; "required": calls of the tools only, one with parallel_tool_calls false;
+    finish_reason "tool_calls"; MTP on gives MTP-off's answer."""
+    settings = ("server.tool_call_parser=qwen3_coder",)
+    with (
+        LiveServer.from_recipe(tiny_recipe(chat_checkpoint, *settings)) as plain,
+        LiveServer.from_recipe(tiny_recipe(chat_checkpoint, *settings, "mtp.enabled=true", "mtp.k=3")) as mtp,
+    ):
+        clients = [openai.OpenAI(base_url=s.url, api_key="none", max_retries=0) for s in (plain, mtp)]
+        base = {"model": "qwen-mtp", "messages": [{"role": "user", "content": "Time?"}], "tools": [NOW, LATER],
+                "temperature": 0, "max_tokens": 64}  # fmt: skip
+        cases = [({"tool_choice": {"type": "function", "function": {"name": "later"}}}, ["later"]),
+                 ({"tool_choice": "required", "parallel_tool_calls": False}, None)]  # fmt: skip
+        for extra, names in cases:
+            answers = [c.chat.completions.create(**base, **extra).choices[0] for c in clients]
+            choice = answers[0]
+            called = [call.function.name for call in choice.message.tool_calls]
+            assert choice.finish_reason == "tool_calls" and len(called) == 1 and called[0] in ("now", "later")
+            assert names is None or called == names
+            assert json.loads(choice.message.tool_calls[0].function.arguments) == {}
+            assert answers[1].message.tool_calls[0].function.name == called[0]
+            assert answers[1].message.content == choice.message.content
 
 
 def test_tools_need_the_parser(chat_checkpoint):

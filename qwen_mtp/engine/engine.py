@@ -30,6 +30,7 @@ from qwen_mtp.cache.kv import PagePool, pages_for
 from qwen_mtp.cache.prefix import PrefixCache
 from qwen_mtp.cache.state import StatePool, StateSnapshots
 from qwen_mtp.dtypes import STATE_DTYPES
+from qwen_mtp.engine import grammar
 from qwen_mtp.engine.draft_vocab import draft_ids
 from qwen_mtp.engine.graphs import ChunkGraphs, StepGraphs, bucket_sizes
 from qwen_mtp.engine.paged_cache import StepKind
@@ -130,6 +131,8 @@ class Engine:
         self.device = loaded.device
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
+        # structured outputs: grammars compiled against the tokenizer over the logits' vocabulary
+        self.grammars = grammar.Grammars(self.tokenizer, self.model.lm_head_weight.shape[0], self.eos_ids)
         self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
         self.mixed_steps = mixed_steps_on(cache, self.device, tensor_parallel=self.model.parallel is not None)
         step_budget = self._step_budget(cache)
@@ -154,6 +157,7 @@ class Engine:
         )  # fmt: skip
         self.runner = Runner(self.model, self.pages, self.states, self.device, self.spec_tokens)
         self.runner.coupled_drafts = mtp.coupled_drafts
+        self.runner.grammars = self.grammars
         graphs = compile.cuda_graphs if compile.cuda_graphs is not None else self.device.type == "cuda"
         if compile.enabled or graphs:
             self.runner.graphs = self._build_graphs(compile, graphs, cache.max_batch, log)
@@ -364,6 +368,8 @@ class Engine:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if self.parallel is not None:
             self._check_tensor_parallel(params)
+        if params.structured is not None:
+            self.grammars.matcher(params.structured)  # compiles: a grammar this tokenizer cannot use fails here
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -420,6 +426,8 @@ class Engine:
         speculate = self.speculator is not None if speculate is None else speculate
         self.check_request(prompt, params, speculate)
         request = Request(next(self._ids), prompt, self._seeded(params))
+        if params.structured is not None:
+            request.grammar = self.grammars.matcher(params.structured)
         if speculate:
             self.speculator.start(request, oracle)
         self.requests[request.id] = request
@@ -559,6 +567,8 @@ class Engine:
         scheduler allows it only when that step surely runs."""
         verify = step.verified is not None
         if not self.lookahead or step.error is not None or (verify and not self.speculator.can_look_ahead()):
+            return
+        if grammar.constrained(step.requests):  # the next step's token masks need this step's tokens on the host
             return
         if not self.scheduler.schedule_ahead(step.requests):
             return
@@ -952,6 +962,7 @@ def _softmax_features(params: SamplingParams) -> list[str]:
         (f"presence_penalty={params.presence_penalty}", params.presence_penalty != 0.0),
         (f"frequency_penalty={params.frequency_penalty}", params.frequency_penalty != 0.0),
         ("logit_bias", bool(params.logit_bias)),
+        (f"structured ({params.structured.kind})" if params.structured else "", params.structured is not None),
         (f"min_tokens={params.min_tokens}", params.min_tokens > 0),
         (f"logprobs={params.logprobs}", params.logprobs is not None),
         (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),

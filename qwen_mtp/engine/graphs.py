@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
+from qwen_mtp.engine.grammar import mask_words
 from qwen_mtp.engine.sampling import GREEDY, Mode, padding_rows
 from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
 from qwen_mtp.errors import RecipeError
@@ -169,7 +170,8 @@ class StepGraphs:
             sampler = "" if mode.greedy else f" ({mode})"
             self.log(f"{what} the {kind} step for batch {size} x {length} tokens{sampler} ...")
             padding = scratch_inputs(self.steps.pages, self.steps.states, size, length, self.width)
-            padding |= padding_rows(size, padding["tokens"].device, mode)
+            words = mask_words(self.steps.model.lm_head_weight.shape[0])  # structured outputs' token masks
+            padding |= padding_rows(size, padding["tokens"].device, mode, length, words)
             if kind == "target":
                 step = StaticStep(functools.partial(self.target_fn, mode=mode), padding, self.capture, self.pool)
             else:

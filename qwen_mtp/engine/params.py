@@ -3,6 +3,7 @@ Both raise `RequestError` with what was given, so a bad request fails at submit 
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,10 @@ class SamplingParams:
       position, before the penalties (the OpenAI API's field; -100 bans a token, 100 all but forces it);
     - `stop`: strings that end the request (finish_reason "stop"), checked on the detokenized output;
     - `logprobs`: report the chosen token's log-probability and the `logprobs` most likely tokens per position
-      (None = off); `prompt_logprobs`: the same for every prompt position (None = off).
+      (None = off); `prompt_logprobs`: the same for every prompt position (None = off);
+    - `structured`: a `StructuredOutput` the output must match (a JSON schema, any JSON object, a regular
+      expression, one of a list of strings, or a Lark grammar): every token outside it has its logit at -inf,
+      and the request ends ("stop") once the output is complete and nothing may follow (docs/sampling.md).
     """
 
     max_new_tokens: int = 32
@@ -58,6 +62,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not is_token_id(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -101,6 +106,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_token_id(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {_given(value)}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise RequestError(f"structured must be a qwen_mtp.StructuredOutput or None, got {_given(self.structured)}")
+        if self.structured is not None and self.min_tokens:
+            raise RequestError(
+                "min_tokens cannot be combined with a structured output: the grammar decides where it ends"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +122,65 @@ class SamplingParams:
         """Whether a penalty, a logit bias or `min_tokens` changes this request's logits."""
         penalties = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         return penalties or self.min_tokens > 0 or any(bias != 0.0 for _, bias in self.logit_bias)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match (`SamplingParams.structured`): exactly one of
+    - `json_schema`: a JSON schema (a dict, or its JSON text); the output is one JSON value it accepts;
+    - `json_object`: any JSON object (the OpenAI API's `response_format: {"type": "json_object"}`);
+    - `regex`: a regular expression the whole output matches;
+    - `choice`: one of these strings, exactly;
+    - `grammar`: a Lark grammar (llguidance's dialect: https://github.com/guidance-ai/llguidance).
+    `any_whitespace` (JSON only): whitespace may sit wherever JSON allows it (the default, as vLLM's); False
+    writes JSON in one line with ", " and ": " between items, which keeps a weak model from spending its tokens
+    on whitespace. `after_thinking`: the output starts inside a think block its chat template opened (Qwen's
+    `<think>`): any text up to the first `</think>` and the newlines after it is free, the structure applies to what
+    follows (the server sets it for chat prompts that open one, with `server.reasoning_parser`). The engine compiles
+    it against its tokenizer at submit, so a grammar it cannot use fails there (`RequestError`) and nothing runs."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = True
+    after_thinking: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        for name in ("json_object", "any_whitespace", "after_thinking"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {_given(getattr(self, name))}")
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            named = ", ".join(given) or "none"
+            raise RequestError(
+                f"a structured output is exactly one of json_schema, json_object, regex, choice, grammar; got {named}"
+            )
+        if isinstance(self.json_schema, str):
+            try:
+                object.__setattr__(self, "json_schema", json.loads(self.json_schema))
+            except ValueError as err:
+                raise RequestError(f"json_schema is not valid JSON: {err}") from None
+        if self.json_schema is not None and not isinstance(self.json_schema, dict | bool):
+            raise RequestError(f"json_schema must be a JSON schema object, got {_given(self.json_schema)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"{name} must be a non-empty string, got {_given(value)}")
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, list | tuple) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise RequestError(f"choice must be a non-empty list of non-empty strings, got {_given(choice)}")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def kind(self) -> str:
+        for name in ("json_schema", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 def _logit_bias(given: Any) -> tuple[tuple[int, float], ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from qwen_mtp.engine.params import SamplingParams
 
@@ -63,6 +64,8 @@ class Request:
         self.error: BaseException | None = None  # what a failed step raised
         self.spec: SpecStats | None = None  # set when the request decodes speculatively
         self.drafts: list[int] = []  # the next verify's draft tokens d1..dK
+        # the llguidance matcher of a structured output (`grammar.py`): set at submit, advanced by update.py alone
+        self.grammar: Any | None = None
         self.cached_tokens = 0  # leading prompt positions restored from the prefix cache at admission
         # A prefix-cache fill (internal, never returned): prefill the prompt's full chunks up to `fill_end` to
         # cache a finished request's output with prefill numbers, then end. None for user requests.

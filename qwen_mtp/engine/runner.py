@@ -21,7 +21,7 @@ import torch
 
 from qwen_mtp.cache.kv import PagePool
 from qwen_mtp.cache.state import StatePool
-from qwen_mtp.engine import sampling
+from qwen_mtp.engine import grammar, sampling
 from qwen_mtp.engine.graphs import ChunkGraphs, StepGraphs, compile_chunk_step
 from qwen_mtp.engine.packed import PackedChunks
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
@@ -74,6 +74,7 @@ class Runner:
     ):
         self.model, self.pages, self.states, self.device = model, pages, states, device
         self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
+        self.grammars: grammar.Grammars | None = None  # structured outputs' token masks (set by the engine)
         self.steps = DecodeSteps(model, pages, states, k)
         if model.vocab_shard is None:  # tensor parallel refuses penalties (`Engine.check_request`)
             self.penalties = PenaltyState(states.num_rows + 1, model.lm_head_weight.shape[0], device)
@@ -91,9 +92,21 @@ class Runner:
     def tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return to_device(values, dtype, self.device)
 
-    def sampling(self, requests: list[Request]) -> sampling.SamplingRows:
-        """The requests' sampler inputs on the device (nothing to copy when they are all greedy)."""
-        return sampling.rows_of([r.params for r in requests], self.tensor, [len(r.prompt) for r in requests])
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a synchronisation (as `to_device`)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def sampling(self, requests: list[Request], drafts: list[list[int]] | None = None) -> sampling.SamplingRows:
+        """The requests' sampler inputs on the device (nothing to copy when they are all greedy). With a structured
+        output among them, the token masks of each request's position after its output and after each of
+        `drafts[b]` (`Grammars.masks`)."""
+        allowed = None
+        if grammar.constrained(requests):
+            allowed = self.upload(self.grammars.masks(requests, drafts))
+        lengths = [len(r.prompt) for r in requests]
+        return sampling.rows_of([r.params for r in requests], self.tensor, lengths, allowed)
 
     def batch(
         self,
@@ -106,21 +119,29 @@ class Runner:
         """A step over `requests`, request b feeding `tokens[b]` (host ids, or a [B, T] device tensor) at
         positions starting at `starts[b]`, plus `shift[b]` when given (a device tensor [B]: a lookahead verify
         starts where the verify in flight will have accepted up to). Their pages must already cover those
-        positions. Decode-kind steps carry the requests' sampler inputs."""
-        length = tokens.shape[1] if isinstance(tokens, torch.Tensor) else len(tokens[0])
+        positions. Decode-kind steps carry the requests' sampler inputs (with a structured output, the masks after
+        each request's output and its drafts `tokens[b][1:]`, which must then be host ids)."""
+        on_device = isinstance(tokens, torch.Tensor)
+        if kind is StepKind.DECODE and on_device and grammar.constrained(requests):
+            raise ValueError(
+                "a step with a structured output needs its tokens on the host (it is never launched ahead)"
+            )
+        length = tokens.shape[1] if on_device else len(tokens[0])
         positions = self.tensor([list(range(first, first + length)) for first in starts])
         lens = self.tensor([first + length for first in starts], torch.int32)
         if shift is not None:
             positions, lens = positions + shift[:, None], lens + shift.to(torch.int32)
         return StepBatch(
             kind=kind,
-            token_ids=tokens if isinstance(tokens, torch.Tensor) else self.tensor(tokens),
+            token_ids=tokens if on_device else self.tensor(tokens),
             positions=positions,
             state_rows=self.tensor([self.states.rows[r.id] for r in requests]),
             block_tables=self.tensor(self.pages.block_rows([r.id for r in requests]), torch.int32),
             context_lens=lens,
             fresh=kind is StepKind.PREFILL and all(first == 0 for first in starts),
-            sampling=self.sampling(requests) if kind is StepKind.DECODE else None,
+            sampling=self.sampling(requests, None if on_device else [t[1:] for t in tokens])
+            if kind is StepKind.DECODE
+            else None,
         )
 
     def start_read(self, parts: Sequence[torch.Tensor]) -> PendingRead:

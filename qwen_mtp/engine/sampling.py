@@ -27,9 +27,13 @@ the tokens the request emitted before p (`engine/penalties.py`): a verify's posi
 which are the emitted tokens whenever position i matters, so the rule above still holds word for word with the
 penalized logits in place of the logits.
 
-Logprobs are on the unfiltered, unpenalized temperature-1 distribution: `logit - logsumexp(logits)` for the chosen
-token and for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything here is a
-function of device tensors with no host read, so it runs inside the decode, verify and draft graphs.
+A structured output (`grammar.py`) sets every token its grammar forbids at p to -inf after the penalties: a
+verify's position i gets the mask after the drafts before it, as it counts them for the penalties, so the rule
+holds with the masked logits in place of the logits too.
+
+Logprobs are on the unfiltered, unpenalized, unmasked temperature-1 distribution: `logit - logsumexp(logits)` for
+the chosen token and for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything
+here is a function of device tensors with no host read, so it runs inside the decode, verify and draft graphs.
 
 Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
 takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from qwen_mtp.engine.grammar import apply_token_mask
 from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
 from qwen_mtp.engine.penalties import PenaltyInputs
 from qwen_mtp.ops import sampling as sampling_ops
@@ -67,15 +72,16 @@ class Mode(NamedTuple):
     filtered: bool = False  # some sampling request filters (top-k, top-p or min-p): a threshold per row
     logprobs: bool = False  # some request reports logprobs
     penalized: bool = False  # some request has a repetition, presence or frequency penalty
+    constrained: bool = False  # some request has a structured output: a mask of allowed tokens per position
 
     @property
     def greedy(self) -> bool:
-        return not (self.noise or self.filtered or self.logprobs or self.penalized)
+        return not (self.noise or self.filtered or self.logprobs or self.penalized or self.constrained)
 
     def for_drafts(self, coupled: bool) -> Mode:
         """The draft chain's mode: the same noise, filters and penalties when coupled (a draft guesses what the
-        target will choose), else greedy argmax of the head's own logits. Either way only acceptance can change,
-        never a token."""
+        target will choose), else greedy argmax of the head's own logits; never a grammar's mask (the host makes
+        those, from tokens it has read). Either way only acceptance can change, never a token."""
         return Mode(self.noise, self.filtered, False, self.penalized) if coupled else GREEDY
 
 
@@ -87,14 +93,15 @@ def row_fields(mode: Mode) -> tuple[str, ...]:
     copied every step, so an unpenalized step does not carry the penalties'."""
     if mode.greedy:
         return ()
-    return SAMPLER_FIELDS + (PENALTY_FIELDS if mode.penalized else ())
+    return SAMPLER_FIELDS + (PENALTY_FIELDS if mode.penalized else ()) + (("allowed",) if mode.constrained else ())
 
 
 def mode_of(params: Sequence[SamplingParams]) -> Mode:
     sampled = [p for p in params if not p.greedy]
     filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled)
     logprobs = any(p.logprobs is not None for p in params)
-    return Mode(bool(sampled), filtered, logprobs, any(p.penalized for p in params))
+    constrained = any(p.structured is not None for p in params)
+    return Mode(bool(sampled), filtered, logprobs, any(p.penalized for p in params), constrained)
 
 
 @dataclass
@@ -102,7 +109,7 @@ class SamplingRows:
     """One step's sampler inputs: its `mode` and per-request device tensors [B] named as in `row_fields(mode)`
     (1/T, 0 for greedy; top-k, 0 = off; top-p, 1 = off; T * ln(min_p), -inf = off; seed; when penalized, the
     repetition, frequency and presence penalties, 1 / 0 / 0 = off, and the position where `min_tokens` ends, the
-    prompt's length plus it)."""
+    prompt's length plus it; when constrained, `allowed` [B, T, words]: each chosen position's token mask)."""
 
     mode: Mode
     tensors: dict[str, torch.Tensor]
@@ -112,9 +119,11 @@ def rows_of(
     params: Sequence[SamplingParams],
     to_device: Callable[[list, torch.dtype], torch.Tensor],
     prompt_lengths: Sequence[int] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> SamplingRows:
     """The sampler inputs of requests with `params` (seeds already drawn) and prompts of `prompt_lengths` (where
-    `min_tokens` ends: default 0), through two host->device copies."""
+    `min_tokens` ends: default 0), through two host->device copies; `allowed`: the token masks of a step with a
+    structured output (`Grammars.masks`, on the device)."""
     mode = mode_of(params)
     if mode.greedy:
         return SamplingRows(mode, {})
@@ -129,6 +138,10 @@ def rows_of(
         ints.append([n + p.min_tokens for n, p in zip(lengths, params, strict=True)])
     ints = to_device(ints, torch.long)
     values = (floats[0], ints[0], floats[1], floats[2], ints[1], *floats[3:], *ints[2:])
+    if mode.constrained:
+        if allowed is None:
+            raise ValueError("a step with a structured output needs its token masks (`Grammars.masks`)")
+        values += (allowed,)
     names = dict(zip(row_fields(mode), values, strict=True))
     return SamplingRows(mode, names)
 
@@ -144,9 +157,11 @@ def _min_p_offset(params: SamplingParams) -> float:
     return params.temperature * math.log(params.min_p)
 
 
-def padding_rows(size: int, device: torch.device, mode: Mode) -> dict[str, torch.Tensor]:
-    """Sampler inputs of padding rows (greedy, no filters, no penalties) for a step of `mode`: static buffers'
-    defaults."""
+def padding_rows(
+    size: int, device: torch.device, mode: Mode, length: int = 1, words: int = 0
+) -> dict[str, torch.Tensor]:
+    """Sampler inputs of padding rows (greedy, no filters, no penalties, every token allowed) for a step of `mode`
+    choosing `length` positions per row over `words` mask words: static buffers' defaults."""
     rows = {
         "inv_temperature": torch.zeros(size, dtype=torch.float32, device=device),
         "top_k": torch.zeros(size, dtype=torch.long, device=device),
@@ -157,6 +172,7 @@ def padding_rows(size: int, device: torch.device, mode: Mode) -> dict[str, torch
         "frequency": torch.zeros(size, dtype=torch.float32, device=device),
         "presence": torch.zeros(size, dtype=torch.float32, device=device),
         "min_end": torch.zeros(size, dtype=torch.long, device=device),
+        "allowed": torch.full((size, length, words), -1, dtype=torch.int32, device=device),
     }
     return {name: rows[name] for name in row_fields(mode)}
 
@@ -177,12 +193,14 @@ def choose(
     frequency: torch.Tensor | None = None,
     presence: torch.Tensor | None = None,
     min_end: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,  # [B, W] or [B, T, W] int32: constrained, each position's token mask
     penalty_inputs: PenaltyInputs | None = None,  # penalized: what each row's penalties read
     shard: VocabShard | None = None,  # tensor parallel: `logits` are this rank's vocabulary shard [..., V/tp]
 ) -> tuple[torch.Tensor, Logprobs | None]:
     """The emitted token ids [B] or [B, T], and (with `mode.logprobs`) their logprobs. With `mode.penalized`,
-    `penalty_inputs` holds what each row's penalties read (`PenaltyState.inputs`); the choice is made on the
-    penalized logits, the logprobs stay those of the model's own distribution."""
+    `penalty_inputs` holds what each row's penalties read (`PenaltyState.inputs`); with `mode.constrained`,
+    `allowed` the tokens each position may take. The choice is made on the penalized, masked logits, the logprobs
+    stay those of the model's own distribution."""
     if shard is not None:
         if not mode.greedy:
             raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
@@ -200,13 +218,15 @@ def choose(
     if mode.penalized:
         penalties = tuple(per_row(t).contiguous() for t in (repetition, frequency, presence, min_end))
         flat = apply_penalties(flat, *penalty_inputs, *penalties)
+    if mode.constrained:
+        flat = apply_token_mask(flat, allowed.reshape(-1, allowed.shape[-1]))
     threshold = None
     if mode.filtered:
         threshold = filter_threshold(flat, inv_t, per_row(top_k), per_row(top_p), per_row(min_p_offset))
     tokens, lse = sampling_ops.sample_tokens(flat, inv_t, threshold, per_row(seed), positions.reshape(-1))
     if not mode.logprobs:
         return tokens.view(lead), None
-    if mode.penalized:  # logprobs are the model's own distribution's: its normaliser, not the penalized one's
+    if flat is not raw:  # logprobs are the model's own distribution's: its normaliser, not the penalized one's
         lse = sampling_ops.sample_tokens(raw, torch.zeros_like(inv_t), None, per_row(seed), positions.reshape(-1))[1]
     chosen = raw.gather(1, tokens[:, None])[:, 0].float() - lse
     top = raw.topk(min(MAX_LOGPROBS, vocab), dim=-1)

@@ -1,7 +1,8 @@
 """The one writer of request state. After a step's results are read back, `RequestUpdater.apply` is the only
 code that advances `num_computed`, appends output tokens (and their logprobs), stores the next drafts, and
-finishes requests (EOS, a stop token, a stop string or `max_new_tokens`, cut exactly where plain decoding stops,
-token by token also inside a verify's accepted tokens; or the error a step raised); `finish`
+finishes requests (EOS, a stop token, a stop string, a structured output complete or `max_new_tokens`, cut
+exactly where plain decoding stops, token by token also inside a verify's accepted tokens; or the error a step
+raised), and advances a structured output's matcher by each emitted token; `finish`
 (called by it and by `Engine.cancel`) is the only code that ends a request and gives back its pages and row.
 The scheduler's one write is admission (waiting -> running); the runner and the speculator write nothing."""
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from qwen_mtp.engine.request import Request, Status
 from qwen_mtp.engine.stop_strings import completes_stop_string
+from qwen_mtp.errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,14 @@ class RequestUpdater:
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.append(logprobs[i])
             may_stop = request.num_output > params.min_tokens  # the first min_tokens tokens end nothing
-            if may_stop and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids):
+            if request.grammar is not None and not request.grammar.consume_token(token):
+                error = RequestError(
+                    f"token {token} does not satisfy the structured output: {request.grammar.get_error()}"
+                )
+                self.finish(request, "error", error)
+            elif request.grammar is not None and request.grammar.is_stopped():  # complete: nothing may follow
+                self.finish(request, "stop")
+            elif may_stop and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids):
                 self.finish(request, "stop")
             elif may_stop and params.stop and completes_stop_string(request, self.decode):
                 self.finish(request, "stop")

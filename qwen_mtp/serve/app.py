@@ -254,12 +254,19 @@ class _Api:
         return text
 
     def _choices(
-        self, body, prompts: list[list[int]], echoes: list[str], max_tokens: int, logprobs, prompt_logprobs
+        self,
+        body,
+        prompts: list[list[int]],
+        echoes: list[str],
+        max_tokens: int,
+        logprobs,
+        prompt_logprobs,
+        after_thinking: bool = False,
     ) -> tuple[list[Choice], list[tuple[list[int], SamplingParams]]]:
         choices, requests = [], []
         for p, (prompt, echo) in enumerate(zip(prompts, echoes, strict=True)):
             for i in range(body.n):
-                params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.defaults)
+                params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.defaults, after_thinking)
                 if body.seed is not None and i > 0:  # n answers to one seeded prompt: seeds seed, seed + 1, ...
                     params = _with_seed(params, (body.seed + i) % 2**63)
                 assembler = TextAssembler(self.output_text, params.stop)
@@ -337,10 +344,12 @@ class _Api:
             max_tokens = self.settings.default_max_tokens if body.max_tokens is None else body.max_tokens
         if max_tokens == 0:
             raise RequestError("max_tokens must be >= 1 for a chat completion")
-        choices, requests = self._choices(body, [prompt], [""], max_tokens, logprobs, None)
+        # with the reasoning parser, a structured answer (a forced tool call too) is constrained after its thinking
+        thinking = self.settings.reasoning_parser is not None and opens_thinking(prompt_text)
+        choices, requests = self._choices(body, [prompt], [""], max_tokens, logprobs, None, thinking)
         if self.settings.reasoning_parser is not None:
             for choice in choices:
-                choice.reasoning = ReasoningSplitter(opens_thinking(prompt_text))
+                choice.reasoning = ReasoningSplitter(thinking)
         if parse_tools:
             for choice in choices:
                 choice.tools = ToolCallSplitter(tools)

@@ -2,8 +2,8 @@
 
 Unknown fields are refused (422 -> 400 naming the field) rather than ignored, so a misspelt option never
 silently changes what a client gets. Extensions beyond the OpenAI API follow vLLM's names: `top_k`, `min_p`,
-`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`. `logit_bias` keys are
-token ids written as strings, as JSON objects need.
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `chat_template_kwargs`, `structured_outputs`.
+`logit_bias` keys are token ids written as strings, as JSON objects need.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams
+from qwen_mtp.engine.params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from qwen_mtp.errors import RecipeError, RequestError
+from qwen_mtp.serve.tools import call_grammar
 
 Number = StrictInt | StrictFloat
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -25,6 +26,37 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """The OpenAI API's `response_format`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -51,12 +83,41 @@ class _Sampling(BaseModel):
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None  # None: 1, off
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as a JSON key: a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM's name)
+
+    def structured(self, after_thinking: bool = False) -> StructuredOutput | None:
+        """What the output must match: `response_format` (json_object, json_schema; text: nothing) or
+        `structured_outputs`, not both; `after_thinking`: from the end of the think block the prompt opened."""
+        form, extension = self.response_format, self.structured_outputs
+        if form is not None and form.type != "text" and extension is not None:
+            raise RequestError("give response_format or structured_outputs, not both")
+        if extension is not None:
+            return StructuredOutput(
+                json_schema=extension.json_, regex=extension.regex, choice=extension.choice,
+                grammar=extension.grammar, json_object=bool(extension.json_object),
+                any_whitespace=not extension.disable_any_whitespace, after_thinking=after_thinking,
+            )  # fmt: skip
+        if form is None or form.type == "text":
+            return None
+        if form.type == "json_object":
+            return StructuredOutput(json_object=True, after_thinking=after_thinking)
+        if form.json_schema is None:
+            raise RequestError('response_format of type "json_schema" needs its json_schema: {"name", "schema"}')
+        schema = form.json_schema.json_schema
+        return StructuredOutput(json_schema=schema if schema is not None else {}, after_thinking=after_thinking)
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, defaults: dict | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        defaults: dict | None = None,
+        after_thinking: bool = False,
     ) -> SamplingParams:
         """The engine's parameters for one choice (`max_tokens` already resolved; 0 runs one token, dropped); a
-        sampling field the request leaves out takes `defaults` (`generation_defaults`), else the OpenAI API's."""
+        sampling field the request leaves out takes `defaults` (`generation_defaults`), else the OpenAI API's;
+        `after_thinking`: a structured output applies after the think block the prompt opened."""
         defaults = defaults or {}
 
         def given(name: str, default: float) -> float:
@@ -81,6 +142,7 @@ class _Sampling(BaseModel):
             stop=tuple(stop),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured=self.structured(after_thinking),
         )
 
     @property
@@ -239,16 +301,39 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def parses_tool_calls(self) -> bool:
-        """Whether the answer is searched for tool calls: tools given and `tool_choice` not "none". Forcing a call
-        ("required", a named function) needs decoding constrained to the call's format: refused."""
-        if not self.tools:
-            return False
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise RequestError(
-                f"tool_choice {self.tool_choice!r} needs constrained decoding, which qwen-mtp does not run: use "
-                '"auto" or "none"'
-            )
-        return self.tool_choice != "none"
+        """Whether the answer is searched for tool calls: tools given and `tool_choice` not "none"."""
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise RequestError(f"tool_choice {self.tool_choice!r} needs tools")
+        named = self.forced_function  # checked here: a named function must be among the tools
+        return bool(self.tools) and (named is not None or self.tool_choice != "none")
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function `tool_choice` names (`{"type": "function", "function": {"name": ...}}`), else None."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict):
+            return None
+        name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError('tool_choice names a function as {"type": "function", "function": {"name": ...}}')
+        if name not in {tool.function.name for tool in self.tools or ()}:
+            raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
+        return name
+
+    def structured(self, after_thinking: bool = False) -> StructuredOutput | None:
+        """`tool_choice` "required" or a named function: the answer is decoded under the grammar of tool calls
+        (`tools.call_grammar`: one call of the named function, one or more calls of any tool when required,
+        unless `parallel_tool_calls` is false); else `_Sampling.structured`."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        if not forced:
+            return super().structured(after_thinking)
+        if super().structured() is not None:
+            raise RequestError("a forced tool_choice cannot be combined with response_format or structured_outputs")
+        name = self.forced_function
+        grammar = call_grammar(
+            template_tools(self.tools), name, parallel=name is None and self.parallel_tool_calls is not False
+        )
+        return StructuredOutput(grammar=grammar, after_thinking=after_thinking)
 
     @property
     def logprobs_count(self) -> int | None:

@@ -81,6 +81,30 @@ def _value(text: str, schema: dict) -> Any:
     return text
 
 
+def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's dialect) of answers that are tool calls in this format and nothing else: calls
+    of `name` only (or of any of `tools`), one or more (`parallel`) or exactly one. Each function's parameter names
+    come from its schema's properties (any name when it gives none; no parameter for `"properties": {}`); a value
+    is free text up to the first
+    `\n</parameter>\n` (a lazy rule: its shortest match). What `tool_choice` "required" or a named function asks
+    for, decoded under this grammar (`StructuredOutput.grammar`)."""
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    rules = []
+    for i, function in enumerate(chosen):
+        properties = (function.get("parameters") or {}).get("properties")
+        head = json.dumps(f"{START}\n<function={function['name']}>\n")
+        if properties == {}:
+            rules.append(f'call{i}: {head} "</function>\\n{END}"')
+            continue
+        key = " | ".join(json.dumps(k) for k in properties) if properties else "/[^>\\n]+/"
+        rules.append(f'call{i}: {head} param{i}* "</function>\\n{END}"')
+        rules.append(f'param{i}: "<parameter=" ({key}) ">\\n" value')
+    calls = " | ".join(f"call{i}" for i in range(len(chosen)))
+    start = "start: call (/\\n*/ call)*" if parallel else "start: call"
+    lines = [start, f"call: {calls}", *rules, "value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/"]
+    return "\n".join(lines)
+
+
 class ToolCallSplitter:
     def __init__(self, tools: list[dict]):
         self.schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -60,7 +60,10 @@
 #                without it;
 #   penalties    logit bias and repetition / presence / frequency penalties: the op tests, sampled and penalized
 #                MTP-on == MTP-off under graphs, the kernel's time beside the sampler's, the 27B B1 / B32 bench with
-#                every row penalized against unpenalized; structured outputs' GPU tests (carry .whl: llguidance).
+#                every row penalized against unpenalized;
+#   structured   structured outputs (carry .whl; install .whl/llguidance*.whl beside torchao): the token mask at the
+#                real vocabulary, constrained MTP-on == MTP-off under graphs, the lookahead left alone, then the CPU
+#                suite's structured tests on this machine.
 # Usage on the device box, from the repo root:  bash benchmarks/gpu_suite.sh [bench recipe] [--set ...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QWEN_MTP_CACHE=/tmp/qwen-mtp-cache
@@ -376,13 +379,15 @@ if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and 
   counted 120 penalty-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_penalties.py \
     tests/ops/test_backend.py tests/ops/test_pdl.py
   counted 200 sampling.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_sampling_cuda.py
-  # structured outputs (needs llguidance: carry .whl, install .whl/llguidance*.whl into the --target site first)
-  counted 150 structured.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_structured_cuda.py
   timeout 60 python3 benchmarks/sampler.py --rows 1 4 32 128 >"$OUT/sampler-penalties.log" 2>&1
   echo "[rc $? at ${SECONDS}s] sampler"; grep "R=" "$OUT/sampler-penalties.log"
   bench_27b 80 bench-unpenalized --set 'bench.batch_sizes=[1,32]'
   bench_27b 80 bench-penalized --set 'bench.batch_sizes=[1,32]' --set bench.repetition_penalty=1.1 \
     --set bench.frequency_penalty=0.3
+fi
+if [[ "$STAGE" == structured ]]; then  # one device call (~5 min; carry .whl, llguidance installed): structured outputs
+  counted 300 structured.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_structured_cuda.py
+  counted 200 structured-cpu-suite.log python3 -m pytest -vv -p no:cacheprovider tests/test_structured.py
 fi
 if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
   # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept

@@ -1,16 +1,20 @@
 """MTP acceptance under structured outputs: the acceptance length of K=3 head drafts on the shipped trained
 checkpoint (models/qwen-mtp-small, or --model) for greedy requests with each kind of constraint. The drafts are not
 masked (the host makes the masks; the chain runs on the device after the verify), so a grammar that pushes the
-target away from what the head would write costs acceptance. Runs on CPU in about a minute; prints a table and
-checks that every run gives MTP-off's tokens (CPU step times say nothing of the GPU's: not printed).
+target away from what the head would write costs acceptance; the tokens a grammar forces are verified as drafts in
+place of the head's (`grammar.forced_drafts`); --no-forced leaves the head's drafts alone, for comparison. Runs on
+CPU in about a minute; prints a table and checks that every run gives MTP-off's tokens (CPU step times say nothing of
+the GPU's: not printed).
 
-    python benchmarks/structured_acceptance.py [--model DIR] [--k 3] [--tokens 96] [--device cpu]
+    python benchmarks/structured_acceptance.py [--model DIR] [--k 3] [--tokens 96] [--device cpu] [--no-forced]
 """
 
 import argparse
 from pathlib import Path
 
 from qwen_mtp import Engine, SamplingParams, StructuredOutput
+from qwen_mtp.engine import grammar
+from qwen_mtp.serve.tools import call_grammar
 
 PROMPTS = [
     "def parse_args(argv):\n",
@@ -19,6 +23,7 @@ PROMPTS = [
     "    for key, value in items:\n",
     "def main():\n    parser = argparse.ArgumentParser(",
 ]
+NOW = {"type": "function", "function": {"name": "current_time", "parameters": {"type": "object", "properties": {}}}}
 NAMES = {"type": "array", "items": {"type": "string", "pattern": "^[a-z_]{1,24}$"}, "minItems": 4, "maxItems": 12}
 CONSTRAINTS = {
     "none": None,
@@ -26,6 +31,7 @@ CONSTRAINTS = {
     "regex: python lines": StructuredOutput(regex=r"([ -~]{0,80}\n){1,12}"),
     "json: names array": StructuredOutput(json_schema=NAMES, any_whitespace=False),
     "json: any object": StructuredOutput(json_object=True),
+    "tool call, no params": StructuredOutput(grammar=call_grammar([NOW], "current_time", parallel=False)),
 }
 
 
@@ -35,7 +41,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-forced", action="store_true", help="verify the head's drafts only")
     args = parser.parse_args()
+    if args.no_forced:
+        grammar.forced_drafts = lambda matcher, drafts, k: list(drafts[:k])
     model = {"path": args.model, "dtype": "float32", "device": args.device}
     plain = Engine.from_recipe({"model": model}, log=lambda _: None)
     prompts = [plain.encode(p) for p in PROMPTS]

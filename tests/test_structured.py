@@ -291,3 +291,14 @@ def test_constraints_change_only_their_requests(path, plain):
         full = hf(torch.tensor([PROMPTS[7] + tokens])).logits[0, len(PROMPTS[7]) - 1 : -1].float()
     expected = torch.log_softmax(full, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor([entry.logprob for entry in logprobs]), expected, atol=1e-5)
+
+
+def test_forced_tokens_are_verified_as_drafts(path):
+    """Where the grammar allows one continuation, its tokens replace the head's drafts: a one-string choice is
+    accepted K at a time (the tiny head's own drafts almost never), and the tokens are MTP-off's."""
+    params = SamplingParams(max_new_tokens=40, structured=StructuredOutput(choice=["the quick brown fox jumps over"]))
+    (expected,) = cpu_engine(path).generate([PROMPTS[3]], params)
+    engine = cpu_engine(path, 3)
+    (result,) = engine.generate([PROMPTS[3]], params)
+    assert result.token_ids == expected.token_ids and result.finish_reason == "stop"
+    assert result.spec.acceptance_length > 3.0, result.spec.accept_lengths

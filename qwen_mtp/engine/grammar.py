@@ -139,6 +139,14 @@ class Grammars:
         return masks.view(len(requests), width, self.words)
 
 
+def forced_drafts(matcher, drafts: Sequence[int], k: int) -> list[int]:
+    """A constrained request's next k drafts: the tokens its grammar forces after its output (llguidance's
+    fast-forward tokens: the bytes only one continuation allows, in the tokenizer's own spelling), then the head's
+    drafts for the positions after them. Drafts change acceptance only, never a token."""
+    forced = matcher.compute_ff_tokens()[:k]
+    return forced + list(drafts[len(forced) : k])
+
+
 def constrained(requests: Sequence[Request]) -> bool:
     return any(r.grammar is not None for r in requests)
 

@@ -28,6 +28,11 @@ prompt chunk, and drafts from there (`_catch_up`), so the MTP KV never misses a 
 good, while a batch that decodes plainly pays nothing for staying ready. The state pool and the page
 reservations are sized for `max_k`.
 
+A request with a structured output verifies the tokens its grammar forces next (`grammar.forced_drafts`: a JSON
+key, a tool call's fixed text) in place of the head's first drafts: the target, masked to those tokens, chooses them
+unless the grammar allows another spelling there, so they are accepted where the head (which never sees the mask)
+would guess otherwise. Only acceptance changes.
+
 Oracle drafts (`mtp.draft: oracle`, for benchmarks and tests) replace the head's proposal for output index i
 with the plain-decoding token there when a seeded draw for (seed, request, i) falls under `oracle_accept`, so
 they never depend on the batch. Since j is not known on the host, each step passes the oracle tokens for every
@@ -44,7 +49,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from qwen_mtp.cache.kv import pages_for
-from qwen_mtp.engine import sampling
+from qwen_mtp.engine import grammar, sampling
 from qwen_mtp.engine.k_policy import KPolicy, StepTimes
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request, SpecStats
@@ -169,7 +174,7 @@ class Speculator:
             self._catch_up([r for r in requests if len(self._behind.get(r.id, (0, ()))[1]) >= MAX_BEHIND], False)
         tokens = []
         for r in requests:
-            drafts = r.drafts[:k]
+            drafts = r.drafts[:k] if r.grammar is None else grammar.forced_drafts(r.grammar, r.drafts, k)
             self._drafted[r.id] = len(drafts)
             tokens.append([r.tokens[r.num_computed]] + drafts + [FILLER] * (k - len(drafts)))
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])

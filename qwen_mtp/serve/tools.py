@@ -89,6 +89,8 @@ def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = Tr
     `\n</parameter>\n` (a lazy rule: its shortest match). What `tool_choice` "required" or a named function asks
     for, decoded under this grammar (`StructuredOutput.grammar`)."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise ValueError(f"no tool named {name!r}" if name is not None else "no tools")
     rules = []
     for i, function in enumerate(chosen):
         properties = (function.get("parameters") or {}).get("properties")

@@ -12,17 +12,12 @@ the GPU's: not printed).
 import argparse
 from pathlib import Path
 
+from penalty_acceptance import PROMPTS  # the same five code prompts
+
 from qwen_mtp import Engine, SamplingParams, StructuredOutput
 from qwen_mtp.engine import grammar
 from qwen_mtp.serve.tools import call_grammar
 
-PROMPTS = [
-    "def parse_args(argv):\n",
-    "class Config:\n    def __init__(self",
-    "import os\nimport sys\n\n",
-    "    for key, value in items:\n",
-    "def main():\n    parser = argparse.ArgumentParser(",
-]
 NOW = {"type": "function", "function": {"name": "current_time", "parameters": {"type": "object", "properties": {}}}}
 NAMES = {"type": "array", "items": {"type": "string", "pattern": "^[a-z_]{1,24}$"}, "minItems": 4, "maxItems": 12}
 CONSTRAINTS = {

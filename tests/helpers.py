@@ -98,6 +98,22 @@ def cpu_engine(path, k: int | None = None, **mtp):
     return Engine.from_recipe(recipe, log=lambda _: None)
 
 
+def run_batch(engine, params, prompts: list[list[int]], oracles: list[list[int]] | None = None) -> list:
+    """Every prompt with params(i) as one continuous batch (with oracle drafts when `oracles` are given): each
+    request's `Result`, after checking that every page and state row went back to the pools."""
+    if oracles is None:
+        ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
+    else:
+        pairs = enumerate(zip(prompts, oracles, strict=True))
+        ids = [engine.submit_with_oracle(p, o, params(i)) for i, (p, o) in pairs]
+    while engine.has_unfinished():
+        engine.step()
+    results = [engine.result(i) for i in ids]
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["free_state_rows"] == stats["total_state_rows"]
+    return results
+
+
 def generate_all(engine, prompts: list[list[int]], params) -> list[list[int]]:
     """Every prompt with params(i), as one continuous batch: each one's generated tokens."""
     ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]

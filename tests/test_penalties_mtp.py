@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cpu_engine, load_hf, random_prompt
+from helpers import cpu_engine, load_hf, random_prompt, run_batch
 
 from qwen_mtp import Engine, SamplingParams
 from qwen_mtp.errors import RequestError
@@ -56,17 +56,7 @@ def mixed(i: int) -> SamplingParams:
 
 def run(engine: Engine, params, prompts=PROMPTS, oracles=None) -> list:
     """Every prompt with params(i), as one continuous batch: (tokens, logprobs) per request."""
-    if oracles is None:
-        ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
-    else:
-        pairs = enumerate(zip(prompts, oracles, strict=True))
-        ids = [engine.submit_with_oracle(p, o, params(i)) for i, (p, o) in pairs]
-    while engine.has_unfinished():
-        engine.step()
-    results = [engine.result(i) for i in ids]
-    stats = engine.stats()
-    assert stats["free_pages"] == stats["total_pages"] and stats["free_state_rows"] == stats["total_state_rows"]
-    return [(r.token_ids, r.logprobs) for r in results]
+    return [(r.token_ids, r.logprobs) for r in run_batch(engine, params, prompts, oracles)]
 
 
 def tokens_of(results) -> list[list[int]]:

@@ -16,7 +16,7 @@ import llguidance.hf
 import llguidance.torch
 import pytest
 import torch
-from helpers import cpu_engine, load_hf, random_prompt
+from helpers import cpu_engine, load_hf, random_prompt, run_batch
 
 from qwen_mtp import Engine, SamplingParams, StructuredOutput
 from qwen_mtp.engine.engine import _softmax_features
@@ -58,17 +58,7 @@ def mixed(i: int) -> SamplingParams:
 
 def run(engine: Engine, params, prompts=PROMPTS, oracles=None) -> list:
     """Every prompt with params(i), as one continuous batch: (tokens, finish reason, logprobs) per request."""
-    if oracles is None:
-        ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
-    else:
-        pairs = enumerate(zip(prompts, oracles, strict=True))
-        ids = [engine.submit_with_oracle(p, o, params(i)) for i, (p, o) in pairs]
-    while engine.has_unfinished():
-        engine.step()
-    results = [engine.result(i) for i in ids]
-    stats = engine.stats()
-    assert stats["free_pages"] == stats["total_pages"] and stats["free_state_rows"] == stats["total_state_rows"]
-    return [(r.token_ids, r.finish_reason, r.logprobs) for r in results]
+    return [(r.token_ids, r.finish_reason, r.logprobs) for r in run_batch(engine, params, prompts, oracles)]
 
 
 @pytest.fixture(scope="module")

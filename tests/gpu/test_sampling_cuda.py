@@ -159,9 +159,9 @@ def mixed_params(i, max_new):
     return SamplingParams(max_new, ignore_eos=True, seed=1000 + i, **KINDS[i % len(KINDS)])
 
 
-def run(engine, prompts, max_new, oracles=None, first=0):
-    """Generate; prompt i gets `mixed_params(first + i)`."""
-    params = [mixed_params(first + i, max_new) for i in range(len(prompts))]
+def run(engine, prompts, max_new, oracles=None, first=0, params_of=None):
+    """Generate; prompt i gets `params_of(first + i, max_new)` (default `mixed_params`)."""
+    params = [(params_of or mixed_params)(first + i, max_new) for i in range(len(prompts))]
     if oracles is None:
         ids = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
     else:

@@ -3,14 +3,13 @@ application, bf16 and fp32; constrained MTP-on == MTP-off for K = 1..4 at batch 
 (constrained greedy, sampled and penalized requests beside free ones, tokens and logprobs); a step with a constrained
 request is never launched ahead, and costs one synchronisation (its read-back)."""
 
-import traceback
-
 import llguidance.torch
 import pytest
 import torch
 from helpers import random_prompt
 from test_cuda_exactness import engine_for
 from test_host_syncs import synchronisations
+from test_sampling_cuda import run as run_mixed
 
 from qwen_mtp import SamplingParams, StructuredOutput
 from qwen_mtp.engine.grammar import apply_token_mask, mask_words
@@ -34,17 +33,7 @@ def params(i: int, max_new: int) -> SamplingParams:
 
 
 def run(engine, prompts, max_new, oracles=None, first=0):
-    chosen = [params(first + i, max_new) for i in range(len(prompts))]
-    if oracles is None:
-        ids = [engine.submit(p, q) for p, q in zip(prompts, chosen, strict=True)]
-    else:
-        ids = [engine.submit_with_oracle(p, o, q) for p, o, q in zip(prompts, oracles, chosen, strict=True)]
-    while engine.has_unfinished():
-        engine.step()
-    results = [engine.result(i) for i in ids]
-    failed = ["".join(traceback.format_exception(r.error)) for r in results if r.finish_reason == "error"]
-    assert not failed, f"{len(failed)} requests ended with an error, the first:\n{failed[0] if failed else ''}"
-    return results
+    return run_mixed(engine, prompts, max_new, oracles, first, params_of=params)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -181,17 +181,24 @@ def test_sampled_mtp_equals_plain_batch_1_8_32_graphs(k):
     plain = engine_for(source, mode="graphs")
     spec = engine_for(source, k=k, draft="oracle", accept=0.7, mode="graphs")
     head = engine_for(source, k=k, mode="graphs")  # coupled head drafts
-    # batch 1 once per kind of parameters: one request's verify rows get its parameters as stride-0 views
-    cases = [(prompts[i : i + 1], i) for i in range(len(KINDS))] + [(prompts[:8], 0), (prompts[:32], 0)]
+    check_batches_1_8_32(plain, spec, head, prompts, len(KINDS), mixed_params)
+    assert spec.stats()["acceptance_length"] > 1.5
+
+
+def check_batches_1_8_32(plain, spec, head, prompts, kinds, params_of):
+    """MTP-on (`spec`: oracle drafts; `head`: head drafts) == MTP-off (`plain`): tokens, finish reasons and logprobs,
+    at batch 1 once per kind of parameters (one request's verify rows get its parameters as stride-0 views), 8 and
+    32 (prompt i gets `params_of(i, 24)`)."""
+    cases = [(prompts[i : i + 1], i) for i in range(kinds)] + [(prompts[:8], 0), (prompts[:32], 0)]
     for batch_prompts, first in cases:
-        expected = run(plain, batch_prompts, 24, first=first)
+        expected = run(plain, batch_prompts, 24, first=first, params_of=params_of)
         tokens = [r.token_ids for r in expected]
         for engine, oracles in ((spec, tokens), (head, None)):
-            got = run(engine, batch_prompts, 24, oracles, first=first)
-            where = f"K={k} batch={len(batch_prompts)} first={first}"
+            got = run(engine, batch_prompts, 24, oracles, first=first, params_of=params_of)
+            where = f"K={spec.speculator.max_k} batch={len(batch_prompts)} first={first}"
             assert [r.token_ids for r in got] == tokens, where
+            assert [r.finish_reason for r in got] == [r.finish_reason for r in expected], where
             assert [r.logprobs for r in got] == [r.logprobs for r in expected], where
-    assert spec.stats()["acceptance_length"] > 1.5
 
 
 def test_one_synchronisation_per_sampled_step():

@@ -9,7 +9,7 @@ import torch
 from helpers import random_prompt
 from test_cuda_exactness import engine_for
 from test_host_syncs import synchronisations
-from test_sampling_cuda import run as run_mixed
+from test_sampling_cuda import check_batches_1_8_32
 
 from qwen_mtp import SamplingParams, StructuredOutput
 from qwen_mtp.engine.grammar import apply_token_mask, mask_words
@@ -32,10 +32,6 @@ def params(i: int, max_new: int) -> SamplingParams:
     return SamplingParams(max_new, seed=500 + i, **KINDS[i % len(KINDS)])
 
 
-def run(engine, prompts, max_new, oracles=None, first=0):
-    return run_mixed(engine, prompts, max_new, oracles, first, params_of=params)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_token_mask_equals_llguidance_at_real_vocab(dtype):
     generator = torch.Generator().manual_seed(3)
@@ -54,16 +50,7 @@ def test_constrained_mtp_equals_plain_batch_1_8_32_graphs(k):
     plain = engine_for(SOURCE, mode="graphs")
     spec = engine_for(SOURCE, k=k, draft="oracle", accept=0.7, mode="graphs")
     head = engine_for(SOURCE, k=k, mode="graphs")
-    cases = [(prompts[i : i + 1], i) for i in range(len(KINDS))] + [(prompts[:8], 0), (prompts[:32], 0)]
-    for batch_prompts, first in cases:
-        expected = run(plain, batch_prompts, 24, first=first)
-        tokens = [r.token_ids for r in expected]
-        for engine, oracles in ((spec, tokens), (head, None)):
-            got = run(engine, batch_prompts, 24, oracles, first=first)
-            where = f"K={k} batch={len(batch_prompts)} first={first}"
-            assert [r.token_ids for r in got] == tokens, where
-            assert [r.finish_reason for r in got] == [r.finish_reason for r in expected], where
-            assert [r.logprobs for r in got] == [r.logprobs for r in expected], where
+    check_batches_1_8_32(plain, spec, head, prompts, len(KINDS), params)
     assert spec.stats()["acceptance_length"] > 1.3
 
 

@@ -369,7 +369,7 @@ class Engine:
         if self.parallel is not None:
             self._check_tensor_parallel(params)
         if params.structured is not None:
-            self.grammars.matcher(params.structured)  # compiles: a grammar this tokenizer cannot use fails here
+            self.grammars.check(params.structured)  # a grammar this tokenizer cannot compile fails here
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

@@ -24,6 +24,7 @@ compiled is a `RequestError`) and `update.py` alone advances it, token by token 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -97,26 +98,31 @@ class Grammars:
         self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, sorted(eos_ids)
         self.words = mask_words(vocab)
         self._lltokenizer = None
+        self._building = threading.Lock()  # requests are checked on the server's threads too
         self._executor = None  # llguidance's thread pool: a step's masks are computed in parallel
 
     def _tokenizer(self):
         if self.tokenizer is None:
             raise RequestError("structured outputs need the checkpoint's tokenizer, and this checkpoint has none")
-        if self._lltokenizer is None:  # built once (a vocabulary's token trie), at the first constrained request
-            llguidance = _llguidance()
-            eos = self.eos_ids or None
-            self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=eos)
+        with self._building:  # built once (a vocabulary's token trie: ~2 s at 248k tokens), at first use
+            if self._lltokenizer is None:
+                eos = self.eos_ids or None
+                self._lltokenizer = _llguidance().hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=eos)
         return self._lltokenizer
 
-    def matcher(self, structured: StructuredOutput):
-        """A fresh matcher for a request's output; `RequestError` naming the problem if the grammar cannot be
-        compiled for this tokenizer."""
-        llguidance = _llguidance()
-        tokenizer, grammar = self._tokenizer(), grammar_text(structured)
-        problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    def check(self, structured: StructuredOutput) -> str:
+        """The grammar's text, if llguidance can compile it for this tokenizer; else `RequestError` naming the
+        problem."""
+        grammar = grammar_text(structured)
+        problem = _llguidance().LLMatcher.validate_grammar(grammar, self._tokenizer())
         if problem:
             raise RequestError(f"structured output ({structured.kind}) cannot be compiled: {problem.strip()}")
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return grammar
+
+    def matcher(self, structured: StructuredOutput):
+        """A fresh matcher for a request's output (`RequestError` as `check` says)."""
+        grammar = self.check(structured)
+        matcher = _llguidance().LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(f"structured output ({structured.kind}) cannot be used: {matcher.get_error()}")
         return matcher

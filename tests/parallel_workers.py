@@ -12,12 +12,15 @@ from pathlib import Path
 
 import torch
 
-from qwen_mtp.engine import Engine, SamplingParams
+from qwen_mtp.engine import Engine, SamplingParams, StructuredOutput
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.parallel import current
 from qwen_mtp.parallel.collectives import all_reduce_sum, sum_in_rank_order
 from qwen_mtp.parallel.vocab import VocabShard
 from qwen_mtp.recipe import load_recipe
+
+# the structured output of the constrained generations (every token masked, on both ranks' shards)
+STRUCTURED_REGEX = r"[0-9]{2,5}-[a-z]+( [a-z]+)*"
 
 TP = 2
 
@@ -72,19 +75,23 @@ def generations(path: str, prompts: list[list[int]], max_new_tokens: int, compil
     recipe = load_recipe(base)
     loaded = load_from_recipe(recipe)
 
-    def run(prompts, mtp=False, compiled=False):
+    def run(prompts, mtp=False, compiled=False, params=None):
         variant = dataclasses.replace(
             recipe,
             mtp=dataclasses.replace(recipe.mtp, enabled=mtp, k=2),
             compile=dataclasses.replace(recipe.compile, enabled=compiled, backend="aot_eager", batch_sizes=[4]),
         )
         engine = Engine.from_recipe(variant, loaded=loaded, log=quiet)
-        return [r.token_ids for r in engine.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=True)]
+        params = params or SamplingParams(max_new_tokens, ignore_eos=True)
+        return [r.token_ids for r in engine.generate(prompts, params)]
 
+    structured = SamplingParams(max_new_tokens, structured=StructuredOutput(regex=STRUCTURED_REGEX))
     tokens = {
         "off": run(prompts),
         "mtp": run(prompts, mtp=True),
         "mtp_alone": [run([p], mtp=True)[0] for p in prompts],
+        "constrained_off": run(prompts, params=structured),  # each rank masks its own vocabulary ids
+        "constrained_mtp": run(prompts, mtp=True, params=structured),
     }
     if compiled:
         tokens["mtp_compiled"] = run(prompts, mtp=True, compiled=True)

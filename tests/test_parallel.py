@@ -122,6 +122,25 @@ def test_tp2_tokens_equal_tp1_and_hf_up_to_near_ties(tp2, preset):
     assert compared >= len(ours) * MAX_NEW // 2, "too few tokens compared before a near-tie"
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tp2_structured_outputs_obey_their_grammar_with_mtp_as_without(tp2, checkpoint, preset):
+    """Greedy constrained generations at TP=2 (each rank masks its own vocabulary ids): every token is one the
+    grammar allows (a fresh llguidance matcher consumes them all), and MTP K=2 gives MTP-off's tokens."""
+    import llguidance
+    import llguidance.hf
+
+    from qwen_mtp.engine.setup import load_tokenizer
+
+    run = rank_results(tp2)[0][preset]
+    assert run["constrained_mtp"] == run["constrained_off"]
+    tokenizer = load_tokenizer(checkpoint(preset))
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=512, eos_token=[tokenizer.eos_token_id])
+    grammar = llguidance.LLMatcher.grammar_from_regex(parallel_workers.STRUCTURED_REGEX)
+    for tokens, free in zip(run["constrained_off"], run["off"], strict=True):
+        matcher = llguidance.LLMatcher(lltokenizer, grammar)
+        assert matcher.try_consume_tokens(tokens) == len(tokens) and tokens != free, tokens
+
+
 def test_vocab_parallel_argmax_breaks_ties_to_the_lowest_id_as_torch_argmax(tp2):
     chosen, expected = rank_results(tp2)[0]["vocab_argmax"]
     assert chosen == expected

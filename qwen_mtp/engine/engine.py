@@ -132,7 +132,7 @@ class Engine:
         self.config = self.model.config
         self.eos_ids = set(self.config.eos_token_ids)
         # structured outputs: grammars compiled against the tokenizer over the logits' vocabulary
-        self.grammars = grammar.Grammars(self.tokenizer, self.model.lm_head_weight.shape[0], self.eos_ids)
+        self.grammars = grammar.Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
         self.spec_tokens = mtp.max_drafts if mtp.enabled else 0  # the most drafts a step verifies
         self.mixed_steps = mixed_steps_on(cache, self.device, tensor_parallel=self.model.parallel is not None)
         step_budget = self._step_budget(cache)
@@ -394,7 +394,7 @@ class Engine:
     def _check_tensor_parallel(self, params: SamplingParams) -> None:
         """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
         cross-rank argmax (`parallel.vocab`): sampling, penalties, logit biases and logprobs, which need the whole
-        vocabulary's logits, are refused."""
+        vocabulary's logits, are refused (a structured output's mask is not: each rank masks its own ids)."""
         asked = _softmax_features(params)
         if asked:
             raise RequestError(
@@ -962,7 +962,6 @@ def _softmax_features(params: SamplingParams) -> list[str]:
         (f"presence_penalty={params.presence_penalty}", params.presence_penalty != 0.0),
         (f"frequency_penalty={params.frequency_penalty}", params.frequency_penalty != 0.0),
         ("logit_bias", bool(params.logit_bias)),
-        (f"structured ({params.structured.kind})" if params.structured else "", params.structured is not None),
         (f"min_tokens={params.min_tokens}", params.min_tokens > 0),
         (f"logprobs={params.logprobs}", params.logprobs is not None),
         (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),

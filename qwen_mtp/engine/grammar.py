@@ -184,11 +184,14 @@ def _fill(matcher, row: torch.Tensor) -> None:
     matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 
-def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """`logits` [R, V] with every token not set in `allowed` [R, words] (int32 bitmasks) at -inf.
+def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """`logits` [R, V] of token ids start..start+V-1 (a tensor-parallel rank's vocabulary shard from `start`) with
+    every token not set in `allowed` [R, words] (int32 bitmasks of the whole vocabulary) at -inf.
 
     Plain torch, no kernel: it is elementwise (each row and token on its own, so batch-invariant by construction)
     and runs only in steps with a constrained request."""
     bits = torch.arange(WORD_BITS, dtype=torch.int32, device=allowed.device)
-    keep = ((allowed[:, :, None] >> bits) & 1).reshape(allowed.shape[0], -1)[:, : logits.shape[-1]]
+    keep = ((allowed[:, :, None] >> bits) & 1).reshape(allowed.shape[0], -1)[:, start : start + logits.shape[-1]]
+    if keep.shape[1] < logits.shape[-1]:  # ids past the vocabulary the masks cover (a padded lm_head): never allowed
+        keep = torch.nn.functional.pad(keep, (0, logits.shape[-1] - keep.shape[1]))
     return logits.masked_fill(keep == 0, float("-inf"))

@@ -170,7 +170,7 @@ class StepGraphs:
             sampler = "" if mode.greedy else f" ({mode})"
             self.log(f"{what} the {kind} step for batch {size} x {length} tokens{sampler} ...")
             padding = scratch_inputs(self.steps.pages, self.steps.states, size, length, self.width)
-            words = mask_words(self.steps.model.lm_head_weight.shape[0])  # structured outputs' token masks
+            words = mask_words(self.steps.model.config.vocab_size)  # structured outputs' masks: the whole vocabulary
             padding |= padding_rows(size, padding["tokens"].device, mode, length, words)
             if kind == "target":
                 step = StaticStep(functools.partial(self.target_fn, mode=mode), padding, self.capture, self.pool)

@@ -36,9 +36,9 @@ the chosen token and for the `MAX_LOGPROBS` most likely ones (each request keeps
 here is a function of device tensors with no host read, so it runs inside the decode, verify and draft graphs.
 
 Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
-takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there
-(`Engine.check_request` refuses sampling, penalties and logprobs under tensor parallelism: their softmax, filters,
-counts and noise need the whole vocabulary's logits).
+takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there,
+structured outputs' masks included (each rank masks its own ids; `Engine.check_request` refuses sampling, penalties
+and logprobs under tensor parallelism: their softmax, filters, counts and noise need the whole vocabulary's logits).
 """
 
 from __future__ import annotations
@@ -202,9 +202,13 @@ def choose(
     `allowed` the tokens each position may take. The choice is made on the penalized, masked logits, the logprobs
     stay those of the model's own distribution."""
     if shard is not None:
-        if not mode.greedy:
+        if not (mode.greedy or mode == Mode(constrained=True)):
             raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
-        return shard.argmax(logits.float()), None
+        values = logits.float()
+        if mode.constrained:  # this rank's ids of each position's mask
+            flat = values.reshape(-1, values.shape[-1])
+            values = apply_token_mask(flat, allowed.reshape(-1, allowed.shape[-1]), shard.start).view(values.shape)
+        return shard.argmax(values), None
     if mode.greedy:
         return logits.float().argmax(dim=-1), None
     lead, vocab = logits.shape[:-1], logits.shape[-1]

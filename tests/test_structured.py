@@ -103,6 +103,23 @@ def test_bad_structured_outputs_are_request_errors():
     assert _softmax_features(SamplingParams(structured=StructuredOutput(regex="a"))) == []  # greedy: runs under TP
 
 
+def test_gbnf_grammars_are_taken_as_lark(path):
+    """A GBNF grammar (llama.cpp's and xgrammar's form, `root ::= ...`) constrains as its Lark equivalent."""
+    engine = cpu_engine(path)
+    gbnf = 'root ::= "x=" num ("," num)*\nnum ::= [0-9] [0-9]? [0-9]?'
+    (ours,) = engine.generate(
+        [PROMPTS[6]], SamplingParams(max_new_tokens=MAX_NEW, structured=StructuredOutput(grammar=gbnf))
+    )
+    (lark,) = engine.generate(
+        [PROMPTS[6]], SamplingParams(max_new_tokens=MAX_NEW, structured=StructuredOutput(grammar=LARK))
+    )
+    assert ours.token_ids == lark.token_ids and re.fullmatch(
+        r"x=[0-9]{1,3}(,[0-9]{1,3})*,?", engine.tokenizer.decode(ours.token_ids, skip_special_tokens=True)
+    )
+    with pytest.raises(RequestError, match="GBNF"):
+        engine.submit([1, 2], SamplingParams(structured=StructuredOutput(grammar="root ::= (")))
+
+
 def test_grammars_that_cannot_be_used_fail_at_submit_and_the_engine_serves_on(path, tmp_path):
     engine = cpu_engine(path)
     running = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=4))

@@ -85,7 +85,12 @@ def _structure_text(structured: StructuredOutput) -> str:
             return matcher.grammar_from_regex(structured.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in structured.choice))
-        return matcher.grammar_from_lark(structured.grammar)
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark  # GBNF (llama.cpp's, xgrammar's) as Lark
+
+        try:
+            return matcher.grammar_from_lark(any_to_lark(structured.grammar))
+        except GbnfToLarkError as err:
+            raise ValueError(f"GBNF: {err}") from None
     except (ValueError, TypeError) as err:
         raise RequestError(f"structured output ({kind}): {err}") from None
 

@@ -131,7 +131,8 @@ class StructuredOutput:
     - `json_object`: any JSON object (the OpenAI API's `response_format: {"type": "json_object"}`);
     - `regex`: a regular expression the whole output matches;
     - `choice`: one of these strings, exactly;
-    - `grammar`: a Lark grammar (llguidance's dialect: https://github.com/guidance-ai/llguidance).
+    - `grammar`: a Lark grammar (llguidance's dialect: https://github.com/guidance-ai/llguidance), or a GBNF one
+      (`root ::= ...`, as llama.cpp and xgrammar write them), which llguidance converts.
     `any_whitespace` (JSON only): whitespace may sit wherever JSON allows it (the default, as vLLM's); False
     writes JSON in one line with ", " and ": " between items, which keeps a weak model from spending its tokens
     on whitespace. `after_thinking`: the output starts inside a think block its chat template opened (Qwen's

@@ -97,3 +97,17 @@ def test_bad_structured_requests_are_400s_and_the_server_serves_on(servers):
             chat(plain, **kwargs)
     assert chat(plain, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})[1] == "stop"
     servers[0].wait_all_free()
+
+
+def test_concurrent_structured_requests_get_their_own_answers(servers):
+    """Requests with different structures (and none) in flight together on the MTP server, some streamed: each gets
+    the answer it gets alone (the masks are per request and per position; the batch changes no token)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, mtp = clients(servers)
+    kinds = [kwargs for kwargs, _ in CASES] + [{}, {"response_format": {"type": "json_object"}}]
+    alone = [chat(mtp, **kwargs) for kwargs in kinds]
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        together = list(pool.map(lambda i: chat(mtp, stream=i % 2 == 1, **kinds[i]), range(len(kinds))))
+    assert together == alone
+    servers[1].wait_all_free()

@@ -366,11 +366,13 @@ fi
 if [[ "$STAGE" == splits ]]; then  # one device call (~9 min; carry torchao): the N = 5120 shapes (o_proj / out_proj,
   # mlp down) at more K splits than the family sweeps try: 120-240 programs on 132 SMs leave them at 60-87% of the
   # copy bandwidth at one row; more splits fill the waves, and write M x N partial sums per split at many rows
-  for shape in o_proj down; do
-    timeout 150 python3 benchmarks/gemm_sweep.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
+  # (H200, 2026-12-05: at 150 s a shape every sweep timed out before printing: ~115 plans x 5 split counts, timed
+  # from M = 1 to 8192 on a fresh machine; one shape a call, SHAPES="down" for the other)
+  for shape in ${SHAPES:-o_proj}; do
+    timeout 280 python3 benchmarks/gemm_sweep.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
       --out "$OUT/gemm-family-splits-$shape.json" >"$OUT/gemm-family-splits-$shape.log" 2>&1
     echo "[rc $? at ${SECONDS}s] bf16 $shape"; grep -A12 "^Best\|best invariant" "$OUT/gemm-family-splits-$shape.log" | head -14
-    timeout 150 python3 benchmarks/gemm_w8a8.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
+    timeout 280 python3 benchmarks/gemm_w8a8.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
       --choice-m 1,8,16 --out "$OUT/gemm-w8a8-splits-$shape.json" >"$OUT/gemm-w8a8-splits-$shape.log" 2>&1
     echo "[rc $? at ${SECONDS}s] w8a8 $shape"; grep -A4 "^Best W8A8" "$OUT/gemm-w8a8-splits-$shape.log"
   done

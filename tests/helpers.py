@@ -114,6 +114,21 @@ def run_batch(engine, params, prompts: list[list[int]], oracles: list[list[int]]
     return results
 
 
+def reference_lltokenizer(path) -> tuple:
+    """(the checkpoint's tokenizer, llguidance's tokenizer over it and the config's vocabulary, EOS the tokenizer's),
+    built as llguidance's docs say and not by the engine, so that the structured-output tests check the engine
+    against llguidance itself."""
+    import json
+
+    import llguidance.hf
+
+    from qwen_mtp.engine.setup import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(path))
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    return tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[tokenizer.eos_token_id])
+
+
 def generate_all(engine, prompts: list[list[int]], params) -> list[list[int]]:
     """Every prompt with params(i), as one continuous batch: each one's generated tokens."""
     ids = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]

@@ -10,7 +10,7 @@ import time
 import parallel_workers
 import pytest
 import torch
-from helpers import hf_greedy_with_margins, load_hf
+from helpers import hf_greedy_with_margins, load_hf, reference_lltokenizer
 from typer.testing import CliRunner
 
 from qwen_mtp import Engine, load_model
@@ -127,14 +127,10 @@ def test_tp2_structured_outputs_obey_their_grammar_with_mtp_as_without(tp2, chec
     """Greedy constrained generations at TP=2 (each rank masks its own vocabulary ids): every token is one the
     grammar allows (a fresh llguidance matcher consumes them all), and MTP K=2 gives MTP-off's tokens."""
     import llguidance
-    import llguidance.hf
-
-    from qwen_mtp.engine.setup import load_tokenizer
 
     run = rank_results(tp2)[0][preset]
     assert run["constrained_mtp"] == run["constrained_off"]
-    tokenizer = load_tokenizer(checkpoint(preset))
-    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=512, eos_token=[tokenizer.eos_token_id])
+    _, lltokenizer = reference_lltokenizer(checkpoint(preset))
     grammar = llguidance.LLMatcher.grammar_from_regex(parallel_workers.STRUCTURED_REGEX)
     for tokens, free in zip(run["constrained_off"], run["off"], strict=True):
         matcher = llguidance.LLMatcher(lltokenizer, grammar)

@@ -64,10 +64,8 @@ def tokens_of(results) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    from qwen_mtp.testing import build_checkpoint
-
-    return build_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny")
+def path(checkpoint):
+    return checkpoint()
 
 
 @pytest.fixture(scope="module")

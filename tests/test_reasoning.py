@@ -69,11 +69,10 @@ def test_structured_outputs_apply_after_the_thinking(server, chat_checkpoint):
     free): the tiny model thinks on to max_tokens; with thinking off its content is one of the choices. The grammar
     itself: any text, `</think>`, newlines, then the structure."""
     import llguidance
-    import llguidance.hf
+    from helpers import reference_lltokenizer
 
     from qwen_mtp import StructuredOutput
     from qwen_mtp.engine.grammar import grammar_text
-    from qwen_mtp.engine.setup import load_tokenizer
 
     client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
     kwargs = {"model": "qwen-mtp", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
@@ -87,8 +86,7 @@ def test_structured_outputs_apply_after_the_thinking(server, chat_checkpoint):
         **kwargs, extra_body=structure | {"chat_template_kwargs": {"enable_thinking": False}}
     ).choices[0]
     assert direct.finish_reason == "stop" and direct.message.content in ("yes", "no")
-    tokenizer = load_tokenizer(chat_checkpoint)
-    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    tokenizer, lltokenizer = reference_lltokenizer(chat_checkpoint)
     grammar = grammar_text(StructuredOutput(choice=["yes", "no"], after_thinking=True))
     for text, complete in (("hm, </thi> no.</think>\n\nyes", True), ("</think>no", True), ("yes", False)):
         matcher = llguidance.LLMatcher(lltokenizer, grammar)

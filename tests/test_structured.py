@@ -16,12 +16,11 @@ import llguidance.hf
 import llguidance.torch
 import pytest
 import torch
-from helpers import cpu_engine, load_hf, random_prompt, run_batch
+from helpers import cpu_engine, load_hf, random_prompt, reference_lltokenizer, run_batch
 
 from qwen_mtp import Engine, SamplingParams, StructuredOutput
 from qwen_mtp.engine.engine import _softmax_features
 from qwen_mtp.engine.grammar import Grammars, apply_token_mask, mask_words, token_masks
-from qwen_mtp.engine.setup import load_tokenizer
 from qwen_mtp.errors import RequestError
 
 MAX_NEW = 24
@@ -62,10 +61,8 @@ def run(engine: Engine, params, prompts=PROMPTS, oracles=None) -> list:
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    from qwen_mtp.testing import build_checkpoint
-
-    return build_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny")
+def path(checkpoint):
+    return checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +72,10 @@ def plain(path):
 
 
 def reference_matcher(path):
-    """llguidance's matcher factory over the checkpoint's tokenizer, built here as its docs say (not by the engine)."""
-    tokenizer = load_tokenizer(Path(path))
-    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[tokenizer.eos_token_id])
-    return vocab, lambda grammar: llguidance.LLMatcher(lltokenizer, grammar)
+    """(the checkpoint's tokenizer, the vocabulary, llguidance's matcher factory over them), built as llguidance's
+    docs say (not by the engine)."""
+    tokenizer, lltokenizer = reference_lltokenizer(path)
+    return tokenizer, lltokenizer.vocab_size, lambda grammar: llguidance.LLMatcher(lltokenizer, grammar)
 
 
 # ---- parameters and errors ------------------------------------------------------------------------------------
@@ -159,8 +155,7 @@ def test_token_masks_follow_the_drafts_and_leave_the_matcher_as_it_was(path):
     """Position i's mask is a fresh matcher's after the drafts before it; past the first draft the grammar refuses,
     every token is allowed; the request's matcher is where it was. The engine's masks (llguidance's thread pool)
     equal the one-matcher-at-a-time reference."""
-    vocab, make = reference_matcher(path)
-    tokenizer = load_tokenizer(Path(path))
+    tokenizer, vocab, make = reference_matcher(path)
     grammar = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
     structured = StructuredOutput(regex=r"[0-9]+-[a-z]+")
 
@@ -199,7 +194,7 @@ def test_greedy_constrained_tokens_match_a_reference_loop(path, plain, kind):
     """Each token: the argmax of a full HF forward's last logits after llguidance's own mask application, its
     matcher advanced by the chosen token, until the grammar completes (then the request ends) or max_new_tokens."""
     hf = load_hf(path, torch.float32)
-    vocab, make = reference_matcher(path)
+    _, vocab, make = reference_matcher(path)
     from qwen_mtp.engine.grammar import grammar_text
 
     matcher = make(grammar_text(mixed(kind).structured))

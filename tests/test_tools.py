@@ -161,12 +161,9 @@ LATER = {"type": "function", "function": {"name": "later", "parameters": {"type"
 
 def matcher_for(checkpoint, grammar):
     import llguidance
-    import llguidance.hf
+    from helpers import reference_lltokenizer
 
-    from qwen_mtp.engine.setup import load_tokenizer
-
-    tokenizer = load_tokenizer(checkpoint)
-    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    tokenizer, lltokenizer = reference_lltokenizer(checkpoint)
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), lltokenizer) == ""
     return lambda text: _consumes(llguidance.LLMatcher(lltokenizer, llguidance.LLMatcher.grammar_from_lark(grammar)),
                                   tokenizer.encode(text, add_special_tokens=False))  # fmt: skip

@@ -125,9 +125,9 @@ class Grammars:
         return grammar
 
     def matcher(self, structured: StructuredOutput):
-        """A fresh matcher for a request's output (`RequestError` as `check` says)."""
-        grammar = self.check(structured)
-        matcher = _llguidance().LLMatcher(self._tokenizer(), grammar, log_level=0)
+        """A fresh matcher for a request's output (`Engine.check_request` has `check`ed it; a grammar that cannot be
+        compiled is a `RequestError` here too)."""
+        matcher = _llguidance().LLMatcher(self._tokenizer(), grammar_text(structured), log_level=0)
         if matcher.is_error():
             raise RequestError(f"structured output ({structured.kind}) cannot be used: {matcher.get_error()}")
         return matcher
@@ -190,13 +190,16 @@ def _fill(matcher, row: torch.Tensor) -> None:
 
 
 def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """`logits` [R, V] of token ids start..start+V-1 (a tensor-parallel rank's vocabulary shard from `start`) with
-    every token not set in `allowed` [R, words] (int32 bitmasks of the whole vocabulary) at -inf.
+    """`logits` [..., V] of token ids start..start+V-1 (a tensor-parallel rank's vocabulary shard from `start`) with
+    every token not set in `allowed` [..., words] (int32 bitmasks of the whole vocabulary, as many rows as the
+    logits, in any layout: a verify's [B, T, words] against its [B * T, V]) at -inf.
 
     Plain torch, no kernel: it is elementwise (each row and token on its own, so batch-invariant by construction)
     and runs only in steps with a constrained request."""
+    vocab = logits.shape[-1]
+    rows = allowed.reshape(-1, allowed.shape[-1])
     bits = torch.arange(WORD_BITS, dtype=torch.int32, device=allowed.device)
-    keep = ((allowed[:, :, None] >> bits) & 1).reshape(allowed.shape[0], -1)[:, start : start + logits.shape[-1]]
-    if keep.shape[1] < logits.shape[-1]:  # ids past the vocabulary the masks cover (a padded lm_head): never allowed
-        keep = torch.nn.functional.pad(keep, (0, logits.shape[-1] - keep.shape[1]))
-    return logits.masked_fill(keep == 0, float("-inf"))
+    keep = ((rows[:, :, None] >> bits) & 1).reshape(rows.shape[0], -1)[:, start : start + vocab]
+    if keep.shape[1] < vocab:  # ids past the vocabulary the masks cover (a padded lm_head): never allowed
+        keep = torch.nn.functional.pad(keep, (0, vocab - keep.shape[1]))
+    return logits.masked_fill(keep.view(logits.shape) == 0, float("-inf"))

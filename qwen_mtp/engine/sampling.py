@@ -206,8 +206,7 @@ def choose(
             raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
         values = logits.float()
         if mode.constrained:  # this rank's ids of each position's mask
-            flat = values.reshape(-1, values.shape[-1])
-            values = apply_token_mask(flat, allowed.reshape(-1, allowed.shape[-1]), shard.start).view(values.shape)
+            values = apply_token_mask(values, allowed, shard.start)
         return shard.argmax(values), None
     if mode.greedy:
         return logits.float().argmax(dim=-1), None
@@ -223,7 +222,7 @@ def choose(
         penalties = tuple(per_row(t).contiguous() for t in (repetition, frequency, presence, min_end))
         flat = apply_penalties(flat, *penalty_inputs, *penalties)
     if mode.constrained:
-        flat = apply_token_mask(flat, allowed.reshape(-1, allowed.shape[-1]))
+        flat = apply_token_mask(flat, allowed)
     threshold = None
     if mode.filtered:
         threshold = filter_threshold(flat, inv_t, per_row(top_k), per_row(top_p), per_row(min_p_offset))

@@ -85,9 +85,8 @@ def call_grammar(tools: list[dict], name: str | None = None, parallel: bool = Tr
     """A Lark grammar (llguidance's dialect) of answers that are tool calls in this format and nothing else: calls
     of `name` only (or of any of `tools`), one or more (`parallel`) or exactly one. Each function's parameter names
     come from its schema's properties (any name when it gives none; no parameter for `"properties": {}`); a value
-    is free text up to the first
-    `\n</parameter>\n` (a lazy rule: its shortest match). What `tool_choice` "required" or a named function asks
-    for, decoded under this grammar (`StructuredOutput.grammar`)."""
+    is free text up to the first `\n</parameter>\n` (a lazy rule: its shortest match). What `tool_choice`
+    "required" or a named function asks for, decoded under this grammar (`StructuredOutput.grammar`)."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise ValueError(f"no tool named {name!r}" if name is not None else "no tools")

@@ -27,8 +27,10 @@ PENALTIES = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(description: str, parser: argparse.ArgumentParser | None = None):
+    """What the acceptance benchmarks share: their arguments (the model, K, tokens, device, beside those `parser`
+    already has), the recipe's model section, an MTP-off engine and `PROMPTS` encoded."""
+    parser = parser or argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "qwen-mtp-small"))
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
@@ -36,17 +38,26 @@ def main() -> None:
     args = parser.parse_args()
     model = {"path": args.model, "dtype": "float32", "device": args.device}
     plain = Engine.from_recipe({"model": model}, log=lambda _: None)
-    prompts = [plain.encode(p) for p in PROMPTS]
+    return args, model, plain, [plain.encode(p) for p in PROMPTS]
+
+
+def acceptance_length(model: dict, mtp: dict, prompts, params: SamplingParams, expected, what) -> float:
+    """The acceptance length of an engine with `mtp` over `prompts`, after checking it gives MTP-off's tokens."""
+    engine = Engine.from_recipe({"model": model, "mtp": {"enabled": True, **mtp}}, log=lambda _: None)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected, what
+    return engine.stats()["acceptance_length"]
+
+
+def main() -> None:
+    args, model, plain, prompts = setup(__doc__.splitlines()[0])
     print(f"{'penalty':16s} {'coupled drafts':>15s} {'greedy drafts':>14s}")
     for name, penalty in PENALTIES.items():
         params = SamplingParams(args.tokens, ignore_eos=True, **penalty)
         expected = [r.token_ids for r in plain.generate(prompts, params)]
-        lengths = []
-        for coupled in (True, False):
-            mtp = {"enabled": True, "k": args.k, "coupled_drafts": coupled}
-            engine = Engine.from_recipe({"model": model, "mtp": mtp}, log=lambda _: None)
-            assert [r.token_ids for r in engine.generate(prompts, params)] == expected, (name, coupled)
-            lengths.append(engine.stats()["acceptance_length"])
+        lengths = [
+            acceptance_length(model, {"k": args.k, "coupled_drafts": coupled}, prompts, params, expected, name)
+            for coupled in (True, False)
+        ]
         print(f"{name:16s} {lengths[0]:15.3f} {lengths[1]:14.3f}", flush=True)
 
 

@@ -10,11 +10,10 @@ the GPU's: not printed).
 """
 
 import argparse
-from pathlib import Path
 
-from penalty_acceptance import PROMPTS  # the same five code prompts
+from penalty_acceptance import acceptance_length, setup  # the same model, arguments and five code prompts
 
-from qwen_mtp import Engine, SamplingParams, StructuredOutput
+from qwen_mtp import SamplingParams, StructuredOutput
 from qwen_mtp.engine import grammar
 from qwen_mtp.serve.tools import call_grammar
 
@@ -32,24 +31,15 @@ CONSTRAINTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "qwen-mtp-small"))
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-forced", action="store_true", help="verify the head's drafts only")
-    args = parser.parse_args()
+    args, model, plain, prompts = setup(parser.description, parser)
     if args.no_forced:
         grammar.forced_drafts = lambda matcher, drafts, k: list(drafts[:k])
-    model = {"path": args.model, "dtype": "float32", "device": args.device}
-    plain = Engine.from_recipe({"model": model}, log=lambda _: None)
-    prompts = [plain.encode(p) for p in PROMPTS]
     print(f"{'constraint':22s} {'acceptance':>10s} {'tokens':>7s}")
     for name, structured in CONSTRAINTS.items():
         params = SamplingParams(args.tokens, ignore_eos=structured is None, structured=structured)
         expected = [r.token_ids for r in plain.generate(prompts, params)]
-        engine = Engine.from_recipe({"model": model, "mtp": {"enabled": True, "k": args.k}}, log=lambda _: None)
-        assert [r.token_ids for r in engine.generate(prompts, params)] == expected, name
-        length = engine.stats()["acceptance_length"]
+        length = acceptance_length(model, {"k": args.k}, prompts, params, expected, name)
         print(f"{name:22s} {length:10.3f} {sum(len(t) for t in expected):7d}", flush=True)
 
 

@@ -16,13 +16,20 @@ does), the fastest per bucket, written to ops/linear.py's table with `--apply`; 
 it against cuBLAS, a row's bits checked across the bucket edges. `--kind w8a8` does the same for the W8A8 kernel at
 the FP8 shapes (`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
 
+`--set splits --splits 3,4,6,8`: the launch as the engine makes it, with the shape's plan and every bucket plan cut
+into each of those K split counts instead of its own (all cut at the same points, so a row's bits still never
+depend on M): whether more splits (fuller waves at few rows) win at M <= 32 and what the partial sums they write
+cost at 64-256 rows. Nothing is applied: a split count changes the shape's numbers, so a winner is written into
+`TUNED` / `TUNED_W8A8` and the buckets by hand, then checked by the exactness suite.
+
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_buckets.py [qwen3.5-27b] [name filter]
-[--set tiles|deep|buckets] [--apply] [--kind bf16|w8a8] [--out PATH]
+[--set tiles|deep|buckets|splits] [--splits 3,4,6,8] [--apply] [--kind bf16|w8a8] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,6 +42,7 @@ from gemm_family import (
     DECODE_M,
     ROTATION_BYTES,
     _cdiv,
+    _compile,
     _error,
     graph_us,
     invariance_failures,
@@ -43,6 +51,7 @@ from gemm_family import (
     shapes,
 )
 from gemm_fp8 import fp8_shapes, random_fp8
+from gemm_w8a8 import _compile as _compile_w8a8
 
 from qwen_mtp.ops import linear
 from qwen_mtp.ops.linear import (
@@ -66,6 +75,7 @@ class Kind:
 
     name: str  # its key in `linear.TMA_LOAD_BUCKETS`
     table: str
+    tuned: str  # the table of per-shape plans `base` reads first
     base: object  # (n, k) -> GemmPlan
     call: object  # (x, weight, plan | None) -> out
     shapes: object  # (preset, only) -> {name: (n, k)}
@@ -73,6 +83,7 @@ class Kind:
     allowed: object  # plan -> whether the kernel runs it
     stage_bytes: int  # bytes of a weight element in a pipeline stage
     buckets: dict  # a bucket's first row count -> the row counts its plan is chosen by (the sum of their times)
+    compile: object  # (n, k, plan) -> error or None: a precompile worker (gemm_family.precompile)
 
 
 def _bf16_weights(n: int, k: int, copies: int):
@@ -92,13 +103,14 @@ W8A8_BUCKETS = {17: (32,), **BUCKETS}
 
 KINDS = {
     "bf16": Kind(
-        "bf16", "ROW_BUCKETS", gemm_plan, lambda x, w, p: invariant_matmul_triton(x, w, p), shapes, _bf16_weights,
-        lambda p: True, 2, BUCKETS,
+        "bf16", "ROW_BUCKETS", "TUNED", gemm_plan, lambda x, w, p: invariant_matmul_triton(x, w, p), shapes,
+        _bf16_weights, lambda p: True, 2, BUCKETS, _compile,
     ),
     "w8a8": Kind(
-        "w8a8", "W8A8_ROW_BUCKETS", gemm_plan_w8a8, lambda x, w, p: linear_fp8_w8a8_triton(x, w[0], w[1], p),
+        "w8a8", "W8A8_ROW_BUCKETS", "TUNED_W8A8", gemm_plan_w8a8,
+        lambda x, w, p: linear_fp8_w8a8_triton(x, w[0], w[1], p),
         lambda preset, only: named_once(fp8_shapes(preset), only), _fp8_weights,
-        lambda p: p.block_k == FP8_BLOCK[1] and not p.tail_tiles, 1, W8A8_BUCKETS,
+        lambda p: p.block_k == FP8_BLOCK[1] and not p.tail_tiles, 1, W8A8_BUCKETS, _compile_w8a8,
     ),
 }  # fmt: skip
 
@@ -254,6 +266,74 @@ def replace_block(path: str, name: str, lines: list[str]) -> None:
         f.write(text[:start] + "\n".join(lines) + "\n" + text[end:])
 
 
+def resplit_tables(n: int, k: int, kind: Kind, splits: int) -> tuple[GemmPlan, tuple[tuple[int, GemmPlan], ...]]:
+    """The shape's plan and its row buckets with K cut into `splits` pieces at the same points for all of them (in
+    K elements, a multiple of every plan's K block), each plan's tiles kept."""
+    base, entries = kind.base(n, k), getattr(linear, kind.table).get((n, k), ())
+    if base.tail_tiles or any(plan.tail_tiles for _, plan in entries):
+        raise ValueError(f"{n}x{k}: a plan with a split tail keeps its own split points")
+    step = max(plan.block_k for plan in (base, *(plan for _, plan in entries)))
+    columns = _cdiv(_cdiv(k, step), splits) * step
+
+    def cut(plan: GemmPlan) -> GemmPlan:
+        return dataclasses.replace(plan, k_per_split=columns // plan.block_k)
+
+    table = {(n, k): tuple((fewest, cut(plan)) for fewest, plan in entries)}
+    linear.check_row_buckets(table, lambda *_: cut(base))
+    return cut(base), table[n, k]
+
+
+@contextlib.contextmanager
+def tables_as(n: int, k: int, kind: Kind, base: GemmPlan, entries: tuple[tuple[int, GemmPlan], ...]):
+    """The engine's plan tables with the shape's plan and buckets replaced, restored on leaving."""
+    tuned, buckets = getattr(linear, kind.tuned), getattr(linear, kind.table)
+    saved = tuned.get((n, k)), buckets.get((n, k))
+    tuned[n, k] = base
+    if entries:
+        buckets[n, k] = entries
+    try:
+        yield
+    finally:
+        for table, old in ((tuned, saved[0]), (buckets, saved[1])):
+            table.pop((n, k), None)
+            if old is not None:
+                table[n, k] = old
+
+
+def split_sweep(name: str, n: int, k: int, kind: Kind, counts: tuple[int, ...], jobs: int) -> dict:
+    """The engine's launch of one shape at each K split count (`resplit_tables`) at every decode M against cuBLAS,
+    a row's bits checked across M and the bucket edges (`dispatch_entry`); its own split count first."""
+    own = kind.base(n, k).splits(k)
+    tables = {}
+    for splits in dict.fromkeys((own, *counts)):
+        base, entries = resplit_tables(n, k, kind, splits)
+        tables.setdefault(base.splits(k), (base, entries))  # counts that cut K at the same points: once
+    loads = linear.TMA_LOAD_BUCKETS[kind.name]
+    tasks = []
+    for base, entries in tables.values():
+        with tables_as(n, k, kind, base, entries):
+            starts = (1, *(fewest for fewest, _ in entries))
+            table = getattr(linear, kind.table)
+            tasks += [(n, k, linear.row_plan(n, k, m, True, table, kind.base, loads)) for m in starts]
+    errors = precompile(tasks, jobs, kind.compile)
+    print(f"\n{name} {n}x{k}: {len(tasks)} plans compiled, {len(errors)} errors {sorted(set(errors))[:2]}", flush=True)
+    print(f"  {'splits':8s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M) + "   (x cuBLAS)")
+    out = {}
+    for splits, (base, entries) in tables.items():
+        with tables_as(n, k, kind, base, entries):
+            try:
+                e = dispatch_entry(n, k, kind)
+            except Exception as err:
+                print(f"  {splits:<8d} failed: {_error(err)}")
+                continue
+        out[splits] = e
+        cells = " ".join(f"{e['us'][m] / e['cublas_us'][m]:6.2f}" for m in DECODE_M)
+        inv = "inv" if not e["invariance_failures"] else "NOT-INV " + ",".join(e["invariance_failures"][:4])
+        vs = " ".join(f"{e['us'][m] / out[own]['us'][m]:.2f}" for m in (1, 16, 32, 128)) if own in out else ""
+        print(f"  {splits:<8d} {cells}  m1={e['us'][1]:.1f} us  x{own}-split M=1/16/32/128: {vs}  {inv}", flush=True)
+    return dict(n=n, k=k, own_splits=own, splits={str(s): e for s, e in out.items()})
+
+
 BUCKET_CHECK_M = (1, 8, 16, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 200, 255)
 
 
@@ -334,16 +414,27 @@ def main() -> None:
     parser.add_argument("preset", nargs="?", default="qwen3.5-27b")
     parser.add_argument("only", nargs="?", default="")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--set", default="tiles", choices=[*VARIANT_SETS, "buckets"], help="which plans to compare")
+    parser.add_argument("--set", default="tiles", choices=[*VARIANT_SETS, "buckets", "splits"],
+                        help="which plans to compare")  # fmt: skip
+    parser.add_argument("--splits", default="3,4,6,8", help="--set splits: the K split counts to time")
     parser.add_argument("--apply", action="store_true", help="with --set buckets: write the winners to ops/linear.py")
     parser.add_argument("--kind", default="bf16", choices=sorted(KINDS), help="which kernel (w8a8: --set buckets)")
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
     kind = KINDS[args.kind]
-    if args.kind != "bf16" and args.set != "buckets":
-        parser.error("--kind w8a8 takes --set buckets")
+    if args.kind != "bf16" and args.set not in ("buckets", "splits"):
+        parser.error("--kind w8a8 takes --set buckets or splits")
     torch.manual_seed(0)
     t0 = time.time()
+    if args.set == "splits":
+        counts = tuple(int(s) for s in args.splits.split(",") if s)
+        todo = {name: nk for name, nk in kind.shapes(args.preset, args.only).items() if "draft vocab" not in name}
+        report = {name: split_sweep(name, n, k, kind, counts, args.jobs) for name, (n, k) in todo.items()}
+        path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm_splits.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report), f, indent=1)
+        print(f"{time.time() - t0:.0f} s; wrote {path}")
+        return
     todo = {}
     for name, (n, k) in kind.shapes(args.preset, args.only).items():
         if "draft vocab" in name:

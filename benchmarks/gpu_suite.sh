@@ -52,8 +52,8 @@
 #   mixeddefault the GPU suites that run default engines (exactness, prefix caching, sampling), for a default's change;
 #   newdefaults  the long-context rows with prefills packed by default, then the GPU tests not yet run so (prefill
 #                graphs, host syncs, the draft lm_head, the op tests);
-#   splits       the N = 5120 decode shapes (o_proj, mlp down) at more K splits (SPLITS, default 3,6,8,12,16), bf16 and
-#                W8A8, every candidate's rows checked across M (nothing applied);
+#   splits       the N = 5120 decode shapes (o_proj, mlp down) as the engine launches them at more K splits (SPLITS,
+#                default 3,4,5,6,8,12; benchmarks/gemm_buckets.py --set splits), bf16 and W8A8, rows checked across M;
 #   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
 #                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
@@ -363,18 +363,16 @@ if [[ "$STAGE" == newdefaults ]]; then  # one device call (~9 min): the long-con
     tests/gpu/test_host_syncs.py tests/gpu/test_draft_lm_head_cuda.py
   counted $((580 - SECONDS)) ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops
 fi
-if [[ "$STAGE" == splits ]]; then  # one device call (~9 min; carry torchao): the N = 5120 shapes (o_proj / out_proj,
-  # mlp down) at more K splits than the family sweeps try: 120-240 programs on 132 SMs leave them at 60-87% of the
-  # copy bandwidth at one row; more splits fill the waves, and write M x N partial sums per split at many rows
-  # (H200, 2026-12-05: at 150 s a shape every sweep timed out before printing: ~115 plans x 5 split counts, timed
-  # from M = 1 to 8192 on a fresh machine; one shape a call, SHAPES="down" for the other)
-  for shape in ${SHAPES:-o_proj}; do
-    timeout 280 python3 benchmarks/gemm_sweep.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
-      --out "$OUT/gemm-family-splits-$shape.json" >"$OUT/gemm-family-splits-$shape.log" 2>&1
-    echo "[rc $? at ${SECONDS}s] bf16 $shape"; grep -A12 "^Best\|best invariant" "$OUT/gemm-family-splits-$shape.log" | head -14
-    timeout 280 python3 benchmarks/gemm_w8a8.py qwen3.5-27b "$shape" --family --splits "${SPLITS:-3,6,8,12,16}" \
-      --choice-m 1,8,16 --out "$OUT/gemm-w8a8-splits-$shape.json" >"$OUT/gemm-w8a8-splits-$shape.log" 2>&1
-    echo "[rc $? at ${SECONDS}s] w8a8 $shape"; grep -A4 "^Best W8A8" "$OUT/gemm-w8a8-splits-$shape.log"
+if [[ "$STAGE" == splits ]]; then  # one device call (~6 min; carry torchao): the N = 5120 shapes (o_proj / out_proj,
+  # mlp down) cut into more K splits, the engine's launch (its plan and row buckets, all cut at the same points) at
+  # M = 1..256 against cuBLAS, a row's bits checked across M; bf16 and W8A8. The family sweep of every plan at every
+  # split count ran out of 150 s a shape (twenty-third session): this times only the plans the engine runs.
+  for kind in bf16 w8a8; do
+    for shape in ${SHAPES:-o_proj down}; do
+      timeout 150 python3 benchmarks/gemm_buckets.py qwen3.5-27b "$shape" --set splits --kind $kind \
+        --splits "${SPLITS:-3,4,5,6,8,12}" --out "$OUT/gemm-splits-$kind-$shape.json" >"$OUT/gemm-splits-$kind-$shape.log" 2>&1
+      echo "[rc $? at ${SECONDS}s] $kind $shape"; grep -v "^ *$" "$OUT/gemm-splits-$kind-$shape.log" | grep -v Warn | tail -9
+    done
   done
 fi
 if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and logit bias on the GPU

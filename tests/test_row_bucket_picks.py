@@ -109,3 +109,26 @@ def test_fp8_prefill_apply_writes_the_best_invariant_w8a8_plan(tmp_path):
     namespace = {"GemmPlan": linear.GemmPlan}
     exec(text[start : text.index("\n}\n", start) + 3], namespace)
     assert namespace["PREFILL_TUNED_W8A8"] == linear.PREFILL_TUNED_W8A8 | {(34816, 5120): plan}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "w8a8"])
+@pytest.mark.parametrize("splits", [4, 6, 8])
+def test_the_split_sweep_cuts_a_shape_and_its_buckets_at_the_same_points(gemm_buckets, kind, splits):
+    """`gemm_buckets.py --set splits`: the 27B down projection's plan and every row bucket cut into `splits` K
+    pieces at the same columns (whatever each plan's K block), so the launch still sums alike at every M; the
+    engine's tables hold them only inside `tables_as`."""
+    k_ = gemm_buckets.KINDS[kind]
+    n, k = 5120, 17408
+    table = getattr(linear, k_.table)
+    before = (k_.base(n, k), table[n, k])
+    base, entries = gemm_buckets.resplit_tables(n, k, k_, splits)
+    assert base.splits(k) == splits and len(entries) == len(before[1])
+    assert all(linear.same_sums(plan, base, n, k) and plan.splits(k) == splits for _, plan in entries)
+    assert [(fewest, dataclasses.replace(plan, k_per_split=0)) for fewest, plan in entries] == [
+        (fewest, dataclasses.replace(plan, k_per_split=0)) for fewest, plan in before[1]
+    ]  # only the split points change
+    with gemm_buckets.tables_as(n, k, k_, base, entries):
+        for m in (1, 16, 17, 33, 64, 65, 128, 200):
+            plan = linear.row_plan(n, k, m, True, table, k_.base, {})
+            assert plan.splits(k) == splits and linear.same_sums(plan, base, n, k), m
+    assert (k_.base(n, k), table[n, k]) == before

@@ -367,7 +367,7 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~6 min; carry torchao): th
   # mlp down) cut into more K splits, the engine's launch (its plan and row buckets, all cut at the same points) at
   # M = 1..256 against cuBLAS, a row's bits checked across M; bf16 and W8A8. The family sweep of every plan at every
   # split count ran out of 150 s a shape (twenty-third session): this times only the plans the engine runs.
-  for kind in bf16 w8a8; do
+  for kind in ${KINDS:-bf16 w8a8}; do
     for shape in ${SHAPES:-o_proj down}; do
       timeout 150 python3 benchmarks/gemm_buckets.py qwen3.5-27b "$shape" --set splits --kind $kind \
         --splits "${SPLITS:-3,4,5,6,8,12}" --out "$OUT/gemm-splits-$kind-$shape.json" >"$OUT/gemm-splits-$kind-$shape.log" 2>&1

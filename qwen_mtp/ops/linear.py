@@ -879,11 +879,9 @@ def feeds_mma_sync(plan: GemmPlan, arch: int) -> bool:
 
 
 def launch_row_tiles(plan: GemmPlan, m: int) -> int:
-    """ROW_TILES for a "stream" launch of M rows (bf16, W8A16 and W8A8): the plan's, or fewer where M rows fill
-    fewer tiles. Then the binary lacks the loops for tile counts M never reaches: their registers (an M = 1 launch
-    of a 4-tile W8A8 plan ran a 255-register binary that spilled) and the shared memory of their wider pipelines,
-    which a program reserves whatever M (fewer programs per SM). Each loop's code is the same in every binary, so
-    are a row's bits (one row group, one split counter, either way)."""
+    """ROW_TILES for a launch of M rows: the plan's, or fewer where M rows fill fewer tiles. Then the binary lacks
+    the loops for tile counts M never reaches (their registers, their spills). Each loop's code is the same in every
+    binary, so are a row's bits (one row group, one split counter, either way)."""
     return min(plan.row_tiles, -(-m // plan.block_m))
 
 
@@ -948,9 +946,8 @@ def invariant_matmul_triton(
         tail = stream_tail(plan, n, k)
         programs = n_tiles + tail.get("TAIL_TILES", 0) * (tail.get("TAIL_SPLITS", 1) - 1)
         kernel, grid = _stream_kernel(), (programs, splits)
-        row_tiles = launch_row_tiles(plan, m)
-        extra = {"ROW_TILES": row_tiles, "SWAP_AB": plan.swap_ab, **stream_stages(plan), **tail}
-        sums = n_tiles * triton.cdiv(m, row_tiles * plan.block_m)  # one per (N tile, row group)
+        extra = {"ROW_TILES": plan.row_tiles, "SWAP_AB": plan.swap_ab, **stream_stages(plan), **tail}
+        sums = n_tiles * triton.cdiv(m, plan.row_tiles * plan.block_m)  # one per (N tile, row group)
     if plan.family == "stream" and plan.tail_tiles:  # the tail tiles' partials only
         part = torch.empty(tail["TAIL_SPLITS"], m, plan.tail_tiles * plan.block_n, dtype=torch.float32, device=x.device)
     else:

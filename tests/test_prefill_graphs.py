@@ -71,6 +71,29 @@ def test_warmup_builds_the_static_chunk_steps_on_scratch_only(checkpoint):
     assert torch.equal(engine.pages.storage[:, :, :-1], kv)
 
 
+def test_warmup_of_a_chunk_longer_than_the_pool_stays_on_the_scratch_page(checkpoint):
+    """A pool smaller than one prefill chunk (`qwen-mtp bench` sizes its pool to the batch: 13 pages of 16 for one
+    128-token prompt beside 512-token chunks): the static chunk steps' padding gives every position of the chunk a
+    page (the scratch page), so their warm-up reads no page index past its table (on the H200 it read whatever
+    followed the table and faulted, "illegal memory access"; the CPU reference reads only the pages a table has);
+    and a request gets the tokens it gets without the static steps."""
+    path = checkpoint("tiny")
+    small = dict(num_pages=3, page_size=CHUNK, prefill_chunk=4 * CHUNK)  # a pool of 48 tokens, chunks of 64
+    engine = make_engine(path, "float32", True, 2, **small)
+    kv = engine.pages.storage[:, :, :-1].clone()
+    engine.warmup()
+    graphs = engine.runner.chunk_graphs
+    assert set(graphs._steps) == {"first", "next", "mtp"}
+    for step in graphs._steps.values():
+        tables = step.padding["tables"]
+        assert tables.shape[1] * engine.pages.page_size >= graphs.length
+        assert bool((tables == engine.pages.scratch_page).all())
+    assert torch.equal(engine.pages.storage[:, :, :-1], kv)
+    prompt = random_prompt(CHUNK + 3, seed=901)
+    expected = make_engine(path, "float32", False, 2, **small).generate([prompt], max_new_tokens=8)
+    assert engine.generate([prompt], max_new_tokens=8)[0].token_ids == expected[0].token_ids
+
+
 def test_prefill_graphs_and_compiled_prefill_exclude_each_other():
     overrides = ("model.fixture=tiny", "compile.enabled=true", "compile.prefill=true", "compile.prefill_graphs=true")
     with pytest.raises(RecipeError, match="exclude each other"):

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
+from qwen_mtp.cache.kv import pages_for
 from qwen_mtp.engine.grammar import mask_words
 from qwen_mtp.engine.sampling import GREEDY, Mode, padding_rows
 from qwen_mtp.engine.steps import DecodeSteps, PrefillSteps
@@ -109,8 +110,12 @@ def no_collection() -> Iterator[None]:
 
 def scratch_inputs(pages, states, size: int, length: int, width: int) -> dict[str, torch.Tensor]:
     """A static step's padding: `size` rows of `length` tokens on the pools' scratch state row and scratch page
-    (page tables `width` wide), which no request owns, so a padded row or a warm-up run touches nothing else."""
+    (page tables `width` wide, or as wide as `length` tokens need), which no request owns, so a padded row or a
+    warm-up run touches nothing else. The table covers every padded position even where the pool holds fewer
+    tokens than a step (`qwen-mtp bench` sizes its pool to the batch, under one prefill chunk): otherwise the
+    attention looks up page indices past the table's end."""
     device = pages.storage.device
+    width = max(width, pages_for(length, pages.page_size))
     return {
         "tokens": torch.zeros(size, length, dtype=torch.long, device=device),
         "positions": torch.zeros(size, length, dtype=torch.long, device=device),

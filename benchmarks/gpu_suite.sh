@@ -61,6 +61,7 @@
 #   penalties    logit bias and repetition / presence / frequency penalties: the op tests, sampled and penalized
 #                MTP-on == MTP-off under graphs, the kernel's time beside the sampler's, the 27B B1 / B32 bench with
 #                every row penalized against unpenalized;
+#   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
 #   structured   structured outputs (carry .whl; install .whl/llguidance*.whl beside torchao): the token mask at the
 #                real vocabulary, constrained MTP-on == MTP-off under graphs, the lookahead left alone, then the CPU
 #                suite's structured tests on this machine.
@@ -388,6 +389,13 @@ fi
 if [[ "$STAGE" == structured ]]; then  # one device call (~5 min; carry .whl, llguidance installed): structured outputs
   counted 300 structured.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_structured_cuda.py
   counted 200 structured-cpu-suite.log python3 -m pytest -vv -p no:cacheprovider tests/test_structured.py
+fi
+if [[ "$STAGE" == structuredsteps ]]; then  # one device call (~5 min; carry .whl, llguidance installed): what a
+  # constrained step costs at 27B (benchmarks/structured_steps.py: free, one line of text, JSON records; plain and K=3
+  # at oracle 0.8, B = 1, 8, 32; MTP-on == MTP-off per row; the masks' host time per step)
+  timeout 500 python3 benchmarks/structured_steps.py recipes/bench-27b.yaml --batch ${BATCHES:-1 8 32} \
+    --out "$OUT/structured-steps-27b.json" >"$OUT/structured-steps.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] structured_steps"; grep -vE "^\s*$|Warn" "$OUT/structured-steps.log" | tail -14
 fi
 if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
   # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept

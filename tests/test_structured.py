@@ -252,6 +252,18 @@ def test_constrained_mtp_equals_plain_batched_and_alone(path, plain, k):
         assert run(engine, lambda _, i=i: mixed(i), [PROMPTS[i]], [oracles[i]]) == [plain[i]]
 
 
+def test_a_draft_chain_computes_no_mask(path):
+    """The host computes a constrained request's masks for the positions a step chooses: its first token, then each
+    verify's K+1; the draft chain after its prompt (which applies none: `Mode.for_drafts`) asks for none."""
+    engine = cpu_engine(path, 2)  # head drafts (oracle drafts would come from an MTP-off run of the same request)
+    calls, masks = [], engine.runner.grammars.masks
+    engine.runner.grammars.masks = lambda requests, drafts=None: calls.append(len(requests)) or masks(requests, drafts)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, structured=StructuredOutput(regex=r"[ -~]+"))
+    prompt = PROMPTS[2]  # 33 tokens: three prefill chunks of 16, the last with the first token
+    (result,) = engine.generate([prompt], params)
+    assert result.spec is not None and calls == [1] * (1 + result.spec.verify_steps)
+
+
 def test_constrained_mtp_with_head_drafts_k_per_step_and_lookahead_equals_plain(path, plain):
     """Head drafts (which the grammar often refuses), K changing every step (K = 0 and fillers), and the lookahead
     on: it never launches a step with a constrained request ahead, and still runs for the others."""

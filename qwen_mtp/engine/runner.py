@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -107,6 +107,13 @@ class Runner:
             allowed = self.upload(self.grammars.masks(requests, drafts))
         lengths = [len(r.prompt) for r in requests]
         return sampling.rows_of([r.params for r in requests], self.tensor, lengths, allowed)
+
+    def chain_sampling(self, requests: list[Request]) -> sampling.SamplingRows:
+        """The sampler inputs of a draft chain run on its own (after a prompt's last chunk, or a catch-up): as
+        `sampling`, without the grammar masks, which a draft chain never applies (`Mode.for_drafts`), so none is
+        computed; the chain's mode and inputs are the same."""
+        params = [replace(r.params, structured=None) if r.params.structured is not None else r.params for r in requests]
+        return sampling.rows_of(params, self.tensor, [len(r.prompt) for r in requests])
 
     def batch(
         self,

@@ -144,7 +144,7 @@ class Speculator:
         mtp_hidden = self.runner.prefill_mtp(batch, hidden)
         if first is None:
             return None
-        batch = replace(batch, sampling=self.runner.sampling([request]))  # the chain drafts as the verify chooses
+        batch = replace(batch, sampling=self.runner.chain_sampling([request]))  # drafts as the verify chooses
         accepted = torch.zeros(1, dtype=torch.long, device=hidden.device)
         override, use = self._overrides([request], [1], accepted, self.max_k)  # d1 is output index 1
         return self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
@@ -221,7 +221,7 @@ class Speculator:
             batch = self.runner.batch(StepKind.PREFILL, [request], following, [first])
             mtp_hidden = self.runner.prefill_mtp(batch, torch.stack(hidden)[None])
             if draft:
-                batch = replace(batch, sampling=self.runner.sampling([request]))
+                batch = replace(batch, sampling=self.runner.chain_sampling([request]))
                 accepted = torch.zeros(1, dtype=torch.long, device=mtp_hidden.device)
                 firsts = [end + 1 - len(request.prompt)]  # d1 guesses the token at end + 1
                 override, use = self._overrides([request], firsts, accepted, self.max_k)

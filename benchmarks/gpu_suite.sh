@@ -364,7 +364,7 @@ if [[ "$STAGE" == newdefaults ]]; then  # one device call (~9 min): the long-con
     tests/gpu/test_host_syncs.py tests/gpu/test_draft_lm_head_cuda.py
   counted $((580 - SECONDS)) ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops
 fi
-if [[ "$STAGE" == splits ]]; then  # one device call (~6 min; carry torchao): the N = 5120 shapes (o_proj / out_proj,
+if [[ "$STAGE" == splits ]]; then  # one device call (~2 min; carry torchao): the N = 5120 shapes (o_proj / out_proj,
   # mlp down) cut into more K splits, the engine's launch (its plan and row buckets, all cut at the same points) at
   # M = 1..256 against cuBLAS, a row's bits checked across M; bf16 and W8A8. The family sweep of every plan at every
   # split count ran out of 150 s a shape (twenty-third session): this times only the plans the engine runs.
@@ -372,7 +372,9 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~6 min; carry torchao): th
     for shape in ${SHAPES:-o_proj down}; do
       timeout 150 python3 benchmarks/gemm_buckets.py qwen3.5-27b "$shape" --set splits --kind $kind \
         --splits "${SPLITS:-3,4,5,6,8,12}" --out "$OUT/gemm-splits-$kind-$shape.json" >"$OUT/gemm-splits-$kind-$shape.log" 2>&1
-      echo "[rc $? at ${SECONDS}s] $kind $shape"; grep -v "^ *$" "$OUT/gemm-splits-$kind-$shape.log" | grep -v Warn | tail -9
+      rc=$?; echo "[rc $rc at ${SECONDS}s] $kind $shape"
+      grep -v "^ *$" "$OUT/gemm-splits-$kind-$shape.log" | grep -v Warn | tail -9
+      [[ $rc == 0 ]] && rm -f "$OUT/gemm-splits-$kind-$shape.log"  # printed above; a call brings back few files
     done
   done
 fi

@@ -27,7 +27,7 @@ import torch
 from grammar_masks import widened_tokenizer
 
 from qwen_mtp import Engine, StructuredOutput
-from qwen_mtp.bench import _run, _variant
+from qwen_mtp.bench import row_recipe, timed_batch
 from qwen_mtp.engine.setup import load_from_recipe, load_tokenizer
 from qwen_mtp.recipe import load_recipe
 
@@ -69,10 +69,10 @@ def timed_run(recipe, loaded, prompts, tokens: int, structured, oracles=None) ->
     engine.warmup()
     sampled = {} if structured is None else {"structured": structured}
     warm = [[(t + 1) % len(loaded.tokenizer) for t in prompt] for prompt in prompts]
-    _run(engine, warm, 3, None if oracles is None else [o[:3] for o in oracles], sampled)
+    timed_batch(engine, warm, 3, None if oracles is None else [o[:3] for o in oracles], sampled)
     timer = MaskTimer(engine.runner.grammars)
     engine.timer.enabled = False
-    result = _run(engine, prompts, tokens, oracles, sampled)
+    result = timed_batch(engine, prompts, tokens, oracles, sampled)
     steps = max(result["decode_steps"], 1)
     return {
         "tokens": result["tokens"],
@@ -111,8 +111,8 @@ def main() -> None:
         free_step = None
         for name in args.grammars:
             structured = GRAMMARS[name]
-            plain = timed_run(_variant(recipe, prompt_len, batch, None), loaded, prompts, args.tokens, structured)
-            mtp_recipe = _variant(recipe, prompt_len, batch, args.k, "oracle", args.accept)
+            plain = timed_run(row_recipe(recipe, prompt_len, batch, None), loaded, prompts, args.tokens, structured)
+            mtp_recipe = row_recipe(recipe, prompt_len, batch, args.k, "oracle", args.accept)
             mtp = timed_run(mtp_recipe, loaded, prompts, args.tokens, structured, oracles=plain["tokens"])
             exact = mtp["tokens"] == plain["tokens"]
             free_step = mtp["step_ms"] if structured is None else free_step

@@ -151,7 +151,7 @@ def _quiet(message: str) -> None:
     pass
 
 
-def _variant(
+def row_recipe(
     recipe: Recipe,
     prompt_len: int,
     batch: int,
@@ -161,6 +161,8 @@ def _variant(
     draft_vocab: int = 0,
     draft_lm_head: str = "bf16",
 ) -> Recipe:
+    """The recipe of one bench row: `batch` requests of `prompt_len` tokens in one batch bucket and a page pool that
+    holds their reservations, MTP off (`k` None) or at K = `k` with `draft` drafts."""
     bench = recipe.bench
     spec = 0 if k is None else recipe.mtp.max_k if k == "auto" else k
     compile_ = dataclasses.replace(recipe.compile, batch_sizes=[batch])  # one bucket: the batch itself
@@ -179,7 +181,7 @@ def _variant(
     return dataclasses.replace(recipe, cache=cache, mtp=mtp, compile=compile_)
 
 
-def _run(
+def timed_batch(
     engine: Engine, prompts: list[list[int]], output_len: int, oracles: list[list[int]] | None, sampled: dict
 ) -> dict[str, Any]:
     """Generate for all prompts as one batch; wall-clock figures and the tokens. `sampled`: temperature and
@@ -317,7 +319,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
         plain_tokens, plain_tps = None, None
         for k, draft, rate, draft_vocab, lm_head in configs:
             # compiling takes minutes: say what is being compiled; otherwise keep the table's output clean
-            variant = _variant(recipe, prompt_len, batch, k, draft, rate, draft_vocab, lm_head)
+            variant = row_recipe(recipe, prompt_len, batch, k, draft, rate, draft_vocab, lm_head)
             engine = Engine.from_recipe(variant, loaded=loaded, log=log if settings.enabled else _quiet)
             if not report["rows"]:
                 prefill = "compiled, any chunk length" if settings.enabled and settings.prefill else "eager"
@@ -332,13 +334,13 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             step_tokens = engine.scheduler.max_step_tokens or variant.cache.prefill_chunk
             warm_batch, warm_len = warmup_shape(batch, prompt_len, variant.cache.prefill_chunk, step_tokens)
             warm = torch.randint(0, vocab, (warm_batch, warm_len), generator=warm_gen).tolist()
-            _run(engine, warm, 3, None if oracles is None else [p[:3] for p in warm], sampled)
+            timed_batch(engine, warm, 3, None if oracles is None else [p[:3] for p in warm], sampled)
             # the phase timer synchronizes around each phase: with the lookahead it would undo the overlap it
             # measures, so those rows report the step time alone (verify and draft columns 0)
             engine.timer.enabled = not engine.lookahead
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            result = _run(engine, prompts, bench.output_len, oracles, sampled)
+            result = timed_batch(engine, prompts, bench.output_len, oracles, sampled)
             peak = torch.cuda.max_memory_allocated(device) / (1 << 30) if device.type == "cuda" else 0.0
             tps = batch * (bench.output_len - 1) / result["decode_seconds"]
             if k is None:

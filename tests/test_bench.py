@@ -41,7 +41,7 @@ def test_unwritable_out_dir_fails_before_the_first_run(tmp_path, monkeypatch):
 
 def test_rows_are_written_as_they_come(tmp_path, monkeypatch):
     """The MTP row fails: the plain row measured before it is on disk, in the JSON and the table."""
-    calls, run = [], bench._run
+    calls, run = [], bench.timed_batch
 
     def failing_run(engine, prompts, output_len, oracles, sampled):
         calls.append(oracles is not None)
@@ -49,7 +49,7 @@ def test_rows_are_written_as_they_come(tmp_path, monkeypatch):
             raise RuntimeError("injected failure in the MTP row")
         return run(engine, prompts, output_len, oracles, sampled)
 
-    monkeypatch.setattr(bench, "_run", failing_run)
+    monkeypatch.setattr(bench, "timed_batch", failing_run)
     with pytest.raises(RuntimeError, match="injected failure"):
         bench.run_bench(bench_recipe(tmp_path), progress=False, log=lambda _: None)
     assert calls == [False, False, True]  # plain warm-up and run, then the MTP row's warm-up
@@ -161,14 +161,14 @@ def test_a_prompt_past_max_prefill_chunk_prefills_in_chunks(tmp_path, monkeypatc
     exact."""
     recipe = bench_recipe(tmp_path)
     recipe.bench.prompt_len, recipe.bench.max_prefill_chunk, recipe.cache.prefill_chunk = 20, 8, 4
-    chunks, runs, run = [], [], bench._run
+    chunks, runs, run = [], [], bench.timed_batch
 
     def recording_run(engine, prompts, output_len, oracles, sampled):
         chunks.append(engine.scheduler.prefill_chunk)
         runs.append(run(engine, prompts, output_len, oracles, sampled))
         return runs[-1]
 
-    monkeypatch.setattr(bench, "_run", recording_run)
+    monkeypatch.setattr(bench, "timed_batch", recording_run)
     report = bench.run_bench(recipe, progress=False, log=lambda _: None)
     assert set(chunks) == {8}
     assert runs[1]["decode_steps"] == 3  # the plain row's timed run: one token a step
@@ -207,13 +207,13 @@ def test_mixed_steps_with_staggered_first_tokens_time_the_decode_phase(tmp_path,
     recipe.bench.batch_sizes, recipe.bench.prompt_len, recipe.bench.output_len = [2], 12, 6
     recipe.bench.max_prefill_chunk = recipe.cache.prefill_chunk = 8
     recipe.cache.mixed_steps, recipe.cache.max_step_tokens = True, 2 * 3 + 8
-    runs, run = [], bench._run
+    runs, run = [], bench.timed_batch
 
     def recording_run(engine, prompts, output_len, oracles, sampled):
         runs.append(run(engine, prompts, output_len, oracles, sampled))
         return runs[-1]
 
-    monkeypatch.setattr(bench, "_run", recording_run)
+    monkeypatch.setattr(bench, "timed_batch", recording_run)
     report = bench.run_bench(recipe, progress=False, log=lambda _: None)
     timed = runs[1]  # the plain row's timed run
     assert timed["decode_tokens"][0] < 5 and timed["decode_tokens"][1] == 5, timed["decode_tokens"]

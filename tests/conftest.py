@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (`-n N`) the workers share the machine's cores rather than each taking all of them.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 # tests/gpu needs a CUDA device: it is run on the GPU box (benchmarks/gpu_suite.sh), not collected elsewhere.
 collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
 

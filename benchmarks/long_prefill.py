@@ -20,7 +20,7 @@ from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.recipe import load_recipe
 
-DENSE_BF16_TFLOPS = 700.0  # what cuBLAS reaches on large bf16 GEMMs on this H200 (docs/benchmarks.md)
+DENSE_BF16_TFLOPS = 700.0  # what cuBLAS reaches on large bf16 GEMMs on this H200 (docs/benchmark-log.md)
 
 
 def time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:

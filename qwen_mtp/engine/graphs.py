@@ -231,7 +231,7 @@ class ChunkGraphs:
     same for a packed step (`cache.mixed_steps`) that holds a single full chunk, and the MTP head over its positions.
 
     Why: an eager 27B chunk step launches ~1,500 kernels from Python, and on the H200 machine's host that took
-    longer than the GPU's work (docs/benchmarks.md, eighteenth session). Every full chunk has the same shape, so
+    longer than the GPU's work (docs/benchmark-log.md, eighteenth session). Every full chunk has the same shape, so
     one capture serves them all. A graph replays the very kernels an eager chunk launches, at the same shapes, so
     a chunk's numbers do not depend on whether it ran in a graph (the page table is padded to the widest a request
     can have: only its stride changes, and the kernels read only the pages a chunk's positions reach). Shorter

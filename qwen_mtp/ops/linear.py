@@ -453,7 +453,7 @@ PREFILL_TUNED: dict[tuple[int, int], GemmPlan] = {
 # Prefill row buckets: a prefill launch of at least `fewest` rows runs the bucket's plan instead of the shape's
 # `prefill_gemm_plan`, which every bucket plan sums as (one K split, wgmma: `check_row_buckets` at import), so a row's
 # bits are the same at every M. Why: a plan's tiles suit some row counts; at M = 512 the N = 5120 shapes have 80-160
-# 128 x 256 tiles for 132 SMs (1.47-1.57x cuBLAS, docs/benchmarks.md) while thousands of rows want the large tiles.
+# 128 x 256 tiles for 132 SMs (1.47-1.57x cuBLAS, docs/benchmark-log.md) while thousands of rows want the large tiles.
 # BEGIN PREFILL_ROW_BUCKETS (written by benchmarks/gemm_prefill.py --apply)
 PREFILL_ROW_BUCKETS: dict[tuple[int, int], tuple[tuple[int, GemmPlan], ...]] = {}
 # END PREFILL_ROW_BUCKETS

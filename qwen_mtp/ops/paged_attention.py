@@ -348,7 +348,7 @@ def split_kv_attention_triton(
 
 
 # The op's CUDA kernel: split-KV (H200, 27B synthetic, B1: plain decode 21.97 -> 15.77 ms/token at 8k context,
-# 15.93 ms at 32k against 40.4 unsplit; benchmarks/decode_attention.py has the per-call table, docs/benchmarks.md
+# 15.93 ms at 32k against 40.4 unsplit; benchmarks/decode_attention.py has the per-call table, docs/benchmark-log.md
 # the runs). False runs the unsplit kernel. Read at each call (a CUDA graph keeps the kernel it captured).
 SPLIT_KV = True
 

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -61,6 +61,12 @@
 #   penalties    logit bias and repetition / presence / frequency penalties: the op tests, sampled and penalized
 #                MTP-on == MTP-off under graphs, the kernel's time beside the sampler's, the 27B B1 / B32 bench with
 #                every row penalized against unpenalized;
+#   tp2          issue #23 on two GPUs (nvidia-h200-x2), part 1: benchmarks/tensor_parallel.py tokens at 27B (MODEL:
+#                a synthetic preset, default qwen3.5-27b; qwen3.5-27b-fp8 for FP8, carry torchao): MTP K=1..4 ==
+#                MTP off for 32 mixed prompts at B = 1, 8, 32 under graphs, TP=2 tokens against TP=1 (where they
+#                part, by how much TP=1 led), then tests/gpu/test_tp2.py (TESTS=0: not);
+#   tp2bench     issue #23, part 2: the collectives' latency at the rows a step sends, `qwen-mtp bench` at TP=1 and
+#                TP=2 (B1, B8; plain, K=2, K=3 at oracle 0.8), and the table of both (tensor_parallel.py summary);
 #   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
 #   structured   structured outputs (carry .whl; install .whl/llguidance*.whl beside torchao): the token mask at the
 #                real vocabulary, constrained MTP-on == MTP-off under graphs, the lookahead left alone, then the CPU
@@ -398,6 +404,34 @@ if [[ "$STAGE" == structuredsteps ]]; then  # one device call (~5 min; carry .wh
   timeout 500 python3 benchmarks/structured_steps.py recipes/bench-27b.yaml --batch ${BATCHES:-1 8 32} \
     --out "$OUT/structured-steps-27b.json" >"$OUT/structured-steps.log" 2>&1
   echo "[rc $? at ${SECONDS}s] structured_steps"; grep -vE "^\s*$|Warn" "$OUT/structured-steps.log" | tail -14
+fi
+if [[ "$STAGE" == tp2 || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  nvidia-smi topo -m | head -4
+fi
+if [[ "$STAGE" == tp2 ]]; then  # one device call (~8 min)
+  model=${MODEL:-qwen3.5-27b}
+  timeout 420 python3 benchmarks/tensor_parallel.py tokens recipes/bench-27b.yaml --set "model.synthetic=$model" \
+    --out "$OUT/tp2-$model" >"$OUT/tp2-tokens-$model.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] tp2 tokens $model"; grep -vE "^\s*$|Warn" "$OUT/tp2-tokens-$model.log" | tail -24
+  rm -f "$OUT/tp2-$model"/rank*.json "$OUT/tp2-$model/tp-spec.json"
+  [[ "${TESTS:-1}" == 1 ]] && counted 150 tp2-tests.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_tp2.py \
+    -k "not compiled"
+fi
+if [[ "$STAGE" == tp2bench ]]; then  # one device call (~8 min)
+  timeout 90 python3 benchmarks/tensor_parallel.py collectives recipes/bench-27b.yaml --out "$OUT/tp2" \
+    --rows 1 2 3 4 5 8 16 24 32 40 >"$OUT/tp2-collectives.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] tp2 collectives"; tail -12 "$OUT/tp2-collectives.log"
+  rm -f "$OUT/tp2"/collectives-*.json
+  for tp in 1 2; do
+    timeout 200 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set parallel.tp=$tp --set 'bench.batch_sizes=[1,8]' \
+      --set 'bench.ks=[2,3]' --set 'bench.accept_rates=[0.8]' --set bench.head=false --set bench.output_len=64 \
+      --set "bench.out_dir=$OUT/bench-tp$tp" >"$OUT/bench-tp$tp.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] bench TP=$tp"; cat "$OUT/bench-tp$tp/bench.txt" 2>/dev/null || tail -8 "$OUT/bench-tp$tp.log"
+    rm -f "$OUT/bench-tp$tp/bench.txt"
+  done
+  python3 benchmarks/tensor_parallel.py summary --tp1 "$OUT/bench-tp1/bench.json" --tpn "$OUT/bench-tp2/bench.json" \
+    --collectives "$OUT/tp2/tp-collectives.json" --out "$OUT/tp2/tp-summary.json"
 fi
 if [[ "$STAGE" == fp8prefill ]]; then  # one device call (~6 min; carry torchao): packed prefill rows of FP8 weights
   # on the W8A8 "tma" plans: their rows across M and the packing invariance of FP8 engines' tokens; the plans swept

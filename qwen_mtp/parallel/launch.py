@@ -50,7 +50,7 @@ def check_recipe(recipe: Recipe) -> None:
     check_supported(recipe)  # the combinations tensor parallelism refuses, before any rank starts
 
     try:
-        RankShapes.of(_model_config(recipe), tp)
+        RankShapes.of(recipe_model_config(recipe), tp)
     except QwenMTPError as err:
         raise RecipeError(f"parallel.tp: {err}") from None
     if uses_cuda(recipe):
@@ -64,7 +64,8 @@ def check_recipe(recipe: Recipe) -> None:
             raise RecipeError(f"parallel.tp={tp} needs {tp} GPUs, one per rank, but {count} are visible")
 
 
-def _model_config(recipe: Recipe):
+def recipe_model_config(recipe: Recipe):
+    """The model config a recipe names (its checkpoint's, fixture's or synthetic preset's), without loading weights."""
     from qwen_mtp.config import ModelConfig
 
     model = recipe.model

@@ -77,11 +77,14 @@ def mixed_prompts(count: int, vocab: int, seed: int = 23) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine_recipe(recipe: Recipe, k: int, batch: int, accept: float) -> Recipe:
-    """The recipe with MTP off (k 0) or at K = k with oracle drafts, for batches of up to `batch` requests."""
+def engine_recipe(recipe: Recipe, k: int, batches: list[int], accept: float) -> Recipe:
+    """The recipe with MTP off (k 0) or at K = k with oracle drafts, for batches of the given sizes: one batch bucket
+    (a CUDA graph set) each, so an engine captures no more graphs than it runs."""
     mtp = dataclasses.replace(recipe.mtp, enabled=k > 0, k=k or recipe.mtp.k, draft="oracle", oracle_accept=accept)
-    cache = dataclasses.replace(recipe.cache, max_batch=batch, num_state_rows=batch)
-    return dataclasses.replace(recipe, mtp=mtp, cache=cache)
+    largest = max(batches)
+    cache = dataclasses.replace(recipe.cache, max_batch=largest, num_state_rows=largest)
+    compile_ = dataclasses.replace(recipe.compile, batch_sizes=sorted(set(batches)))
+    return dataclasses.replace(recipe, mtp=mtp, cache=cache, compile=compile_)
 
 
 def decode(engine: Engine, prompts: list[list[int]], batch: int, new_tokens: int, oracles=None) -> list[list[int]]:
@@ -109,7 +112,7 @@ def rank_tokens(spec_file: str) -> None:
     prompts, batches = spec["prompts"], spec["batches"]
     tokens: dict[str, list[list[int]]] = {}
     for k in (0, *spec["ks"]):
-        engine = Engine.from_recipe(engine_recipe(recipe, k, max(batches), spec["accept"]), loaded=loaded, log=quiet)
+        engine = Engine.from_recipe(engine_recipe(recipe, k, batches, spec["accept"]), loaded=loaded, log=quiet)
         for batch in batches:
             oracles = None if k == 0 else tokens[f"b{batch}-k0"]
             tokens[f"b{batch}-k{k}"] = decode(engine, prompts, batch, spec["new_tokens"], oracles)
@@ -140,7 +143,7 @@ def tokens_report(args: argparse.Namespace) -> dict:
     single = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, tp=1))
     loaded = load_from_recipe(single)
     prompts = mixed_prompts(args.prompts, loaded.model.config.vocab_size)
-    engine = Engine.from_recipe(engine_recipe(single, 0, len(prompts), args.accept), loaded=loaded, log=quiet)
+    engine = Engine.from_recipe(engine_recipe(single, 0, [len(prompts)], args.accept), loaded=loaded, log=quiet)
     results = engine.generate(prompts, SamplingParams(args.new_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS))
     tp1 = [r.token_ids for r in results]
     top = [[{str(t): lp for t, lp in position.top} for position in r.logprobs] for r in results]

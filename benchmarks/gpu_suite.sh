@@ -136,7 +136,7 @@ if [[ "$STAGE" == compile ]]; then  # torch.compile (inductor) + graphs on the 8
   wait "$runner"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/compile.log" | tail -20
 fi
 if [[ "$STAGE" == all || "$STAGE" == kernels ]]; then
-  python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log"
+  python3 benchmarks/gemm_vs_cublas.py 2>&1 | tee "$OUT/kernels.log"
   python3 benchmarks/prefill.py 2>&1 | tee "$OUT/prefill.log"
 fi
 if [[ "$STAGE" == sweep ]]; then  # slow (minutes): only when asked

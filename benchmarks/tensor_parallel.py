@@ -54,8 +54,8 @@ TOP_LOGPROBS = 5  # TP=1's top tokens kept per position, to place TP=N's token w
 @contextlib.contextmanager
 def importable_here():
     """This folder on sys.path while ranks are spawned (they import this module by name, with the sys.path they
-    are given at their start), and off it again after: its kernels.py would hide the `kernels` package that
-    transformers looks for from a process that imported this module (a test)."""
+    are given at their start), and off it again after, as `tests/helpers.benchmark_module` leaves it: a script here
+    named like an installed package would hide it from the process that imported this module (a test)."""
     added = HERE not in sys.path
     if added:
         sys.path.insert(0, HERE)

@@ -409,12 +409,19 @@ if [[ "$STAGE" == tp2 || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, N
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi topo -m | head -4
 fi
-if [[ "$STAGE" == tp2 ]]; then  # one device call (~8 min)
+if [[ "$STAGE" == tp2 ]]; then  # one device call (~9 min)
+  # tp2_tokens LIMIT NAME RECIPE SETS...: benchmarks/tensor_parallel.py tokens into $OUT/tp2-NAME, its summary printed
+  tp2_tokens() { local limit=$1 name=$2 recipe=$3; shift 3
+                 timeout "$limit" python3 benchmarks/tensor_parallel.py tokens "$recipe" "$@" --out "$OUT/tp2-$name" \
+                   >"$OUT/tp2-tokens-$name.log" 2>&1
+                 echo "[rc $? at ${SECONDS}s] tp2 tokens $name"; grep -vE "^\s*$|Warn" "$OUT/tp2-tokens-$name.log" | tail -30
+                 rm -f "$OUT/tp2-$name"/rank*.json "$OUT/tp2-$name/tp-spec.json"; }
+  # the shipped trained model (bf16, graphs): TP=2 against TP=1 on the same weights, and MTP-on == MTP-off
+  tp2_tokens 150 small recipes/small.yaml --set model.dtype=bfloat16 \
+    --set compile.cuda_graphs=true --set model.device=cuda
+  # 27B shapes (MODEL: a synthetic preset): MTP-on == MTP-off; a synthetic model is not compared with TP=1
   model=${MODEL:-qwen3.5-27b}
-  timeout 420 python3 benchmarks/tensor_parallel.py tokens recipes/bench-27b.yaml --set "model.synthetic=$model" \
-    --out "$OUT/tp2-$model" >"$OUT/tp2-tokens-$model.log" 2>&1
-  echo "[rc $? at ${SECONDS}s] tp2 tokens $model"; grep -vE "^\s*$|Warn" "$OUT/tp2-tokens-$model.log" | tail -24
-  rm -f "$OUT/tp2-$model"/rank*.json "$OUT/tp2-$model/tp-spec.json"
+  tp2_tokens 400 "$model" recipes/bench-27b.yaml --set "model.synthetic=$model"
   [[ "${TESTS:-1}" == 1 ]] && counted 150 tp2-tests.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_tp2.py \
     -k "not compiled"
 fi

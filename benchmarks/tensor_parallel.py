@@ -138,17 +138,25 @@ def where_tokens_part(tp1: list[list[int]], tpn: list[list[int]], top: list[list
     return parted
 
 
-def tokens_report(args: argparse.Namespace) -> dict:
-    recipe = load_recipe(args.recipe, args.set)
+def tp1_tokens(recipe: Recipe, prompts: list[list[int]], args: argparse.Namespace) -> tuple[list, list]:
+    """TP=1 greedy tokens of the prompts, run as one batch in this process, and each position's top log-probabilities
+    ({token id as text: log-probability})."""
     single = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, tp=1))
     loaded = load_from_recipe(single)
-    prompts = mixed_prompts(args.prompts, loaded.model.config.vocab_size)
     engine = Engine.from_recipe(engine_recipe(single, 0, [len(prompts)], args.accept), loaded=loaded, log=quiet)
     results = engine.generate(prompts, SamplingParams(args.new_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS))
-    tp1 = [r.token_ids for r in results]
+    tokens = [r.token_ids for r in results]
     top = [[{str(t): lp for t, lp in position.top} for position in r.logprobs] for r in results]
     del engine, loaded, results
-    free_memory()
+    free_memory()  # before the ranks size their pools from the free memory
+    return tokens, top
+
+
+def tokens_report(args: argparse.Namespace) -> dict:
+    recipe = load_recipe(args.recipe, args.set)
+    prompts = mixed_prompts(args.prompts, recipe_model_config(recipe).vocab_size)
+    # A synthetic model draws each rank's weights for the rank's shapes: TP=1 would be another model.
+    tp1 = None if recipe.model.synthetic else tp1_tokens(recipe, prompts, args)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,14 +174,19 @@ def tokens_report(args: argparse.Namespace) -> dict:
     runs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.tp)]
     tpn = runs[0]
     plain = {b: tpn[f"b{b}-k0"] for b in args.batches}
+    first = args.batches[0]
+    against_tp1 = None
+    if tp1 is not None:
+        tokens, top = tp1
+        against_tp1 = {"requests": len(prompts), "parted": where_tokens_part(tokens, plain[first], top)}
     return {
         "recipe": args.recipe, "sets": args.set, "tp": args.tp, "device": device_name(recipe),
         "prompt_lengths": [len(p) for p in prompts], "new_tokens": args.new_tokens, "batches": args.batches,
         "ks": args.ks, "accept": args.accept, "ranks_seconds": round(seconds, 1),
         "ranks_agree": all(run == tpn for run in runs[1:]),
         "mtp_equals_plain": {key: tokens == plain[int(key[1:].split("-")[0])] for key, tokens in tpn.items()},
-        "batch_equals_alone": {str(b): plain[b] == plain[args.batches[0]] for b in args.batches},
-        "tp1_vs_tpn": {"requests": len(prompts), "parted": where_tokens_part(tp1, plain[args.batches[0]], top)},
+        "batch_equals_alone": {str(b): plain[b] == plain[first] for b in args.batches},
+        "tp1_vs_tpn": against_tp1,
     }  # fmt: skip
 
 
@@ -304,7 +317,6 @@ def summary_report(args: argparse.Namespace) -> dict:
 
 
 def print_tokens(report: dict) -> None:
-    parted = report["tp1_vs_tpn"]["parted"]
     print(
         f"TP={report['tp']} on {report['device']}: {len(report['prompt_lengths'])} prompts, {report['new_tokens']} "
         f"tokens each, ranks agree: {report['ranks_agree']} ({report['ranks_seconds']} s)"
@@ -312,8 +324,12 @@ def print_tokens(report: dict) -> None:
     for key, equal in report["mtp_equals_plain"].items():
         print(f"  {key}: {'== MTP off' if equal else 'DIFFERS from MTP off'}")
     print(f"  batch == batch {report['batches'][0]}: {report['batch_equals_alone']}")
-    print(f"TP={report['tp']} against TP=1: {len(parted)} of {report['tp1_vs_tpn']['requests']} requests part")
-    for case in parted:
+    against = report["tp1_vs_tpn"]
+    if against is None:
+        print(f"TP={report['tp']} against TP=1: not compared (a synthetic model's ranks draw other weights than TP=1)")
+        return
+    print(f"TP={report['tp']} against TP=1: {len(against['parted'])} of {against['requests']} requests part")
+    for case in against["parted"]:
         lead = "not in TP=1's top" if case["tp1_lead"] is None else f"TP=1 led by {case['tp1_lead']:.4f} nats"
         tokens = f"{case['tp1_token']} / {case['tpn_token']}"
         print(f"  request {case['request']} at token {case['position']}: {tokens}, {lead}")

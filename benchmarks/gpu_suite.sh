@@ -431,11 +431,7 @@ if [[ "$STAGE" == tp2bench ]]; then  # one device call (~8 min)
   echo "[rc $? at ${SECONDS}s] tp2 collectives"; tail -12 "$OUT/tp2-collectives.log"
   rm -f "$OUT/tp2"/collectives-*.json
   for tp in 1 2; do
-    timeout 200 python3 -m qwen_mtp.cli bench recipes/bench-27b.yaml --set parallel.tp=$tp --set 'bench.batch_sizes=[1,8]' \
-      --set 'bench.ks=[2,3]' --set 'bench.accept_rates=[0.8]' --set bench.head=false --set bench.output_len=64 \
-      --set "bench.out_dir=$OUT/bench-tp$tp" >"$OUT/bench-tp$tp.log" 2>&1
-    echo "[rc $? at ${SECONDS}s] bench TP=$tp"; cat "$OUT/bench-tp$tp/bench.txt" 2>/dev/null || tail -8 "$OUT/bench-tp$tp.log"
-    rm -f "$OUT/bench-tp$tp/bench.txt"
+    bench_27b 200 bench-tp$tp --set parallel.tp=$tp --set 'bench.batch_sizes=[1,8]' --set 'bench.ks=[2,3]'
   done
   python3 benchmarks/tensor_parallel.py summary --tp1 "$OUT/bench-tp1/bench.json" --tpn "$OUT/bench-tp2/bench.json" \
     --collectives "$OUT/tp2/tp-collectives.json" --out "$OUT/tp2/tp-summary.json"

@@ -42,7 +42,7 @@ from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.model import Linear, QwenHybridForCausalLM
 from qwen_mtp.parallel import current
 from qwen_mtp.parallel.collectives import all_gather, all_reduce_sum
-from qwen_mtp.parallel.launch import recipe_model_config, spawn_ranks, uses_cuda
+from qwen_mtp.parallel.launch import check_recipe, recipe_model_config, run_ranks, uses_cuda
 from qwen_mtp.parallel.plan import ROW_PARALLEL
 from qwen_mtp.recipe import Recipe, load_recipe
 
@@ -53,9 +53,10 @@ TOP_LOGPROBS = 5  # TP=1's top tokens kept per position, to place TP=N's token w
 
 @contextlib.contextmanager
 def importable_here():
-    """This folder on sys.path while ranks are spawned (they import this module by name, with the sys.path they
-    are given at their start), and off it again after, as `tests/helpers.benchmark_module` leaves it: a script here
-    named like an installed package would hide it from the process that imported this module (a test)."""
+    """This folder on sys.path while `run_ranks` spawns and waits for the ranks (they import this module by name,
+    with the sys.path they are given at their start), and off it again after, as `tests/helpers.benchmark_module`
+    leaves it: a script here named like an installed package would hide it from the process that imported this
+    module (a test)."""
     added = HERE not in sys.path
     if added:
         sys.path.insert(0, HERE)
@@ -64,10 +65,6 @@ def importable_here():
     finally:
         if added:
             sys.path.remove(HERE)
-
-
-def quiet(message: str) -> None:
-    del message
 
 
 def mixed_prompts(count: int, vocab: int, seed: int = 23) -> list[list[int]]:
@@ -112,7 +109,9 @@ def rank_tokens(spec_file: str) -> None:
     prompts, batches = spec["prompts"], spec["batches"]
     tokens: dict[str, list[list[int]]] = {}
     for k in (0, *spec["ks"]):
-        engine = Engine.from_recipe(engine_recipe(recipe, k, batches, spec["accept"]), loaded=loaded, log=quiet)
+        engine = Engine.from_recipe(
+            engine_recipe(recipe, k, batches, spec["accept"]), loaded=loaded, log=lambda _: None
+        )
         for batch in batches:
             oracles = None if k == 0 else tokens[f"b{batch}-k0"]
             tokens[f"b{batch}-k{k}"] = decode(engine, prompts, batch, spec["new_tokens"], oracles)
@@ -143,7 +142,9 @@ def tp1_tokens(recipe: Recipe, prompts: list[list[int]], args: argparse.Namespac
     ({token id as text: log-probability})."""
     single = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, tp=1))
     loaded = load_from_recipe(single)
-    engine = Engine.from_recipe(engine_recipe(single, 0, [len(prompts)], args.accept), loaded=loaded, log=quiet)
+    engine = Engine.from_recipe(
+        engine_recipe(single, 0, [len(prompts)], args.accept), loaded=loaded, log=lambda _: None
+    )
     results = engine.generate(prompts, SamplingParams(args.new_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS))
     tokens = [r.token_ids for r in results]
     top = [[{str(t): lp for t, lp in position.top} for position in r.logprobs] for r in results]
@@ -154,22 +155,21 @@ def tp1_tokens(recipe: Recipe, prompts: list[list[int]], args: argparse.Namespac
 
 def tokens_report(args: argparse.Namespace) -> dict:
     recipe = load_recipe(args.recipe, args.set)
+    sets = [*args.set, f"parallel.tp={args.tp}", "parallel.timeout_s=900"]
+    ranked = load_recipe(args.recipe, sets)
+    check_recipe(ranked)  # a degree the model cannot take is refused before the TP=1 run, not after it
     prompts = mixed_prompts(args.prompts, recipe_model_config(recipe).vocab_size)
     # A synthetic model draws each rank's weights for the rank's shapes: TP=1 would be another model.
     tp1 = None if recipe.model.synthetic else tp1_tokens(recipe, prompts, args)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sets = [*args.set, f"parallel.tp={args.tp}", "parallel.timeout_s=900"]
     spec = {"recipe": args.recipe, "sets": sets, "prompts": prompts, "out": str(out)}
     spec |= {"batches": args.batches, "ks": args.ks, "new_tokens": args.new_tokens, "accept": args.accept}
     (out / "tp-spec.json").write_text(json.dumps(spec))
     started = time.monotonic()
-    backend = "nccl" if uses_cuda(recipe) else "gloo"
     with importable_here():
-        ranks = spawn_ranks(args.tp, backend, 900.0, rank_tokens, (str(out / "tp-spec.json"),))
-    while not ranks.join():
-        pass
+        run_ranks(ranked, rank_tokens, str(out / "tp-spec.json"))
     seconds = time.monotonic() - started
     runs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.tp)]
     tpn = runs[0]
@@ -184,7 +184,7 @@ def tokens_report(args: argparse.Namespace) -> dict:
         "prompt_lengths": [len(p) for p in prompts], "new_tokens": args.new_tokens, "batches": args.batches,
         "ks": args.ks, "accept": args.accept, "ranks_seconds": round(seconds, 1),
         "ranks_agree": all(run == tpn for run in runs[1:]),
-        "mtp_equals_plain": {key: tokens == plain[int(key[1:].split("-")[0])] for key, tokens in tpn.items()},
+        "mtp_equals_plain": {f"b{b}-k{k}": tpn[f"b{b}-k{k}"] == plain[b] for k in (0, *args.ks) for b in args.batches},
         "batch_equals_alone": {str(b): plain[b] == plain[first] for b in args.batches},
         "tp1_vs_tpn": against_tp1,
     }  # fmt: skip
@@ -258,11 +258,9 @@ def collectives_report(args: argparse.Namespace) -> dict:
     spec = {"tp": args.tp, "rows": args.rows, "hidden": config.hidden_size, "dtype": recipe.model.dtype,
             "calls": args.calls, "cuda": uses_cuda(recipe), "out": str(out)}  # fmt: skip
     (out / "collectives-spec.json").write_text(json.dumps(spec))
-    backend = "nccl" if uses_cuda(recipe) else "gloo"
     with importable_here():
-        ranks = spawn_ranks(args.tp, backend, 300.0, rank_collectives, (str(out / "collectives-spec.json"),))
-    while not ranks.join():
-        pass
+        run_ranks(load_recipe(args.recipe, [*args.set, f"parallel.tp={args.tp}"]), rank_collectives,
+                  str(out / "collectives-spec.json"))  # fmt: skip
     per_rank = [json.loads((out / f"collectives-rank{r}.json").read_text()) for r in range(args.tp)]
     slowest = {
         rows: {key: max(rank[rows][key] for rank in per_rank) for key in per_rank[0][rows]} for rows in per_rank[0]

@@ -257,3 +257,27 @@ def test_drafts_guess_the_penalized_choice_on_the_trained_model():
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected
     lengths = {name: engine.stats()["acceptance_length"] for name, engine in engines.items()}
     assert lengths["penalized"] > lengths["plain"] + 0.1, lengths
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_a_state_row_s_next_request_does_not_inherit_its_logit_bias(path, k):
+    """Penalties live by state row, and a request without any is never `start`ed on its row: its neutral penalties
+    must ignore whatever the row's last request left there. Two requests that force token 7 (bias +100) fill both
+    state rows and finish; then an unpenalized request decodes beside a penalized one on those rows. It must get
+    its tokens alone, MTP off and on."""
+    engine = Engine.from_recipe(
+        {"model": {"path": str(path), "dtype": "float32", "device": "cpu"},
+         "cache": {"prefill_chunk": 16, "max_batch": 2, "num_state_rows": 2},
+         **({"mtp": {"enabled": True, "k": k}} if k else {})},
+        log=lambda _: None,
+    )  # fmt: skip
+    forced = SamplingParams(max_new_tokens=3, ignore_eos=True, logit_bias={7: 100.0}, min_tokens=2)
+    assert all(r.token_ids == [7, 7, 7] for r in engine.generate(PROMPTS[:2], forced))
+    free = SamplingParams(MAX_NEW, ignore_eos=True)
+    unbiased = engine.submit(PROMPTS[2], free)
+    engine.submit(PROMPTS[3], SamplingParams(MAX_NEW, ignore_eos=True, repetition_penalty=1.3))
+    while engine.has_unfinished():
+        engine.step()
+    alone = cpu_engine(path).generate([PROMPTS[2]], free)[0].token_ids
+    assert 7 not in alone
+    assert engine.result(unbiased).token_ids == alone

@@ -15,6 +15,10 @@ that emits tokens adds them there, in stream order, before any later step reads 
   row's counts plus d_1..d_i, which is what plain decoding reads at that position. `inputs_after` does the same for
   a draft chain's steps (the drafts guess what the target will choose, penalties included).
 
+- `neutral(row)`: when a request without penalties chooses its first token on `row`: the bias and stop tokens a
+  request before it left there go back to none. A penalized step applies every row's bias (`ops/penalties.py`), and
+  a request without penalties shares such steps: a stale bias would steer its tokens.
+
 The counts are integers and every addition is exact, so they are the same whatever order adds them. Rows of
 requests without penalties are never started and hold stale counts; their neutral penalties ignore them. The
 buffers ([rows + 1, V] int32, float32 and two bool, the scratch row included: ~2.4 MiB a row at a 248k vocabulary)
@@ -48,20 +52,33 @@ class PenaltyState:
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
         self.stops = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.marked: set[int] = set()  # rows whose bias or stop tokens a request set (host-side: no device read)
 
     def start(
-        self, row: torch.Tensor, prompt: torch.Tensor, bias_ids: torch.Tensor, bias: torch.Tensor, stops: torch.Tensor
+        self, row: int, prompt: torch.Tensor, bias_ids: torch.Tensor, bias: torch.Tensor, stops: torch.Tensor
     ) -> None:
-        """A request's row [1] before its first token: no output yet; `prompt` [P] (long, on the device) seen;
+        """A request's state row before its first token: no output yet; `prompt` [P] (long, on the device) seen;
         the bias of tokens `bias_ids` [N] (long) is `bias` [N] (float32), 0 elsewhere; `stops` [M] (long) its stop
         tokens."""
         self.counts[row] = 0
         self.seen[row] = False
-        self.seen[row.expand(prompt.shape[0]), prompt] = True
+        self.seen[row, prompt] = True
         self.bias[row] = 0.0
-        self.bias[row.expand(bias_ids.shape[0]), bias_ids] = bias
+        self.bias[row, bias_ids] = bias
         self.stops[row] = False
-        self.stops[row.expand(stops.shape[0]), stops] = True
+        self.stops[row, stops] = True
+        if bias_ids.numel() or stops.numel():
+            self.marked.add(row)
+        else:
+            self.marked.discard(row)
+
+    def neutral(self, row: int) -> None:
+        """A request without penalties takes state row `row`: no logit bias and no stop tokens there (device work
+        only if a request before it set some)."""
+        if row in self.marked:
+            self.bias[row] = 0.0
+            self.stops[row] = False
+            self.marked.discard(row)
 
     def count(self, rows: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor | None = None) -> None:
         """Add the tokens a step emitted: `tokens` [B, T] chosen for the requests on `rows` [B]; with

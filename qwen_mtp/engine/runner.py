@@ -76,6 +76,7 @@ class Runner:
         self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
         self.grammars: grammar.Grammars | None = None  # structured outputs' token masks (set by the engine)
         self.steps = DecodeSteps(model, pages, states, k)
+        self.penalties: PenaltyState | None = None
         if model.vocab_shard is None:  # tensor parallel refuses penalties (`Engine.check_request`)
             self.penalties = PenaltyState(states.num_rows + 1, model.lm_head_weight.shape[0], device)
             self.steps.penalties = self.penalties
@@ -221,13 +222,16 @@ class Runner:
         position = self.tensor([position])
         penalized, state_row = None, None
         if rows.mode.penalized:
-            state_row = self.tensor([self.states.rows[request.id]])
+            row = self.states.rows[request.id]
+            state_row = self.tensor([row])
             bias = request.params.logit_bias
             ids, values = self.tensor([t for t, _ in bias]), self.tensor([b for _, b in bias], torch.float32)
             vocab = self.penalties.counts.shape[1]  # a stop id past the logits can never be chosen anyway
             stops = self.tensor(sorted(t for t in stop_ids if t < vocab))
-            self.penalties.start(state_row, self.tensor(request.prompt), ids, values, stops)
+            self.penalties.start(row, self.tensor(request.prompt), ids, values, stops)
             penalized = self.penalties.inputs(state_row, position)
+        elif self.penalties is not None:
+            self.penalties.neutral(self.states.rows[request.id])  # it will share penalized steps' bias reads
         shard = self.model.vocab_shard
         chosen = sampling.choose(logits, rows.mode, position, **rows.tensors, penalty_inputs=penalized, shard=shard)
         if state_row is not None:

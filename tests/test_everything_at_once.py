@@ -1,10 +1,10 @@
 """Every feature at once, the way a busy server runs them: the shipped model with MTP (`k: auto`, or a fixed K with
-the lookahead), a draft vocabulary, prefix caching, mixed steps (or not), under memory pressure, with seeded arrivals of
-greedy, sampled, penalized, biased, stop-token, min-tokens, logprobs and grammar-constrained requests that share
-prefixes, and cancellations followed by re-admission. Each finished request must give exactly the tokens, finish
-reason and logprobs (bit for bit) it gets alone on a plain engine (MTP off, no prefix cache) that prefills as the
-busy one does (packed or not: the two round a prompt differently, docs/mixed-steps.md), and every page, state row
-and snapshot slot must come back."""
+the lookahead), a draft vocabulary, prefix caching, mixed steps (or not), under memory pressure, with seeded arrivals
+of greedy, sampled, penalized, biased, stop-token, stop-string, min-tokens, logprobs, prompt-logprobs and
+grammar-constrained requests that share prefixes, and cancellations followed by re-admission. Each finished request
+must give exactly the tokens, finish reason, text and logprobs (bit for bit) it gets alone on a plain engine (MTP
+off, no prefix cache) that prefills as the busy one does (packed or not: the two round a prompt differently,
+docs/mixed-steps.md), and every page, state row and snapshot slot must come back."""
 
 import random
 from pathlib import Path
@@ -55,6 +55,10 @@ def random_params(rng: random.Random) -> SamplingParams:
         extra["stop_token_ids"] = (rng.choice([10, 11, 14]),)  # "(", ")", ",": frequent in the model's output
     if rng.random() < 0.3:
         extra["logprobs"] = 2
+    if rng.random() < 0.1:
+        extra["prompt_logprobs"] = 1
+    if rng.random() < 0.2:
+        extra["stop"] = (rng.choice(["):", " self", "\n\n"]),)
     if rng.random() < 0.2:
         extra["logit_bias"] = {rng.choice([10, 11, 14, 16, 65]): rng.choice([-100.0, 5.0])}  # tokens that matter
     return SamplingParams(
@@ -121,8 +125,10 @@ def test_every_feature_at_once_gives_each_request_its_solo_plain_tokens(variant,
     for rid, (prompt, params) in finished.items():
         [expected] = reference.generate([prompt], params)
         got = results[rid]
-        assert (got.token_ids, got.finish_reason, got.logprobs) == (
+        assert (got.token_ids, got.finish_reason, got.logprobs, got.prompt_logprobs, got.text) == (
             expected.token_ids,
             expected.finish_reason,
             expected.logprobs,
+            expected.prompt_logprobs,
+            expected.text,
         ), f"request {rid} ({params}) differs from its solo plain run"

@@ -201,6 +201,25 @@ def check_batches_1_8_32(plain, spec, head, prompts, kinds, params_of):
             assert [r.logprobs for r in got] == [r.logprobs for r in expected], where
 
 
+@pytest.mark.parametrize("k", [None, 2])
+def test_a_state_row_s_next_request_does_not_inherit_its_logit_bias_graphs(k):
+    """tests/test_penalties_mtp.py's case under CUDA graphs: two requests forcing token 7 (bias +100) fill both state
+    rows and finish; an unpenalized request then decodes beside a penalized one on those rows, and must get its
+    tokens alone (the graphs read the penalty buffers in place)."""
+    source = {"synthetic": "qwen3.5-0.8b"}
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (5, 9, 17, 12)]
+    engine = engine_for(source, k=k, max_batch=2, mode="graphs")
+    forced = SamplingParams(3, ignore_eos=True, logit_bias={7: 100.0}, min_tokens=2)
+    assert all(r.token_ids == [7, 7, 7] for r in engine.generate(prompts[:2], forced))
+    free = SamplingParams(24, ignore_eos=True)
+    unbiased = engine.submit(prompts[2], free)
+    engine.submit(prompts[3], SamplingParams(24, ignore_eos=True, repetition_penalty=1.3))
+    while engine.has_unfinished():
+        engine.step()
+    alone = engine_for(source, max_batch=2, mode="graphs").generate([prompts[2]], free)[0].token_ids
+    assert 7 not in alone and engine.result(unbiased).token_ids == alone
+
+
 def test_one_synchronisation_per_sampled_step():
     engine = engine_for({"fixture": "tiny-8l"}, k=2, max_batch=4, mode="graphs")
     prompts = [random_prompt(n, seed=n) for n in (3, 40, 9, 17)]

@@ -31,7 +31,7 @@ def busy_engine(variant: str, mixed: bool, k: int | str) -> Engine:
     """MTP with K drafts a step (the lookahead chains its steps), or with `k: auto`, whose K is then drawn at
     random each step (0..MAX_K): the measured policy's choice depends on timings, so the run would not be
     reproducible, and a random K meets every other feature."""
-    cache = {"num_pages": 40, "prefix_caching": True, "max_step_tokens": 4 * (1 + MAX_K) + 24}
+    cache = {"num_pages": 40, "prefix_caching": True, "max_step_tokens": CACHE["max_batch"] * (1 + MAX_K) + 24}
     mtp = {"enabled": True, "k": k, "max_k": MAX_K, "draft_vocab": 1024,
            "draft_vocab_file": str(SMALL / "draft_vocab.tsv")}  # fmt: skip
     engine = Engine.from_recipe({**recipe(variant, mixed, cache), "mtp": mtp}, log=lambda _: None)

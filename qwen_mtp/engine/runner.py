@@ -220,9 +220,8 @@ class Runner:
         rows = self.sampling([request])
         logits = self.model.logits(hidden)
         position = self.tensor([position])
-        penalized, state_row = None, None
+        penalized, state_row, row = None, None, self.states.rows[request.id]
         if rows.mode.penalized:
-            row = self.states.rows[request.id]
             state_row = self.tensor([row])
             bias = request.params.logit_bias
             ids, values = self.tensor([t for t, _ in bias]), self.tensor([b for _, b in bias], torch.float32)
@@ -231,7 +230,7 @@ class Runner:
             self.penalties.start(row, self.tensor(request.prompt), ids, values, stops)
             penalized = self.penalties.inputs(state_row, position)
         elif self.penalties is not None:
-            self.penalties.neutral(self.states.rows[request.id])  # it will share penalized steps' bias reads
+            self.penalties.neutral(row)  # it will share penalized steps' bias reads
         shard = self.model.vocab_shard
         chosen = sampling.choose(logits, rows.mode, position, **rows.tensors, penalty_inputs=penalized, shard=shard)
         if state_row is not None:

@@ -45,6 +45,7 @@ from qwen_mtp.ops.linear import (
     w8a8_block_products_reference,
     w8a8_matmul_triton,
 )
+from qwen_mtp.testing.synthetic import synthetic_config
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 FAMILY_M = (1, 8, 16, 32, 64, 128)
@@ -74,6 +75,15 @@ W8A8_VARIANTS: dict[str, GemmPlan] = {
     "s128 16x4 st8": GemmPlan(128, 128, 1, 8, 8, "stream", 16, 4, True),
     "s128 16x2 st8 w4": GemmPlan(128, 128, 1, 4, 8, "stream", 16, 2, True),
 }
+
+
+def family_shapes(preset: str, draft_lm_head: bool) -> dict[str, tuple[int, int]]:
+    """The shapes a family sweep times: the preset's FP8 weights, or (`--draft-lm-head`) the FP8 copy of its lm_head
+    that `mtp.draft_lm_head: fp8` makes for the draft steps (vocabulary x hidden; not a checkpoint weight)."""
+    if not draft_lm_head:
+        return fp8_shapes(preset)
+    config = synthetic_config(preset)
+    return {"draft lm_head (fp8 copy)": (config.vocab_size, config.hidden_size)}
 
 
 def w8a8(plan: GemmPlan | None = None):
@@ -239,11 +249,12 @@ def family(
     choice_m: tuple[int, ...] = CHOICE_M,
     keep_splits: bool = False,
     splits: tuple[int, ...] = (),
+    draft_lm_head: bool = False,
 ) -> dict:
     props = torch.cuda.get_device_properties(0)
     t0 = time.time()
     sms = props.multi_processor_count
-    shapes = named_once(fp8_shapes(preset), only).items()
+    shapes = named_once(family_shapes(preset, draft_lm_head), only).items()
     todo = {name: (nk, w8a8_candidates(*nk, sms, keep_splits, splits)) for name, nk in shapes}
     tasks = [(n, k, plan) for (n, k), plans in todo.values() for plan in plans.values()]
     errs = precompile(tasks, jobs, _compile)
@@ -330,6 +341,8 @@ def main() -> None:
                         "valid)")  # fmt: skip
     parser.add_argument("--splits", default="", help="--family: every variant at these K split counts (e.g. "
                         "3,6,8,16; not with --keep-splits)")  # fmt: skip
+    parser.add_argument("--draft-lm-head", action="store_true",
+                        help="--family: time the FP8 copy of the lm_head the drafts score through instead")  # fmt: skip
     parser.add_argument("--out", help="JSON path (default: $OUT/gemm-w8a8.json, --family: $OUT/gemm-w8a8-family.json, "
                         "--tiles: $OUT/gemm-w8a8-tiles.json)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="--family: compile processes")
@@ -343,7 +356,8 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.family:
         choice_m = tuple(int(m) for m in args.choice_m.split(","))
-        family(args.preset, args.only, args.out, args.jobs, bandwidth, choice_m, args.keep_splits, splits)
+        family(args.preset, args.only, args.out, args.jobs, bandwidth, choice_m, args.keep_splits, splits,
+               args.draft_lm_head)  # fmt: skip
         return
     if args.tiles:
         rows = tiles_table(args.preset, args.only, bandwidth)

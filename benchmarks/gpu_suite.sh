@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|drafthead|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -67,6 +67,8 @@
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py (TESTS=0: not);
 #   tp2bench     issue #23, part 2: the collectives' latency at the rows a step sends, `qwen-mtp bench` at TP=1 and
 #                TP=2 (B1, B8; plain, K=2, K=3 at oracle 0.8), and the table of both (tensor_parallel.py summary);
+#   drafthead    the FP8 draft lm_head (mtp.draft_lm_head: fp8): the W8A8 plan family at the lm_head's shape, the 27B
+#                FP8 B1 K=3 bench with the bf16 and FP8 draft lm_heads (carry torchao);
 #   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
 #   structured   structured outputs (carry .whl; install .whl/llguidance*.whl beside torchao): the token mask at the
 #                real vocabulary, constrained MTP-on == MTP-off under graphs, the lookahead left alone, then the CPU
@@ -404,6 +406,15 @@ if [[ "$STAGE" == structuredsteps ]]; then  # one device call (~5 min; carry .wh
   timeout 500 python3 benchmarks/structured_steps.py recipes/bench-27b.yaml --batch ${BATCHES:-1 8 32} \
     --out "$OUT/structured-steps-27b.json" >"$OUT/structured-steps.log" 2>&1
   echo "[rc $? at ${SECONDS}s] structured_steps"; grep -vE "^\s*$|Warn" "$OUT/structured-steps.log" | tail -14
+fi
+if [[ "$STAGE" == drafthead ]]; then  # one device call (~8 min; carry torchao): the FP8 draft lm_head (issues #14,
+  # #16): the W8A8 plan family at the lm_head's shape (its best plan for TUNED_W8A8), then the 27B FP8 B1 K=3 bench
+  # with the bf16 and the FP8 draft lm_head, over the whole vocabulary and 32k ids (VOCABS)
+  timeout 200 python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family --draft-lm-head --choice-m "${CHOICE_M:-1,8}" \
+    --out "$OUT/gemm-w8a8-draft-lm-head.json" >"$OUT/gemm-w8a8-draft-lm-head.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] W8A8 family, draft lm_head"; grep -vE "^\s*$|Warn" "$OUT/gemm-w8a8-draft-lm-head.log" | tail -42
+  bench_27b 330 bench-fp8-draft-head --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
+    --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set "bench.draft_vocabs=${VOCABS:-[0,32768]}"
 fi
 if [[ "$STAGE" == tp2 || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,8 +1,8 @@
 """The decode step's small kernels at the 27B shapes, per launch choice, under CUDA graphs: the W8A8 activation
 quantization (`quantize_activation_rows_triton`: rows per program, warps) at M = 1..128 and the GDN conv update
-(`conv_update_triton`: channels per program, warps) at B = 1..32 and T = 1, 4. Neither choice may change a
-number: every variant's bytes are compared with the default's, and a report lists the fastest variant per case.
-Each case's outputs are also hashed, so two trees' reports show whether they compute the same bits.
+(`conv_update_triton`: channels per program, warps, tile or column kernel) at B = 1..32 and T = 1, 4. No choice
+may change a number: every variant's bytes are compared with the default's, and a report lists the fastest variant
+per case. Each case's outputs are also hashed, so two trees' reports show whether they compute the same bits.
 Usage (GPU box): python3 benchmarks/small_kernels.py [--out PATH]
 """
 
@@ -22,7 +22,11 @@ QUANTIZE_M = (1, 4, 32, 128)
 QUANTIZE_VARIANTS = ((16, 4), (1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 2), (32, 4))
 CONV_CHANNELS, CONV_KERNEL, CONV_SPEC = 10240, 4, 3  # the 27B GDN conv: q, k, v channels; K = 3 windows
 CONV_B, CONV_T = (1, 8, 32), (1, 4)
-CONV_VARIANTS = ((128, 4), (256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8))
+# (channels per program, warps, kernel): the tile kernel's default and next size, then the column kernel's choices
+CONV_VARIANTS = (
+    (128, 4, "tile"), (256, 4, "tile"), (128, 4, "columns"), (256, 2, "columns"), (256, 4, "columns"),
+    (512, 2, "columns"), (512, 4, "columns"), (1024, 4, "columns"), (1024, 8, "columns"), (2048, 8, "columns"),
+)  # fmt: skip
 
 
 def digest(*tensors: torch.Tensor) -> str:
@@ -84,13 +88,13 @@ def conv_cases() -> list[dict]:
             ref_pool = pool.clone()
             default = conv_ops.conv_update_triton(x, weight, ref_pool, rows_, committed)
             row = dict(kernel="conv", b=batch, t=length, bits=digest(default, ref_pool), us={}, differs=[])
-            tunable = supported(conv_ops.conv_update_triton, x, weight, pool.clone(), rows_, committed, 128, 4)
-            for block, warps in CONV_VARIANTS if tunable else ((None, None),):
-                args = (block, warps) if tunable else ()
+            tunable = supported(conv_ops.conv_update_triton, x, weight, pool.clone(), rows_, committed, 128, 4, "tile")
+            for block, warps, kind in CONV_VARIANTS if tunable else ((None, None, None),):
+                args = (block, warps, kind) if tunable else ()
                 trial = pool.clone()
                 got = conv_ops.conv_update_triton(x, weight, trial, rows_, committed, *args)
                 same = torch.equal(got, default) and torch.equal(trial, ref_pool)
-                label = f"c{block} w{warps}" if tunable else "default"
+                label = f"{kind} c{block} w{warps}" if tunable else "default"
                 scratch = pool.clone()  # timed repeats rewrite the pool: time on a copy
 
                 def run(args=args, scratch=scratch, x=x, weight=weight, rows_=rows_, committed=committed):

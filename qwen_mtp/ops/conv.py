@@ -315,9 +315,86 @@ def _conv_update_kernel():
     return conv_update_window
 
 
-# Channels per program and warps of the conv update (`benchmarks/small_kernels.py` times the choices on the GPU);
-# neither changes a number.
-CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS = 128, 4
+@functools.cache
+def _conv_update_columns_kernel():
+    import triton
+    import triton.language as tl
+
+    # The same computation as `conv_update_window`, token by token and tap by tap in the same order (so the same
+    # bits), with each position a [BLOCK_C] vector instead of a column of one [BLOCK_C, 16] tile: a program holds a
+    # thread's channels' 3 window values and 4 weights in registers, so 1024 channels fit one program of 4 warps and
+    # a B32 step's 10,240 channels run as 320 programs, one wave, where the tile kernel's register-bound 128-channel
+    # programs ran 2,560. Written for the Qwen models' kernel of 4 taps.
+    @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_xt", "stride_ob", "stride_pr"])
+    def conv_update_columns(
+        x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,
+        T, C, W,
+        stride_xb, stride_xt, stride_ob, stride_ot, stride_pr, stride_pc,
+        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        tl.static_assert(KERNEL == 4)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cs < C
+        w0 = tl.load(w_ptr + cs * KERNEL + 0, mask=cmask, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + cs * KERNEL + 1, mask=cmask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + cs * KERNEL + 2, mask=cmask, other=0.0).to(tl.float32)
+        w3 = tl.load(w_ptr + cs * KERNEL + 3, mask=cmask, other=0.0).to(tl.float32)
+        triton_utils.wait_for_previous_kernel(PDL)
+        b = tl.program_id(0)
+        row = tl.load(rows_ptr + b)
+        start = tl.load(committed_ptr + row)
+        pool_row = pool_ptr + row * stride_pr + cs * stride_pc
+        win0 = tl.load(pool_row + start + 0, mask=cmask, other=0.0).to(tl.float32)
+        win1 = tl.load(pool_row + start + 1, mask=cmask, other=0.0).to(tl.float32)
+        win2 = tl.load(pool_row + start + 2, mask=cmask, other=0.0).to(tl.float32)
+        x_row = x_ptr + b * stride_xb + cs
+        for t in tl.static_range(MAX_T):
+            if t < T:
+                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+                for j in tl.static_range(KERNEL):
+                    # position t + j of the conv's input: a window value held in registers, or a new token (loaded
+                    # again: an L1 hit after its first load)
+                    if t + j == 0:
+                        tap = win0
+                    elif t + j == 1:
+                        tap = win1
+                    elif t + j == 2:
+                        tap = win2
+                    else:
+                        tap = tl.load(x_row + (t + j - 3) * stride_xt, mask=cmask, other=0.0).to(tl.float32)
+                    if j == 0:
+                        w = w0
+                    elif j == 1:
+                        w = w1
+                    elif j == 2:
+                        w = w2
+                    else:
+                        w = w3
+                    acc += w * tap
+                conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the conv's own rounding, as F.conv1d
+                tl.store(
+                    out_ptr + b * stride_ob + t * stride_ot + cs,
+                    (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty),
+                    mask=cmask,
+                )
+        tl.debug_barrier()  # every window value is read before the pool is overwritten
+        for p in tl.static_range(1, KERNEL - 1 + MAX_T):
+            if (p < KERNEL - 1 + T) & (p - 1 < W):
+                if p == 1:
+                    value = win1
+                elif p == 2:
+                    value = win2
+                else:
+                    value = tl.load(x_row + (p - 3) * stride_xt, mask=cmask, other=0.0).to(tl.float32)
+                tl.store(pool_row + (p - 1), value.to(pool_ptr.dtype.element_ty), mask=cmask)
+
+    return conv_update_columns
+
+
+# The conv update's launch (`benchmarks/small_kernels.py` times the choices on the GPU; none changes a number):
+# channels per program, warps, and which kernel ("tile": `conv_update_window`, any kernel size; "columns":
+# `conv_update_columns`, 4 taps).
+CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS, CONV_UPDATE_KERNEL = 128, 4, "tile"
 
 
 def conv_update_triton(
@@ -328,27 +405,39 @@ def conv_update_triton(
     committed: torch.Tensor,
     block: int | None = None,
     warps: int | None = None,
+    kind: str | None = None,
 ) -> torch.Tensor:
     """Triton version of `conv_update_reference` (same arguments, same in-place pool update). x may be a
-    strided slice (the fused input projection's qkv part): read in place. `block` channels per program and
-    `warps` (default `CONV_UPDATE_BLOCK`, `CONV_UPDATE_WARPS`) spread the work and never change a number."""
+    strided slice (the fused input projection's qkv part): read in place. `block` channels per program, `warps`
+    and `kind` ("tile" or "columns"; defaults `CONV_UPDATE_BLOCK`, `CONV_UPDATE_WARPS`, `CONV_UPDATE_KERNEL`)
+    spread the work and never change a number; "columns" needs a 4-tap kernel (the "tile" kernel runs others)."""
     import triton
 
-    kernel = _conv_update_kernel()
     batch, length, channels = x.shape
     x = x if x.stride(2) == 1 else x.contiguous()
     weight = weight.contiguous()
     assert pool.stride(2) == 1
     out = x.new_empty(x.shape)
     block, warps = block or CONV_UPDATE_BLOCK, warps or CONV_UPDATE_WARPS
+    kind = kind or CONV_UPDATE_KERNEL
+    if kind not in ("tile", "columns"):
+        raise ValueError(f"conv update kernel {kind!r}: 'tile' or 'columns'")
+    taps = weight.shape[1]
     max_t = 8  # the most tokens one call takes (K + 1 <= 5), fixed so the binary never depends on K or T
     assert length <= max_t
-    kernel[(batch, triton.cdiv(channels, block))](
-        x, weight, pool, rows, committed, out,
-        length, channels, pool.shape[2],
+    grid = (batch, triton.cdiv(channels, block))
+    args = (
+        x, weight, pool, rows, committed, out, length, channels, pool.shape[2],
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), pool.stride(0), pool.stride(1),
-        KERNEL=weight.shape[1], BLOCK_C=block, MAX_T=max_t, FULL=triton.next_power_of_2(weight.shape[1] - 1 + max_t),
-        TAPS=triton.next_power_of_2(weight.shape[1]), num_warps=warps, **triton_utils.launch(x.device),
+    )  # fmt: skip
+    if kind == "columns" and taps == 4:
+        _conv_update_columns_kernel()[grid](
+            *args, KERNEL=taps, BLOCK_C=block, MAX_T=max_t, num_warps=warps, **triton_utils.launch(x.device)
+        )
+        return out
+    _conv_update_kernel()[grid](
+        *args, KERNEL=taps, BLOCK_C=block, MAX_T=max_t, FULL=triton.next_power_of_2(taps - 1 + max_t),
+        TAPS=triton.next_power_of_2(taps), num_warps=warps, **triton_utils.launch(x.device),
     )  # fmt: skip
     return out
 

@@ -83,9 +83,10 @@ def test_conv_prefill_varlen_equals_each_sequence_alone(dtype):
         assert torch.equal(next_windows[i : i + 1], alone_window), i
 
 
+@pytest.mark.parametrize("kind", ["tile", "columns"])
 @pytest.mark.parametrize("length", [1, 2, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_conv_update_matches_reference(length, dtype):
+def test_conv_update_matches_reference(length, dtype, kind):
     channels, kernel, spec = 40, 4, 4
     pool = rand(5, channels, kernel - 1 + spec, dtype=dtype, seed=1)
     rows = torch.tensor([4, 0, 2], device=DEVICE)
@@ -93,41 +94,44 @@ def test_conv_update_matches_reference(length, dtype):
     x, weight = rand(3, length, channels, dtype=dtype, seed=2), rand(channels, kernel, dtype=dtype, seed=3)
     ref_pool, tri_pool = pool.clone(), pool.clone()
     close(
-        conv_update_triton(x, weight, tri_pool, rows, committed),
+        conv_update_triton(x, weight, tri_pool, rows, committed, kind=kind),
         conv_update_reference(x, weight, ref_pool, rows, committed),
         dtype,
     )
     assert torch.equal(tri_pool, ref_pool)
 
 
+@pytest.mark.parametrize("kind", ["tile", "columns"])
 @pytest.mark.parametrize("spec", [1, 3])
-def test_conv_update_verify_equals_decode_steps(spec):
+def test_conv_update_verify_equals_decode_steps(spec, kind):
     channels, kernel = (6144, 4) if REAL else (40, 4)
     x = rand(8, spec + 1, channels, dtype=VERIFY_DTYPE, seed=1)
     weight = rand(channels, kernel, dtype=VERIFY_DTYPE, seed=2)
     pool = rand(8, channels, kernel - 1 + spec, dtype=VERIFY_DTYPE, seed=3)
     rows, committed = torch.arange(8, device=DEVICE), torch.zeros(8, dtype=torch.long, device=DEVICE)
     verify_pool, decode_pool = pool.clone(), pool.clone()
-    verify = conv_update_triton(x, weight, verify_pool, rows, committed)
+    verify = conv_update_triton(x, weight, verify_pool, rows, committed, kind=kind)
     for t in range(spec + 1):
-        decode = conv_update_triton(x[:, t : t + 1], weight, decode_pool, rows, committed)
+        decode = conv_update_triton(x[:, t : t + 1], weight, decode_pool, rows, committed, kind=kind)
         assert torch.equal(decode[:, 0], verify[:, t]), t
     assert torch.equal(verify_pool[:, :, spec : spec + kernel - 1], decode_pool[:, :, : kernel - 1])
 
 
 @pytest.mark.parametrize("length", [1, 4])
 def test_conv_update_launch_choices_change_no_bit(length):
-    """Channels per program and warps only spread the work: the same outputs and pool bytes."""
+    """Channels per program, warps and the kernel kind ("tile", "columns") only spread the work: the same outputs
+    and pool bytes."""
     channels = 6144 if REAL else 300
     x, weight = rand(3, length, channels, seed=7), rand(channels, 4, seed=8)
     pool = rand(4, channels, 3 + 3, seed=9)
     rows, committed = torch.tensor([3, 0, 1], device=DEVICE), torch.tensor([2, 0, 3, 1], device=DEVICE)
     want_pool = pool.clone()
     want = conv_update_triton(x, weight, want_pool, rows, committed)
-    for block, warps in [(64, 1), (256, 8)]:
+    for block, warps, kind in [(64, 1, "tile"), (256, 8, "tile"), (128, 4, "columns"), (1024, 4, "columns")]:
         got_pool = pool.clone()
-        assert torch.equal(conv_update_triton(x, weight, got_pool, rows, committed, block, warps), want)
-        assert torch.equal(got_pool, want_pool)
+        got = conv_update_triton(x, weight, got_pool, rows, committed, block, warps, kind)
+        assert torch.equal(got, want), (block, warps, kind)
+        assert torch.equal(got_pool, want_pool), (block, warps, kind)
 
 
 def test_conv_update_reads_strided_projection_slices():

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|drafthead|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -67,6 +67,7 @@
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py (TESTS=0: not);
 #   tp2bench     issue #23, part 2: the collectives' latency at the rows a step sends, `qwen-mtp bench` at TP=1 and
 #                TP=2 (B1, B8; plain, K=2, K=3 at oracle 0.8), and the table of both (tensor_parallel.py summary);
+#   conv         the conv update's kernels (tile, columns): op tests, launch choices, the 27B bench A/B, exactness;
 #   drafthead    the FP8 draft lm_head (mtp.draft_lm_head: fp8): the W8A8 plan family at the lm_head's shape, the 27B
 #                FP8 B1 K=3 bench with the bf16 and FP8 draft lm_heads (carry torchao);
 #   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
@@ -406,6 +407,26 @@ if [[ "$STAGE" == structuredsteps ]]; then  # one device call (~5 min; carry .wh
   timeout 500 python3 benchmarks/structured_steps.py recipes/bench-27b.yaml --batch ${BATCHES:-1 8 32} \
     --out "$OUT/structured-steps-27b.json" >"$OUT/structured-steps.log" 2>&1
   echo "[rc $? at ${SECONDS}s] structured_steps"; grep -vE "^\s*$|Warn" "$OUT/structured-steps.log" | tail -14
+fi
+if [[ "$STAGE" == conv ]]; then  # one device call (~9 min): the conv update's kernels: the op tests, each launch
+  # choice timed (small_kernels.py), the fastest "columns" choice at B32 T1 against the default in the 27B bf16 bench
+  # (B1, B32; QWEN_MTP_CONV_UPDATE switches it in this tree), then the bf16 exactness subset with that choice
+  counted 150 conv-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_conv.py
+  timeout 150 python3 benchmarks/small_kernels.py --out "$OUT/small-kernels.json" 2>&1 | grep -vi warn | grep conv
+  echo "[at ${SECONDS}s] small_kernels"
+  pick=$(python3 - "$OUT/small-kernels.json" <<'PY'
+import json, sys
+case = next(c for c in json.load(open(sys.argv[1]))["conv"] if c["b"] == 32 and c["t"] == 1)
+ok = {label: us for label, us in case["us"].items() if label.startswith("columns") and label not in case["differs"]}
+_, block, warps = min(ok, key=ok.get).split()
+print(f"{block[1:]},{warps[1:]},columns")
+PY
+)
+  echo "columns choice at B32 T1: ${pick:=1024,8,columns}"
+  bench_27b 110 bench-conv-default --set 'bench.batch_sizes=[1,32]'
+  QWEN_MTP_CONV_UPDATE=$pick bench_27b 110 bench-conv-columns --set 'bench.batch_sizes=[1,32]'
+  QWEN_MTP_CONV_UPDATE=$pick counted 300 exactness-conv.log python3 -m pytest -vv -p no:cacheprovider \
+    tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
 fi
 if [[ "$STAGE" == drafthead ]]; then  # one device call (~8 min; carry torchao): the FP8 draft lm_head (issues #14,
   # #16): the W8A8 plan family at the lm_head's shape (its best plan for TUNED_W8A8), then the 27B FP8 B1 K=3 bench

@@ -7,6 +7,7 @@ what one pass over the whole sequence computes: zeros stand before position 0.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -391,10 +392,20 @@ def _conv_update_columns_kernel():
     return conv_update_columns
 
 
+def _conv_update_launch(default: tuple[int, int, str]) -> tuple[int, int, str]:
+    """The conv update's launch: `default`, or QWEN_MTP_CONV_UPDATE="block,warps,kind" (e.g. "1024,8,columns": the
+    benchmarks' A/B switch inside one tree)."""
+    asked = os.environ.get("QWEN_MTP_CONV_UPDATE", "").strip()
+    if not asked:
+        return default
+    block, warps, kind = asked.split(",")
+    return int(block), int(warps), kind
+
+
 # The conv update's launch (`benchmarks/small_kernels.py` times the choices on the GPU; none changes a number):
 # channels per program, warps, and which kernel ("tile": `conv_update_window`, any kernel size; "columns":
 # `conv_update_columns`, 4 taps).
-CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS, CONV_UPDATE_KERNEL = 128, 4, "tile"
+CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS, CONV_UPDATE_KERNEL = _conv_update_launch((128, 4, "tile"))
 
 
 def conv_update_triton(

@@ -434,6 +434,21 @@ if [[ "$STAGE" == drafthead ]]; then  # one device call (~8 min; carry torchao):
   timeout 200 python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family --draft-lm-head --choice-m "${CHOICE_M:-1,8}" \
     --out "$OUT/gemm-w8a8-draft-lm-head.json" >"$OUT/gemm-w8a8-draft-lm-head.log" 2>&1
   echo "[rc $? at ${SECONDS}s] W8A8 family, draft lm_head"; grep -vE "^\s*$|Warn" "$OUT/gemm-w8a8-draft-lm-head.log" | tail -42
+  # the family's best plan into this copy's TUNED_W8A8 (the bench below runs it; linear.py comes back in $OUT)
+  python3 - "$OUT/gemm-w8a8-draft-lm-head.json" <<'PY'
+import json, re, sys
+from pathlib import Path
+entry = next(iter(json.load(open(sys.argv[1]))["shapes"].values()))
+if entry["best"] is not None:
+    p = entry["plans"][entry["best"]]["plan"]
+    fields = ", ".join(f"{k}={v!r}" for k, v in p.items())
+    line = f"    ({entry['n']}, {entry['k']}): GemmPlan({fields}),  # the FP8 draft lm_head: {entry['best']}\n"
+    path = Path("qwen_mtp/ops/linear.py")
+    text = re.sub(r"(^TUNED_W8A8: dict\[tuple\[int, int\], GemmPlan\] = \{\n)", lambda m: m.group(1) + line, path.read_text(), flags=re.M)
+    path.write_text(text)
+    print("applied:", line.strip())
+PY
+  cp qwen_mtp/ops/linear.py "$OUT/linear.py"
   bench_27b 330 bench-fp8-draft-head --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set "bench.draft_vocabs=${VOCABS:-[0,32768]}"
 fi

@@ -67,7 +67,8 @@
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py (TESTS=0: not);
 #   tp2bench     issue #23, part 2: the collectives' latency at the rows a step sends, `qwen-mtp bench` at TP=1 and
 #                TP=2 (B1, B8; plain, K=2, K=3 at oracle 0.8), and the table of both (tensor_parallel.py summary);
-#   conv         the conv update's kernels (tile, columns): op tests, launch choices, the 27B bench A/B, exactness;
+#   conv         the conv update's kernels (tile, columns): op tests, launch choices, the decode attention's launch
+#                choices (warps, prefetch) at B1 / B32, the 27B bench A/B, exactness;
 #   drafthead    the FP8 draft lm_head (mtp.draft_lm_head: fp8): the W8A8 plan family at the lm_head's shape, the 27B
 #                FP8 B1 K=3 bench with the bf16 and FP8 draft lm_heads (carry torchao);
 #   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
@@ -414,6 +415,9 @@ if [[ "$STAGE" == conv ]]; then  # one device call (~9 min): the conv update's k
   counted 150 conv-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_conv.py
   timeout 150 python3 benchmarks/small_kernels.py --out "$OUT/small-kernels.json" 2>&1 | grep -vi warn | grep conv
   echo "[at ${SECONDS}s] small_kernels"
+  timeout 120 python3 benchmarks/decode_attention.py --same-sums-only --contexts 160 2048 --batches 1 32 \
+    --out "$OUT/decode-attention-launch.json" >"$OUT/decode-attention-launch.log" 2>&1
+  echo "[rc $? at ${SECONDS}s] decode_attention (launch choices)"; grep -E "^check|^ ?[0-9]+ +[0-9]+ +[0-9]+ \||bitwise" "$OUT/decode-attention-launch.log"
   pick=$(python3 - "$OUT/small-kernels.json" <<'PY'
 import json, sys
 case = next(c for c in json.load(open(sys.argv[1]))["conv"] if c["b"] == 32 and c["t"] == 1)

@@ -198,6 +198,9 @@ class SplitKvPlan:
     warps: int = 4
     programs: int = 264  # chunk programs per launch, about 2 per SM of a 132-SM H200
     merge: int = 16  # partials the merge loads at once (its lanes; its warps follow from merge x head dim)
+    # Load block i + 1's keys and values while block i is attended (the loop's next loads no longer wait for its
+    # arithmetic); only when loads are issued changes, never a result.
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.split % self.block_n:
@@ -224,7 +227,7 @@ def _split_kv_kernels():
         T, GROUP, H, CHUNKS, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: chunks first, first + stride, ... of ROWS (query position, query head) pairs of one
         # (request, KV head): its T positions x GROUP heads, flattened, cut into tiles of ROWS. Chunk c holds
@@ -254,14 +257,31 @@ def _split_kv_kernels():
             m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
             denom = tl.zeros([ROWS], dtype=tl.float32)
             acc = tl.zeros([ROWS, D], dtype=tl.float32)
-            for first in range(start, end, BLOCK_N):
-                pos = first + ns
+            table = tables_ptr + bi * s_table
+            if PREFETCH:  # the same blocks in the same order, each loaded one iteration early
+                pos = start + ns
                 k, v = triton_utils.load_kv_block(
-                    kv_ptr, tables_ptr + bi * s_table, pos, pos < end, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+                    kv_ptr, table, pos, pos < end, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
                 )
-                m, denom, acc = triton_utils.attend_block(
-                    q, k, v, pos[None, :] < ends[:, None], scale, m, denom, acc, INTERPRETED, PRECISION
-                )
+                for first in range(start, end, BLOCK_N):
+                    after = first + BLOCK_N + ns
+                    k_next, v_next = triton_utils.load_kv_block(
+                        kv_ptr, table, after, after < end, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+                    )
+                    pos = first + ns
+                    m, denom, acc = triton_utils.attend_block(
+                        q, k, v, pos[None, :] < ends[:, None], scale, m, denom, acc, INTERPRETED, PRECISION
+                    )
+                    k, v = k_next, v_next
+            else:
+                for first in range(start, end, BLOCK_N):
+                    pos = first + ns
+                    k, v = triton_utils.load_kv_block(
+                        kv_ptr, table, pos, pos < end, kvh * s_head, ds, PAGE, s_half, s_page, s_slot
+                    )
+                    m, denom, acc = triton_utils.attend_block(
+                        q, k, v, pos[None, :] < ends[:, None], scale, m, denom, acc, INTERPRETED, PRECISION
+                    )
             # Stored only where the chunk is one of the pair's: the merge reads no other, and a pair whose keys end
             # before `start` saw none here (its running max stayed -inf, its partials are NaN).
             mine = live & (start < visible)
@@ -337,7 +357,8 @@ def split_kv_attention_triton(
         block_tables.stride(0),
         D=dim, PAGE=page_size, ROWS=plan.rows, BLOCK_N=plan.block_n,
         SPLIT=plan.split, INTERPRETED=triton_utils.INTERPRET,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=plan.warps, **triton_utils.launch(q.device),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFETCH=plan.prefetch, num_warps=plan.warps,
+        **triton_utils.launch(q.device),
     )  # fmt: skip
     merge[(rows, heads)](
         m, denom, acc, context_lens, out, length, heads, chunks, q.stride(0), q.stride(1), q.stride(2),

@@ -60,7 +60,8 @@ def test_split_kv_verify_row_equals_decode_at_its_position(group):
 @pytest.mark.parametrize("length", [1, 3])
 def test_split_kv_row_is_the_same_alone_and_in_any_batch(length):
     """A request's rows are the same bit for bit alone (its table only as wide as its own pages, as an eager step
-    builds it: fewer chunks in the grid), in a shuffled batch, and however many programs share the chunks."""
+    builds it: fewer chunks in the grid), in a shuffled batch, however many programs share the chunks, and with
+    each block's keys loaded one iteration early (`prefetch`)."""
     q, kv, tables, lens = paged_cache(CONTEXTS, heads=6, page=8, length=length)
     plan = SplitKvPlan(split=32, block_n=16, merge=2, programs=16)
     batch = split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, plan)
@@ -74,6 +75,8 @@ def test_split_kv_row_is_the_same_alone_and_in_any_batch(length):
     for programs in (1, 1000):
         spread = SplitKvPlan(split=32, block_n=16, merge=2, programs=programs)
         assert torch.equal(split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, spread), batch), programs
+    early = SplitKvPlan(split=32, block_n=16, merge=2, programs=16, prefetch=True)
+    assert torch.equal(split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, early), batch)
 
 
 def test_split_kv_real_shapes_verify_equals_decode_and_batch_equals_alone():

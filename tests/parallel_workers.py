@@ -85,9 +85,31 @@ def generations(path: str, prompts: list[list[int]], max_new_tokens: int, compil
         params = params or SamplingParams(max_new_tokens, ignore_eos=True)
         return [r.token_ids for r in engine.generate(prompts, params)]
 
+    def busy() -> list[list[int]]:
+        """MTP K=3 (the lookahead chains steps) on two state rows, the prompts arriving a step apart, the second
+        cancelled mid-generation and submitted again: each prompt's tokens, as a server would return them."""
+        variant = dataclasses.replace(
+            recipe,
+            mtp=dataclasses.replace(recipe.mtp, enabled=True, k=3),
+            cache=dataclasses.replace(recipe.cache, max_batch=2, num_state_rows=2),
+        )
+        engine = Engine.from_recipe(variant, loaded=loaded, log=quiet)
+        params = SamplingParams(max_new_tokens, ignore_eos=True)
+        ids, step = {}, 0
+        while step < len(prompts) or engine.has_unfinished():
+            if step < len(prompts):
+                ids[step] = engine.submit(prompts[step], params)
+            if step == 3:  # the second prompt, by now decoding: cancelled, then admitted again from scratch
+                engine.cancel(ids[1])
+                ids[1] = engine.submit(prompts[1], params)
+            engine.step()
+            step += 1
+        return [engine.result(ids[i]).token_ids for i in range(len(prompts))]
+
     structured = SamplingParams(max_new_tokens, structured=StructuredOutput(regex=STRUCTURED_REGEX))
     tokens = {
         "off": run(prompts),
+        "busy": busy(),
         "mtp": run(prompts, mtp=True),
         "mtp_alone": [run([p], mtp=True)[0] for p in prompts],
         "constrained_off": run(prompts, params=structured),  # each rank masks its own vocabulary ids

@@ -97,10 +97,11 @@ def test_tp2_ranks_agree_on_every_token(tp2):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_tp2_mtp_k2_gives_exactly_the_mtp_off_tokens(tp2, preset):
+def test_tp2_mtp_gives_exactly_the_mtp_off_tokens(tp2, preset):
     run = rank_results(tp2)[0][preset]
     assert run["mtp"] == run["off"]  # MTP K=2, the three prompts batched
     assert run["mtp_alone"] == run["off"]  # each alone: no dependence on the batch
+    assert run["busy"] == run["off"]  # K=3 on two state rows, arrivals, a cancellation and its re-admission
     if preset == PRESETS[0]:  # torch.compile(fullgraph) with the collectives inside the steps
         assert run["mtp_compiled"] == run["off"]
 

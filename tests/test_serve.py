@@ -358,6 +358,19 @@ def test_echo_logprobs_with_max_tokens_0_are_prompt_logprobs(server, reference):
     assert lp.token_logprobs[1:] == [e.logprob for e in direct.prompt_logprobs[1:]]
 
 
+def test_streamed_logprobs_joined_equal_the_whole_answer_s(server, reference):
+    """A streamed completion's chunks, joined, carry the log-probabilities of the same request unstreamed:
+    `text_offset` counts from the answer's start, not from each chunk's."""
+    kwargs = {"prompt": reference.encode("Once upon a time"), "max_tokens": 12, "logprobs": 2, **LONG, **GREEDY}
+    whole = client(server).completions.create(**kwargs).choices[0].logprobs
+    joined: dict[str, list] = {}
+    for chunk in client(server).completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key, values in chunk.choices[0].logprobs.model_dump().items():
+                joined[key] = joined.get(key, []) + values
+    assert joined == whole.model_dump() and whole.text_offset[-1] > 0
+
+
 def test_stop_strings_cut_the_text(server, reference):
     prompt = reference.encode("Hello world")
     (result,) = reference.generate([prompt], SamplingParams(16, ignore_eos=True))
@@ -416,3 +429,80 @@ def test_seeded_sampling_is_reproducible(server):
     other = client(server).completions.create(**(kwargs | {"seed": 8})).choices[0].text
     assert a == b and len(a) > 0
     assert other != a  # 12 sampled tokens at T = 1 over the tiny vocabulary: a collision is vanishingly rare
+
+
+def test_every_request_kind_at_once_answers_the_same_with_mtp(server, mtp_server, reference):
+    """Concurrent requests of every kind the API takes (streamed and whole; stop strings and stop token ids that
+    MTP's several tokens a step can straddle; logprobs with their offsets; n = 2 seeded sampling; penalties and
+    logit bias; min_tokens; echo; chat), some clients hanging up mid-stream: every answer that completes is the
+    plain server's, field for field, and both servers end with every page free."""
+    rng = random.Random(5)
+    texts = ["Hello world! How are you", "Once upon a time", "def add(a, b):", "The quick brown fox", "1, 2, 3,"]
+    stops = [text_of(reference, reference.generate([reference.encode(t)], SamplingParams(12))[0].token_ids)[2:4]
+             for t in texts]  # fmt: skip
+    requests = []
+    for _ in range(24):
+        body = {"model": "qwen-mtp", "prompt": reference.encode(rng.choice(texts)), "max_tokens": rng.randint(1, 20)}
+        body["temperature"], body["seed"] = (0.8, rng.randrange(1000)) if rng.random() < 0.4 else (0, None)
+        body["n"] = 2 if body["temperature"] and rng.random() < 0.5 else 1
+        if rng.random() < 0.4:
+            body["stop"] = [rng.choice(stops)]
+        if rng.random() < 0.2:
+            body["stop_token_ids"] = [rng.choice(body["prompt"])]
+        if rng.random() < 0.4:
+            body["logprobs"] = 2
+        if rng.random() < 0.3:
+            body |= {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.2}
+        if rng.random() < 0.2:
+            body["logit_bias"] = {str(rng.choice(body["prompt"])): 3.0}
+        if rng.random() < 0.2:
+            body["min_tokens"] = min(3, body["max_tokens"])
+        body["ignore_eos"] = rng.random() < 0.5
+        stream = rng.random() < 0.5
+        if rng.random() < 0.25:  # a chat completion: the prompt's text as the user's message
+            body["messages"] = [{"role": "user", "content": reference.decode(body.pop("prompt"))}]
+            if body.pop("logprobs", None):
+                body |= {"logprobs": True, "top_logprobs": 2}
+        elif not stream and rng.random() < 0.15:
+            body["echo"] = True
+        requests.append((body, stream, stream and rng.random() < 0.2))  # (body, streamed, hung up early)
+
+    def fields(choice: dict) -> tuple[str, dict | None]:
+        """A choice's (or a chunk's) text and log-probabilities, completions or chat."""
+        if "text" in choice:
+            return choice["text"], choice["logprobs"]
+        message = choice.get("message") or choice.get("delta") or {}
+        return message.get("content") or "", choice.get("logprobs")
+
+    async def one(c: httpx.AsyncClient, live: LiveServer, body: dict, stream: bool, hang_up: bool):
+        url = live.url + ("/chat/completions" if "messages" in body else "/completions")
+        if not stream:
+            answer = (await c.post(url, json=body, timeout=60)).json()
+            return [(ch["index"], *fields(ch), ch["finish_reason"]) for ch in answer["choices"]]
+        parts: dict[int, list] = {}
+        async with c.stream("POST", url, json=body | {"stream": True}, timeout=60) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for ch in json.loads(line[6:])["choices"]:
+                    text, logprobs = fields(ch)
+                    part = parts.setdefault(ch["index"], ["", None, None])
+                    part[0] += text
+                    if logprobs:  # chunks split where steps end, which MTP moves: compare them joined
+                        part[1] = {key: (part[1] or {}).get(key, []) + value for key, value in logprobs.items()}
+                    part[2] = ch["finish_reason"] or part[2]
+                if hang_up:
+                    return None  # the connection closes: the server cancels the request
+        return sorted((index, *part) for index, part in parts.items())
+
+    async def answers(live: LiveServer):
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=32)) as c:
+            return await asyncio.gather(*(one(c, live, *request) for request in requests))
+
+    plain, mtp = asyncio.run(answers(server)), asyncio.run(answers(mtp_server))
+    assert sum(a is None for a in plain) >= 1 and sum(a is not None for a in plain) >= 16
+    for i, (want, got) in enumerate(zip(plain, mtp, strict=True)):
+        if want is not None:  # a hung-up stream has no answer to compare
+            assert got == want, f"request {i} ({requests[i][0]}, streamed {requests[i][1]}) differs with MTP"
+    server.wait_all_free()
+    mtp_server.wait_all_free()

@@ -32,6 +32,7 @@ class Choice:
     finish_reason: str | None = None
     reasoning: ReasoningSplitter | None = None  # chat with `server.reasoning_parser`: thinking apart from content
     tools: ToolCallSplitter | None = None  # chat with tools: the calls apart from the content
+    streamed_offset: int = 0  # where the next streamed chunk's `text_offset` starts: its tokens' texts so far
 
     def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> str:
         """Take new tokens; returns the text that became final."""
@@ -89,10 +90,13 @@ def _prompt_entries(choice: Choice) -> list[TokenLogprob | None]:
     return list(choice.prompt_logprobs)
 
 
-def legacy_logprobs(entries: list[TokenLogprob | None], prompt: list[int], decode: Decode) -> dict[str, Any]:
+def legacy_logprobs(
+    entries: list[TokenLogprob | None], prompt: list[int], decode: Decode, offset: int = 0
+) -> dict[str, Any]:
     """The completions API's log-probabilities: parallel lists per token; None where a position has none (the
-    first prompt token). A position without an entry takes its token from the prompt."""
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    first prompt token). A position without an entry takes its token from the prompt. `text_offset` counts the
+    tokens' texts from `offset` (a streamed chunk's: the texts of the answer's tokens before it)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for i, entry in enumerate(entries):
         token_id = entry.token_id if entry is not None else prompt[i]
         text = decode([token_id]) or ""
@@ -107,12 +111,12 @@ def legacy_logprobs(entries: list[TokenLogprob | None], prompt: list[int], decod
 def completion_chunk_choice(
     choice: Choice, text: str, logprobs: list[TokenLogprob] | None, decode: Decode, finish_reason: str | None
 ) -> dict[str, Any]:
-    return {
-        "index": choice.index,
-        "text": text,
-        "logprobs": legacy_logprobs(logprobs, [], decode) if logprobs else None,
-        "finish_reason": finish_reason,
-    }
+    """A streamed chunk of a completion. Its `text_offset`s continue the choice's earlier chunks' (as in the whole
+    answer), so they do not depend on where steps cut the stream: MTP emits several tokens a step."""
+    shaped = legacy_logprobs(logprobs, [], decode, choice.streamed_offset) if logprobs else None
+    if shaped is not None:
+        choice.streamed_offset = shaped["text_offset"][-1] + len(shaped["tokens"][-1])
+    return {"index": choice.index, "text": text, "logprobs": shaped, "finish_reason": finish_reason}
 
 
 # ---- chat completions --------------------------------------------------------------------------------------

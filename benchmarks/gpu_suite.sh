@@ -436,7 +436,7 @@ if [[ "$STAGE" == drafthead ]]; then  # one device call (~8 min; carry torchao):
   # #16): the W8A8 plan family at the lm_head's shape (its best plan for TUNED_W8A8), then the 27B FP8 B1 K=3 bench
   # with the bf16 and the FP8 draft lm_head, over the whole vocabulary and 32k ids (VOCABS); FAMILY=0: the bench only
   if [[ "${FAMILY:-1}" == 1 ]]; then
-    timeout 180 python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family --draft-lm-head --choice-m "${CHOICE_M:-1,8}" \
+    timeout "${FAMILY_LIMIT:-180}" python3 benchmarks/gemm_w8a8.py qwen3.5-27b --family --draft-lm-head --choice-m "${CHOICE_M:-1,8}" \
     --out "$OUT/gemm-w8a8-draft-lm-head.json" >"$OUT/gemm-w8a8-draft-lm-head.log" 2>&1
     echo "[rc $? at ${SECONDS}s] W8A8 family, draft lm_head"; grep -vE "^\s*$|Warn" "$OUT/gemm-w8a8-draft-lm-head.log" | tail -42
     # the family's best plan into this copy's TUNED_W8A8 (the bench below runs it; linear.py comes back in $OUT)
@@ -455,7 +455,7 @@ if entry["best"] is not None:
 PY
     cp qwen_mtp/ops/linear.py "$OUT/linear.py"
   fi
-  bench_27b 330 bench-fp8-draft-head --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
+  bench_27b "${BENCH_LIMIT:-330}" bench-fp8-draft-head --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set "bench.draft_vocabs=${VOCABS:-[0,32768]}"
 fi
 if [[ "$STAGE" == tp2 || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks

@@ -321,11 +321,11 @@ def _conv_update_columns_kernel():
     import triton
     import triton.language as tl
 
-    # The same computation as `conv_update_window`, token by token and tap by tap in the same order (so the same
-    # bits), with each position a [BLOCK_C] vector instead of a column of one [BLOCK_C, 16] tile: a program holds a
-    # thread's channels' 3 window values and 4 weights in registers, so 1024 channels fit one program of 4 warps and
-    # a B32 step's 10,240 channels run as 320 programs, one wave, where the tile kernel's register-bound 128-channel
-    # programs ran 2,560. Written for the Qwen models' kernel of 4 taps.
+    # The same computation as `conv_update_window`, token by token and tap by tap in the same order (the tests
+    # compare their bits), with each position a [BLOCK_C] vector instead of a column of one [BLOCK_C, 16] tile: a
+    # thread holds its channels' 3 window values and 4 weights, not 16 columns of each, so a program of 1024 channels
+    # takes the registers (compiled for sm_90: 128 a thread at 4 warps, 64 at 8) that the tile kernel spends on 128,
+    # and a B32 step's 10,240 channels can run as 320 programs in one wave. Written for the Qwen models' 4 taps.
     @triton.jit(do_not_specialize=["T", "W", "stride_xb", "stride_xt", "stride_ob", "stride_pr"])
     def conv_update_columns(
         x_ptr, w_ptr, pool_ptr, rows_ptr, committed_ptr, out_ptr,

@@ -443,11 +443,13 @@ if [[ "$STAGE" == drafthead ]]; then  # one device call (~8 min; carry torchao):
     python3 - "$OUT/gemm-w8a8-draft-lm-head.json" <<'PY'
 import json, re, sys
 from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from apply_plans import plan_text
+from qwen_mtp.ops.linear import GemmPlan
 entry = next(iter(json.load(open(sys.argv[1]))["shapes"].values()))
 if entry["best"] is not None:
-    p = entry["plans"][entry["best"]]["plan"]
-    fields = ", ".join(f"{k}={v!r}" for k, v in p.items())
-    line = f"    ({entry['n']}, {entry['k']}): GemmPlan({fields}),  # the FP8 draft lm_head: {entry['best']}\n"
+    plan = plan_text(GemmPlan(**entry["plans"][entry["best"]]["plan"]))
+    line = f"    ({entry['n']}, {entry['k']}): {plan},  # the FP8 draft lm_head: {entry['best']}\n"
     path = Path("qwen_mtp/ops/linear.py")
     text = re.sub(r"(^TUNED_W8A8: dict\[tuple\[int, int\], GemmPlan\] = \{\n)", lambda m: m.group(1) + line, path.read_text(), flags=re.M)
     path.write_text(text)

@@ -404,8 +404,11 @@ def _conv_update_launch(default: tuple[int, int, str]) -> tuple[int, int, str]:
 
 # The conv update's launch (`benchmarks/small_kernels.py` times the choices on the GPU; none changes a number):
 # channels per program, warps, and which kernel ("tile": `conv_update_window`, any kernel size; "columns":
-# `conv_update_columns`, 4 taps).
-CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS, CONV_UPDATE_KERNEL = _conv_update_launch((128, 4, "tile"))
+# `conv_update_columns`, 4 taps; "auto": columns for one token a row, the tile kernel for more). Measured on an
+# H100 (docs/benchmark-log.md, twenty-eighth session): at one token the column kernel took 1.53 / 2.41 / 5.15 us at
+# B1 / B8 / B32 against the tile kernel's 1.75 / 2.75 / 8.17; at four tokens (a K=3 verify) the tile kernel was the
+# faster (2.00 / 3.14 / 9.63 against 2.41 / 4.15 / 10.66).
+CONV_UPDATE_BLOCK, CONV_UPDATE_WARPS, CONV_UPDATE_KERNEL = _conv_update_launch((128, 4, "auto"))
 
 
 def conv_update_triton(
@@ -420,8 +423,9 @@ def conv_update_triton(
 ) -> torch.Tensor:
     """Triton version of `conv_update_reference` (same arguments, same in-place pool update). x may be a
     strided slice (the fused input projection's qkv part): read in place. `block` channels per program, `warps`
-    and `kind` ("tile" or "columns"; defaults `CONV_UPDATE_BLOCK`, `CONV_UPDATE_WARPS`, `CONV_UPDATE_KERNEL`)
-    spread the work and never change a number; "columns" needs a 4-tap kernel (the "tile" kernel runs others)."""
+    and `kind` ("tile", "columns" or "auto"; defaults `CONV_UPDATE_BLOCK`, `CONV_UPDATE_WARPS`,
+    `CONV_UPDATE_KERNEL`) spread the work and never change a number; "columns" needs a 4-tap kernel (the "tile"
+    kernel runs others)."""
     import triton
 
     batch, length, channels = x.shape
@@ -431,9 +435,11 @@ def conv_update_triton(
     out = x.new_empty(x.shape)
     block, warps = block or CONV_UPDATE_BLOCK, warps or CONV_UPDATE_WARPS
     kind = kind or CONV_UPDATE_KERNEL
-    if kind not in ("tile", "columns"):
-        raise ValueError(f"conv update kernel {kind!r}: 'tile' or 'columns'")
+    if kind not in ("tile", "columns", "auto"):
+        raise ValueError(f"conv update kernel {kind!r}: 'tile', 'columns' or 'auto'")
     taps = weight.shape[1]
+    if kind == "auto":
+        kind = "columns" if length == 1 else "tile"
     max_t = 8  # the most tokens one call takes (K + 1 <= 5), fixed so the binary never depends on K or T
     assert length <= max_t
     grid = (batch, triton.cdiv(channels, block))

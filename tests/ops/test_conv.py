@@ -101,7 +101,7 @@ def test_conv_update_matches_reference(length, dtype, kind):
     assert torch.equal(tri_pool, ref_pool)
 
 
-@pytest.mark.parametrize("kind", ["tile", "columns"])
+@pytest.mark.parametrize("kind", ["tile", "columns", "auto"])
 @pytest.mark.parametrize("spec", [1, 3])
 def test_conv_update_verify_equals_decode_steps(spec, kind):
     channels, kernel = (6144, 4) if REAL else (40, 4)

@@ -41,6 +41,7 @@ def tp_checks(spec_file: str) -> None:
     results = {"vocab_argmax": vocab_argmax_cases(parallel), "sum_in_rank_order": rank_order_sum_case(parallel)}
     for name, path in spec["checkpoints"].items():
         results[name] = generations(path, spec["prompts"], spec["max_new_tokens"], name == spec["compiled"])
+    results["draft_heads"] = draft_heads(spec["small_model"], spec["small_prompts"])
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dead_rank(path, out, rank)
 
@@ -118,6 +119,40 @@ def generations(path: str, prompts: list[list[int]], max_new_tokens: int, compil
     if compiled:
         tokens["mtp_compiled"] = run(prompts, mtp=True, compiled=True)
     return tokens
+
+
+# The MTP section's draft head fields. The first 200 ids all lie on rank 0 (rank 1 scores none); the model's 1,024
+# most frequent ids (its count file) lie on both, scattered (925 and 99).
+COUNTS = str(Path(__file__).resolve().parents[1] / "models" / "qwen-mtp-small" / "draft_vocab.tsv")
+DRAFT_HEADS = {
+    "every_id": dict(draft_vocab=4096, draft_vocab_file="first"),
+    "rank0_ids": dict(draft_vocab=200, draft_vocab_file="first"),
+    "counted_ids": dict(draft_vocab=1024, draft_vocab_file=COUNTS),
+    "fp8": dict(draft_lm_head="fp8"),
+    "fp8_counted_ids": dict(draft_vocab=1024, draft_vocab_file=COUNTS, draft_lm_head="fp8"),
+}
+
+
+def draft_heads(path: str, prompts: list[str]) -> dict[str, dict]:
+    """The trained model (its drafts are accepted, so a wrong draft shows) at TP=2, K=2, greedy: each draft head of
+    `DRAFT_HEADS` on vocabulary shards (each rank scores its part of the draft ids, possibly none, or an FP8 copy of
+    its shard), the plain lm_head and MTP off: each run's tokens and accepted draft count."""
+    return draft_head_runs(path, prompts, TP)
+
+
+def draft_head_runs(path: str, prompts: list[str], tp: int) -> dict[str, dict]:
+    """`draft_heads` at `tp` ranks (1: the test process's own reference)."""
+    recipe = load_recipe({"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": tp}})
+    loaded = load_from_recipe(recipe)
+    runs = {"off": None, "lm_head": {}, **DRAFT_HEADS}
+    results = {}
+    for name, drafts in runs.items():
+        mtp = dataclasses.replace(recipe.mtp, enabled=drafts is not None, k=2, **(drafts or {}))
+        engine = Engine.from_recipe(dataclasses.replace(recipe, mtp=mtp), loaded=loaded, log=quiet)
+        params = SamplingParams(24, ignore_eos=True)
+        tokens = [r.token_ids for r in engine.generate([engine.encode(p) for p in prompts], params)]
+        results[name] = {"tokens": tokens, "accepted": engine.stats().get("accepted", 0)}
+    return results
 
 
 def dead_rank(path: str, out: Path, rank: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import parallel_workers
 import pytest
@@ -31,6 +32,9 @@ PRESETS = ("tiny", "tiny-8l")  # GQA 4/2 (one KV head per rank) and MQA (the KV 
 MAX_NEW = 16
 TIMEOUT_S = 10.0  # the ranks' process-group timeout
 DEADLINE_S = 240.0  # the whole spawn, so that a bug cannot hang CI
+DRAFT_NEAR_TIES = 2  # accepted drafts TP=2 may differ from TP=1 by, of ~30 (flipped near-ties; 0 measured)
+SMALL = Path(__file__).resolve().parents[1] / "models" / "qwen-mtp-small"  # the trained model: its drafts are accepted
+SMALL_PROMPTS = ["import os\n\ndef ", "class Stack:\n    def push(self, item):\n", "for i in range(10):\n"]
 
 # Across TP degrees the row-parallel products are two partial sums added, not one sum: the logits round
 # differently, so a greedy token may differ where the top-2 logits nearly tie. A near-tie: at the first position
@@ -51,7 +55,7 @@ def tp2(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2")
     paths = {preset: checkpoint(preset) for preset in PRESETS}
     spec = {"out": str(out), "checkpoints": {p: str(path) for p, path in paths.items()}, "prompts": prompts()}
-    spec.update(max_new_tokens=MAX_NEW, compiled=PRESETS[0])
+    spec.update(max_new_tokens=MAX_NEW, compiled=PRESETS[0], small_model=str(SMALL), small_prompts=SMALL_PROMPTS)
     (out / "spec.json").write_text(json.dumps(spec))
     started = time.monotonic()
     ranks = spawn_ranks(2, "gloo", TIMEOUT_S, parallel_workers.tp_checks, (str(out / "spec.json"),))
@@ -62,6 +66,7 @@ def tp2(checkpoint, tmp_path_factory):
             tp1 = [r.token_ids for r in engine.generate(prompts(), max_new_tokens=MAX_NEW, ignore_eos=True)]
             hf = load_hf(path, torch.float32)
             reference[preset] = {"tp1": tp1, "hf": [hf_greedy_with_margins(hf, p, MAX_NEW, None) for p in prompts()]}
+        reference["draft_heads"] = parallel_workers.draft_head_runs(str(SMALL), SMALL_PROMPTS, 1)
         exited_at = [None, None]
         while None in exited_at and time.monotonic() - started < DEADLINE_S:
             for r, process in enumerate(ranks.processes):
@@ -104,6 +109,19 @@ def test_tp2_mtp_gives_exactly_the_mtp_off_tokens(tp2, preset):
     assert run["busy"] == run["off"]  # K=3 on two state rows, arrivals, a cancellation and its re-admission
     if preset == PRESETS[0]:  # torch.compile(fullgraph) with the collectives inside the steps
         assert run["mtp_compiled"] == run["off"]
+
+
+def test_tp2_draft_heads_on_vocabulary_shards_give_the_mtp_off_tokens(tp2):
+    """`mtp.draft_vocab` and `mtp.draft_lm_head: fp8` at TP=2 (each rank scores its part of the draft ids, possibly
+    none, or an FP8 copy of its shard): MTP-off's tokens, and a draft vocabulary of every id drafts as the lm_head."""
+    runs = rank_results(tp2)[0]["draft_heads"]
+    accepted = {name: run["accepted"] for name, run in runs.items()}
+    for name, run in runs.items():
+        assert run["tokens"] == runs["off"]["tokens"], name
+    assert accepted["every_id"] == accepted["lm_head"], accepted  # the same drafts, chosen across the ranks
+    # TP=1 drafts the same up to the near-ties that rounding across degrees can flip (none on this machine: equal)
+    tp1 = {name: run["accepted"] for name, run in tp2["reference"]["draft_heads"].items()}
+    assert all(abs(accepted[name] - tp1[name]) <= DRAFT_NEAR_TIES for name in accepted), (accepted, tp1)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -308,13 +308,15 @@ class Engine:
         fp8 = mtp.draft_lm_head == "fp8"
         if not (mtp.draft_vocab or fp8):
             return None
-        if self.model.parallel is not None:
-            key = "mtp.draft_vocab" if mtp.draft_vocab else "mtp.draft_lm_head: fp8"
-            raise RecipeError(f"{key} is not available with tensor parallelism yet (parallel.tp > 1)")
-        weight = self.model.lm_head_weight
-        ids = draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, weight.shape[0]) if mtp.draft_vocab else None
+        weight = self.model.lm_head_weight  # tensor parallel: this rank's vocabulary shard, from id `start`
+        shard = self.model.vocab_shard
+        start = 0 if shard is None else shard.start
+        vocab = weight.shape[0] if shard is None else self.config.vocab_size
+        ids = draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, vocab) if mtp.draft_vocab else None
+        if ids is not None and shard is not None:
+            ids = ids[(ids >= start) & (ids < start + weight.shape[0])]  # this rank's part (possibly none)
         # the FP8 product follows `model.fp8_decode`, which `set_fp8_decode` wrote into every linear module
-        return DraftLmHead(weight, ids, fp8=fp8, w8a8=self.model.mtp.fc.fp8_decode == "w8a8")
+        return DraftLmHead(weight, ids, fp8=fp8, w8a8=self.model.mtp.fc.fp8_decode == "w8a8", start=start)
 
     @torch.inference_mode()
     def warmup(self) -> None:

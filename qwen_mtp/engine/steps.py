@@ -68,10 +68,11 @@ class DecodeSteps:
         if head is None:
             return self._choose(hidden, mode, positions, sampling_rows, penalty_inputs)[0]
         logits = head.logits(hidden)  # [B, N]
+        shard = self.model.vocab_shard  # tensor parallel: this rank's part of the ids, the best over the ranks
         if head.ids is not None and mode.greedy:
-            return head.ids[logits.float().argmax(dim=-1)]
-        full = head.full_logits(logits, self.model.lm_head_weight.shape[0])  # [B, V]
-        return sampling.choose(full, mode, positions, **sampling_rows, penalty_inputs=penalty_inputs)[0]
+            return head.ids[logits.float().argmax(dim=-1)] if shard is None else shard.argmax(logits.float(), head.ids)
+        full = head.full_logits(logits, self.model.lm_head_weight.shape[0])  # [B, V] (V / tp under TP)
+        return sampling.choose(full, mode, positions, **sampling_rows, penalty_inputs=penalty_inputs, shard=shard)[0]
 
     def target(
         self,

@@ -57,21 +57,31 @@ class DraftLmHead:
       none can be chosen), multiplied by `qwen_mtp::linear_fp8` batch-invariantly, W8A8 on CUDA when `w8a8` (the
       model's `model.fp8_decode`). It halves the bytes a draft step reads from the lm_head; it is a copy, so it
       costs V x H bytes more (1.27 GB at 27B; N x H with a draft vocabulary).
-    The target keeps scoring its whole lm_head as loaded, so only the drafts (their cost and acceptance) change."""
+    The target keeps scoring its whole lm_head as loaded, so only the drafts (their cost and acceptance) change.
+
+    Under tensor parallelism `lm_head_weight` is this rank's vocabulary shard, whose first id is `start`, and `ids`
+    the draft vocabulary's ids within it (global ids; possibly none): each rank scores its part, and the greedy
+    draft is the best over the ranks (`VocabShard.argmax`)."""
 
     QUANTIZE_ROWS = 64 * FP8_BLOCK[0]  # rows quantized at a time: bounds the temporaries (fp32 copies) at load
 
     def __init__(
-        self, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None, fp8: bool = False, w8a8: bool = True
+        self,
+        lm_head_weight: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        fp8: bool = False,
+        w8a8: bool = True,
+        start: int = 0,
     ):
         weight = lm_head_weight.detach()
-        self.ids = None
+        self.ids = self.rows = None
         if ids is not None:
-            self.ids = ids.to(device=weight.device, dtype=torch.long).sort().values
-            weight = weight.index_select(0, self.ids).contiguous()  # [N, H]
+            self.ids = ids.to(device=weight.device, dtype=torch.long).sort().values  # global ids [N]
+            self.rows = self.ids - start  # their rows of `lm_head_weight`
+            weight = weight.index_select(0, self.rows).contiguous()  # [N, H]
         self.w8a8 = w8a8
         self.scale = None  # fp8: block scales [ceil(N/128), ceil(H/128)]
-        if fp8:
+        if fp8 and weight.shape[0]:
             weight, self.scale = self._quantize(weight)
         self.weight = weight  # [N, H]: the lm_head itself, its rows, or their FP8 copy
 
@@ -96,14 +106,17 @@ class DraftLmHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> logits over its ids [..., N], batch-invariant (the draft path's linear), in hidden's dtype."""
+        if self.size == 0:  # tensor parallel: no draft id in this rank's shard
+            return hidden.new_empty((*hidden.shape[:-1], 0))
         if self.scale is None:
             return linear(hidden, self.weight, True)
         return linear_fp8(hidden, self.weight, self.scale, True, self.w8a8)
 
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Draft-vocabulary logits [B, N] spread over the whole vocabulary [B, V], -inf elsewhere: what the
-        coupled sampler scores, so each draft token meets the noise of its full id."""
+        """Draft-vocabulary logits [B, N] spread over the whole vocabulary [B, V] (this rank's shard under tensor
+        parallelism), -inf elsewhere: what the coupled sampler (or a constrained step's mask) scores, so each draft
+        token meets the noise and the mask of its full id."""
         if self.ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.ids, logits)
+        return full.index_copy_(-1, self.rows, logits)

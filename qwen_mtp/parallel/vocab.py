@@ -4,7 +4,8 @@ Rank r holds token ids [r V/tp, (r+1) V/tp) of the embedding (and of the lm_head
 lookup reads the rows this rank holds, zeros the others and sums over ranks: one exact add of a row and zeros.
 The lm_head gives each rank the logits of its ids only; the token is chosen without gathering them: each rank's
 (largest logit, its id) pair is all-gathered and the largest wins, ties going to the lowest id, as
-`torch.argmax` breaks them (a rank's own argmax picks its lowest id, and ranks are in id order).
+`torch.argmax` breaks them (a rank's own argmax picks its lowest id, and ranks are in id order). A draft
+vocabulary's ids split the same way: each rank scores the ones in its shard (possibly none).
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ class VocabShard:
     def __init__(self, start: int, group: ProcessGroup):
         self.start, self.group = start, group
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Global token ids [...] of the largest logit, for this rank's logits [..., V/tp] (fp32)."""
-        index = logits.argmax(dim=-1)  # the first maximum: this rank's lowest id among ties
-        value = logits.gather(-1, index[..., None])[..., 0]
+    def argmax(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Global token ids [...] of the largest logit, for this rank's logits [..., n] (fp32): its whole shard
+        (n = V/tp, column i is id start + i), or the ascending global ids `ids` [n] of this rank's part of a draft
+        vocabulary (`DraftLmHead`), which may be empty (n = 0: this rank offers nothing)."""
+        if logits.shape[-1] == 0:
+            value = logits.new_full(logits.shape[:-1], float("-inf"))
+            chosen = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        else:
+            index = logits.argmax(dim=-1)  # the first maximum: this rank's lowest id among ties
+            value = logits.gather(-1, index[..., None])[..., 0]
+            chosen = index + self.start if ids is None else ids[index]
         # One collective for both: fp32 values and ids below 2^53 are exact in float64.
-        pairs = all_gather(torch.stack([value.double(), (index + self.start).double()], dim=-1), self.group)
+        pairs = all_gather(torch.stack([value.double(), chosen.double()], dim=-1), self.group)
         best = pairs[..., 0].argmax(dim=0, keepdim=True)  # the first rank with the maximum: the lowest id
         return torch.gather(pairs[..., 1], 0, best)[0].long()

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from qwen_mtp.engine import Engine, SamplingParams, StructuredOutput
+from qwen_mtp.engine.k_policy import StepTimes
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.parallel import current
 from qwen_mtp.parallel.collectives import all_reduce_sum, sum_in_rank_order
@@ -42,6 +43,7 @@ def tp_checks(spec_file: str) -> None:
     for name, path in spec["checkpoints"].items():
         results[name] = generations(path, spec["prompts"], spec["max_new_tokens"], name == spec["compiled"])
     results["draft_heads"] = draft_heads(spec["small_model"], spec["small_prompts"])
+    results["k_auto"] = k_auto(spec["small_model"], spec["small_prompts"], rank)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dead_rank(path, out, rank)
 
@@ -153,6 +155,23 @@ def draft_head_runs(path: str, prompts: list[str], tp: int) -> dict[str, dict]:
         tokens = [r.token_ids for r in engine.generate([engine.encode(p) for p in prompts], params)]
         results[name] = {"tokens": tokens, "accepted": engine.stats().get("accepted", 0)}
     return results
+
+
+def k_auto(path: str, prompts: list[str], rank: int) -> dict[str, list]:
+    """`mtp.k: auto` (max_k 3) on the trained model at TP=2, each rank measuring other step times (rank 0: every K
+    costs a plain step; rank 1: K = 3 costs three): alone, rank 0 would choose K = 3 and rank 1 K = 2, and their
+    collectives would no longer pair. The tokens and the K of every step."""
+    recipe = load_recipe({"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": TP}})
+    recipe = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, enabled=True, k="auto", max_k=3))
+    engine = Engine.from_recipe(recipe, log=quiet)
+    speculator = engine.speculator
+    verify = (1.0, 1.0, 1.0, 1.0) if rank == 0 else (1.0, 1.0, 1.0, 3.0)
+    speculator.measure_times = lambda bucket: StepTimes(verify, (0.0, 0.0, 0.0, 0.0))
+    chosen, choose = [], speculator.policy.choose
+    speculator.policy.choose = lambda count: chosen.append(choose(count)) or chosen[-1]
+    params = SamplingParams(24, ignore_eos=True)
+    tokens = [r.token_ids for r in engine.generate([engine.encode(p) for p in prompts], params)]
+    return {"tokens": tokens, "k": chosen}
 
 
 def dead_rank(path: str, out: Path, rank: int) -> None:

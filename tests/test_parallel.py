@@ -124,6 +124,15 @@ def test_tp2_draft_heads_on_vocabulary_shards_give_the_mtp_off_tokens(tp2):
     assert all(abs(accepted[name] - tp1[name]) <= DRAFT_NEAR_TIES for name in accepted), (accepted, tp1)
 
 
+def test_tp2_k_auto_agrees_across_ranks_and_gives_the_mtp_off_tokens(tp2):
+    """`mtp.k: auto` at TP=2 with each rank measuring other step times: the ranks choose the same K every step (from
+    the slowest rank's times), drafts are verified, and the tokens are MTP-off's."""
+    first, second = (ranks["k_auto"] for ranks in rank_results(tp2))
+    assert first["k"] == second["k"] and first["k"], (first["k"], second["k"])
+    assert max(first["k"]) == 2, first["k"]  # rank 1's times (K = 3 costs three plain steps) rule
+    assert first["tokens"] == rank_results(tp2)[0]["draft_heads"]["off"]["tokens"]
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tp2_tokens_equal_tp1_and_hf_up_to_near_ties(tp2, preset):
     ours = rank_results(tp2)[0][preset]["off"]

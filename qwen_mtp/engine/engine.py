@@ -170,9 +170,6 @@ class Engine:
             self.runner.chunk_graphs = self._build_chunk_graphs(cache.prefill_chunk, graphs, log)
         self.speculator = None
         if mtp.enabled:
-            if mtp.k == "auto" and self.parallel is not None:
-                # each rank would time its own steps and could choose another K: the ranks' steps must agree
-                raise RecipeError("mtp.k: auto is not available with tensor parallelism yet (parallel.tp > 1)")
             buckets = self.runner.graphs.buckets if self.runner.graphs else bucket_sizes([], cache.max_batch)
             self.speculator = Speculator(
                 self.runner, mtp.k, mtp.draft, mtp.oracle_accept, seed=seed, max_k=mtp.max_k, buckets=buckets

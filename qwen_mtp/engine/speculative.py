@@ -54,6 +54,7 @@ from qwen_mtp.engine.k_policy import KPolicy, StepTimes
 from qwen_mtp.engine.paged_cache import StepBatch, StepKind
 from qwen_mtp.engine.request import Request, SpecStats
 from qwen_mtp.engine.runner import Runner
+from qwen_mtp.parallel.collectives import all_gather
 
 FILLER = 0  # the draft token of a position a request has no draft for (after a step with a smaller K)
 MAX_BEHIND = 256  # K = 0 positions a request's MTP KV may lag before they are caught up anyway (memory: H each)
@@ -102,7 +103,7 @@ class Speculator:
         self.max_k = max_k if k == "auto" else k  # the most drafts a step verifies (pools are sized for it)
         self.policy: KPolicy | None = None
         if k == "auto":
-            self.policy = KPolicy(self.max_k, buckets, self.measure_times)
+            self.policy = KPolicy(self.max_k, buckets, self.agreed_times)
         self.draft_mode, self.oracle_accept, self.seed = draft, oracle_accept, seed
         self.totals = SpecStats(self.max_k)  # every verify step of every request, for Engine.stats()
         self._oracles: dict[int, tuple[list[int], list[bool]]] = {}  # request -> (tokens, use) per output index
@@ -241,6 +242,19 @@ class Speculator:
         if self.policy is not None:
             for bucket in self.policy.buckets:
                 self.policy.measure(bucket)
+
+    def agreed_times(self, bucket: int) -> StepTimes:
+        """`measure_times`, and under tensor parallelism the same on every rank: each time is the slowest rank's (a
+        tensor-parallel step lasts as long as its slowest rank). Every rank's `KPolicy` then sees the same times and
+        the same accepted drafts, so it chooses the same K each step, and the ranks' steps (their collectives) stay
+        in step. Every rank measures a bucket at the same step (SPMD), so the all-gather meets its partners."""
+        times = self.measure_times(bucket)
+        parallel = self.runner.model.parallel
+        if parallel is None or parallel.group is None:
+            return times
+        local = torch.tensor([*times.verify, *times.draft], dtype=torch.float64, device=self.runner.device)
+        slowest = all_gather(local, parallel.group).amax(dim=0).tolist()
+        return StepTimes(tuple(slowest[: len(times.verify)]), tuple(slowest[len(times.verify) :]))
 
     def measure_times(self, bucket: int, repeats: int = 3) -> StepTimes:
         """The verify and draft step times at `bucket` rows for K = 0..max_k, on padding rows only (the scratch

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -71,6 +71,8 @@
 #                choices (warps, prefetch) at B1 / B32, the 27B bench A/B, exactness;
 #   drafthead    the FP8 draft lm_head (mtp.draft_lm_head: fp8): the W8A8 plan family at the lm_head's shape, the 27B
 #                FP8 B1 K=3 bench with the bf16 and FP8 draft lm_heads (carry torchao);
+#   targets      the open issues' figures in one call: the bf16 exactness subset, #13's 27B bf16 rows (B1 / B8 / B32,
+#                K=2 and K=3), #14's and #16's 27B FP8 B1 rows (both draft lm_heads, whole and 32k vocabularies);
 #   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
 #   structured   structured outputs (carry .whl; install .whl/llguidance*.whl beside torchao): the token mask at the
 #                real vocabulary, constrained MTP-on == MTP-off under graphs, the lookahead left alone, then the CPU
@@ -459,6 +461,16 @@ PY
   fi
   bench_27b "${BENCH_LIMIT:-330}" bench-fp8-draft-head --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set "bench.draft_vocabs=${VOCABS:-[0,32768]}"
+fi
+if [[ "$STAGE" == targets ]]; then  # one device call (~8 min; carry .whl): the open issues' H200 figures in one call:
+  # the bf16 exactness subset, then #13's 27B bf16 rows (B1, B8, B32; K=2 and K=3 at oracle 0.8), then #14's and #16's
+  # 27B FP8 B1 rows (plain, K=3 with the bf16 and the FP8 draft lm_head, over the whole vocabulary and 32k ids)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  counted 250 exactness-targets.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
+    -k "(mtp_equals_plain_bf16 and graphs) or stress"
+  bench_27b 200 bench-targets-bf16 --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[2,3]'
+  bench_27b 110 bench-targets-fp8 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
+    --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set 'bench.draft_vocabs=[0,32768]'
 fi
 if [[ "$STAGE" == tp2 || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

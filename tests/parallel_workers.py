@@ -44,6 +44,7 @@ def tp_checks(spec_file: str) -> None:
         results[name] = generations(path, spec["prompts"], spec["max_new_tokens"], name == spec["compiled"])
     results["draft_heads"] = draft_heads(spec["small_model"], spec["small_prompts"])
     results["k_auto"] = k_auto(spec["small_model"], spec["small_prompts"], rank)
+    results["prefix_cache"] = prefix_cached(spec["checkpoints"][spec["compiled"]], spec["turns"])
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dead_rank(path, out, rank)
 
@@ -172,6 +173,28 @@ def k_auto(path: str, prompts: list[str], rank: int) -> dict[str, list]:
     params = SamplingParams(24, ignore_eos=True)
     tokens = [r.token_ids for r in engine.generate([engine.encode(p) for p in prompts], params)]
     return {"tokens": tokens, "k": chosen}
+
+
+PREFIX_CHUNK = 8  # prefill chunk = page size: one page per chunk, so a short conversation spans chunks
+
+
+def prefix_cached(path: str, turns: list[list[int]]) -> dict[str, object]:
+    """A conversation at TP=2 with MTP K=2 (each turn's prompt: the history and its message; `converse`), cold and
+    with `cache.prefix_caching` (each rank restores its own GDN heads' snapshots and KV pages); then the cache
+    cleared. Per run: each turn's tokens, drafts and restored positions; the cached engine's stats."""
+    from prefix_helpers import converse
+
+    runs = {}
+    for caching in (False, True):
+        cache = {"prefill_chunk": PREFIX_CHUNK, "page_size": PREFIX_CHUNK, "prefix_caching": caching}
+        recipe = {"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": TP},
+                  "cache": cache, "mtp": {"enabled": True, "k": 2}}  # fmt: skip
+        engine = Engine.from_recipe(recipe, log=quiet)
+        runs["cached" if caching else "cold"] = converse(engine, turns, 5)
+    runs["stats"] = engine.stats()
+    runs["evicted"] = engine.clear_prefix_cache()
+    runs["stats_cleared"] = engine.stats()
+    return runs
 
 
 def dead_rank(path: str, out: Path, rank: int) -> None:

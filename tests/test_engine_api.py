@@ -42,7 +42,6 @@ def test_bad_requests_raise(engine, prompt, max_new, message):
     "overrides,key",
     [
         (("parallel.tp=2",), "parallel.tp"),  # outside started ranks
-        (("parallel.tp=2", "cache.prefix_caching=true"), "cache.prefix_caching with parallel.tp > 1"),
     ],
 )
 def test_features_not_yet_available_are_refused_by_key(overrides, key):

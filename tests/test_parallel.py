@@ -11,7 +11,7 @@ from pathlib import Path
 import parallel_workers
 import pytest
 import torch
-from helpers import hf_greedy_with_margins, load_hf, reference_lltokenizer
+from helpers import hf_greedy_with_margins, load_hf, random_prompt, reference_lltokenizer
 from typer.testing import CliRunner
 
 from qwen_mtp import Engine, load_model
@@ -26,7 +26,7 @@ from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.parallel import ShardPlan, TensorParallel
 from qwen_mtp.parallel.launch import check_recipe, spawn_ranks
 from qwen_mtp.parallel.vocab import VocabShard
-from qwen_mtp.recipe import CacheSection, load_recipe
+from qwen_mtp.recipe import load_recipe
 
 PRESETS = ("tiny", "tiny-8l")  # GQA 4/2 (one KV head per rank) and MQA (the KV head replicated on both ranks)
 MAX_NEW = 16
@@ -43,6 +43,11 @@ SMALL_PROMPTS = ["import os\n\ndef ", "class Stack:\n    def push(self, item):\n
 TP_NEAR_TIE_ULPS = 256.0
 
 
+def tp2_turns() -> list[list[int]]:
+    """The messages of the prefix-caching conversation the ranks hold (`parallel_workers.prefix_cached`)."""
+    return [random_prompt(6, seed=10 + t) for t in range(4)]
+
+
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
     # 40 tokens: three prefill chunks of 16 (the ranks run with cache.prefill_chunk 16)
@@ -56,6 +61,7 @@ def tp2(checkpoint, tmp_path_factory):
     paths = {preset: checkpoint(preset) for preset in PRESETS}
     spec = {"out": str(out), "checkpoints": {p: str(path) for p, path in paths.items()}, "prompts": prompts()}
     spec.update(max_new_tokens=MAX_NEW, compiled=PRESETS[0], small_model=str(SMALL), small_prompts=SMALL_PROMPTS)
+    spec["turns"] = tp2_turns()
     (out / "spec.json").write_text(json.dumps(spec))
     started = time.monotonic()
     ranks = spawn_ranks(2, "gloo", TIMEOUT_S, parallel_workers.tp_checks, (str(out / "spec.json"),))
@@ -361,13 +367,24 @@ def test_the_sampler_refuses_a_vocabulary_shard_outside_greedy():
         sampling.choose(torch.zeros(1, 8), sampling.Mode(noise=True), shard=VocabShard(0, None))
 
 
-def test_prefix_caching_under_tp_is_refused_before_the_ranks_start_and_by_the_engine(checkpoint):
-    recipe = load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2},
-                          "cache": {"prefix_caching": True}})  # fmt: skip
-    with pytest.raises(RecipeError, match=r"cache.prefix_caching with parallel.tp > 1: .* not available"):
-        check_recipe(recipe)
-    with pytest.raises(RecipeError, match="cache.prefix_caching is not available with tensor parallelism"):
-        rank_engine(checkpoint, cache=CacheSection(prefix_caching=True))
+def test_tp2_prefix_caching_restores_each_ranks_state_and_gives_the_cold_tokens(tp2):
+    """A conversation at TP=2 with MTP K=2: with prefix caching every turn's tokens and drafts equal a cold run's,
+    each turn after the first restores the history's full chunks (on both ranks, their own KV heads and GDN
+    state), and clearing the cache gives every page and snapshot slot back."""
+    runs = [ranks["prefix_cache"] for ranks in rank_results(tp2)]
+    assert runs[0] == runs[1]
+    run = runs[0]
+    assert [turn[:2] for turn in run["cached"]] == [turn[:2] for turn in run["cold"]]  # tokens and every draft
+    chunk = parallel_workers.PREFIX_CHUNK
+    history = 0
+    for t, (output, _, restored) in enumerate(run["cached"]):
+        if t:
+            assert restored == (history - 1) // chunk * chunk, (t, restored)
+        history += len(tp2_turns()[t]) + len(output)
+    assert run["stats"]["prefix_hits"] == len(run["cached"]) - 1
+    cleared = run["stats_cleared"]
+    assert run["evicted"] > 0 and cleared["free_pages"] == cleared["total_pages"]
+    assert cleared["prefix_free_snapshot_slots"] == cleared["prefix_snapshot_slots"]
 
 
 def test_sampled_bench_and_the_server_under_tp_are_refused(tmp_path):

@@ -144,7 +144,10 @@ class Engine:
         # Tensor parallel (SPMD): every rank runs this loop on the same schedule, so the pools must agree.
         self.parallel = self.model.parallel
         if self.parallel is not None:
-            sizes = dataclasses.replace(sizes, num_pages=self.parallel.smallest(sizes.num_pages))
+            smallest = self.parallel.smallest
+            sizes = dataclasses.replace(
+                sizes, num_pages=smallest(sizes.num_pages), num_snapshots=smallest(sizes.num_snapshots)
+            )
         self.pages, self.states = self._build_pools(sizes, dtype, state.dtype)
         self.snapshots, self.prefix = self._build_prefix_cache(cache, sizes)
         self.cache_outputs = cache.prefix_cache_outputs
@@ -250,10 +253,6 @@ class Engine:
     ) -> tuple[StateSnapshots | None, PrefixCache | None]:
         if not cache.prefix_caching:
             return None, None
-        if self.parallel is not None:
-            raise RecipeError(
-                "cache.prefix_caching is not available with tensor parallelism yet (parallel.tp > 1): turn one off"
-            )
         if cache.prefill_chunk % cache.page_size:
             raise RecipeError(
                 f"cache.prefix_caching shares whole pages of full prefill chunks: cache.prefill_chunk "

@@ -36,19 +36,6 @@ def resolve_device(name: str) -> torch.device:
         raise RecipeError(f"model.device: {err}") from None
 
 
-def check_supported(recipe: Recipe) -> None:
-    """Refuse, by key, the recipe features (or combinations) whose code has not landed yet, rather than silently
-    ignore them. Also checked before tensor-parallel ranks start (`parallel.launch.check_recipe`)."""
-    later = {
-        # The prefix cache has not been proven under SPMD ranks (each rank's snapshot pool and evictions must
-        # agree, and the restores have no tensor-parallel test yet).
-        "cache.prefix_caching with parallel.tp > 1": recipe.cache.prefix_caching and recipe.parallel.tp != 1,
-    }
-    for key, requested in later.items():
-        if requested:
-            raise RecipeError(f"{key}: this combination is not available in this version of qwen-mtp yet; drop one")
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -78,7 +65,6 @@ def _tokenizer_problem(path: Path, files: list[Path], err: Exception) -> str:
 
 def load_from_recipe(recipe: Recipe, progress: bool = False) -> LoadedModel:
     """The recipe's model; with `parallel.tp` > 1 (inside a started rank) this rank's shard, on its GPU."""
-    check_supported(recipe)
     if recipe.model.path is None and recipe.model.fixture is None and recipe.model.synthetic is None:
         raise RecipeError("model: set one of model.path, model.fixture or model.synthetic (a train recipe has none)")
     parallel = current(recipe.parallel.tp)

@@ -2,8 +2,7 @@
 processes over gloo), each running the same code (SPMD); under `torchrun` the ranks are already there.
 
 What can be checked before anything starts is (`check_recipe`): a degree that does not divide the model's
-heads, more ranks than GPUs, a feature not yet available under tensor parallelism
-(`engine.setup.check_supported`). A rank that raises prints its error, prefixed with its rank, and exits; the
+heads, more ranks than GPUs. A rank that raises prints its error, prefixed with its rank, and exits; the
 others then fail in their next collective (at once when the peer's connection closes, else after
 `parallel.timeout_s`) and exit too, with a message that says so.
 """
@@ -44,10 +43,7 @@ def check_recipe(recipe: Recipe) -> None:
     tp = recipe.parallel.tp
     if tp == 1:
         return
-    from qwen_mtp.engine.setup import check_supported
     from qwen_mtp.model.shapes import RankShapes
-
-    check_supported(recipe)  # the combinations tensor parallelism refuses, before any rank starts
 
     try:
         RankShapes.of(recipe_model_config(recipe), tp)

@@ -44,6 +44,7 @@ def tp_checks(spec_file: str) -> None:
         results[name] = generations(path, spec["prompts"], spec["max_new_tokens"], name == spec["compiled"])
     results["draft_heads"] = draft_heads(spec["small_model"], spec["small_prompts"])
     results["k_auto"] = k_auto(spec["small_model"], spec["small_prompts"], rank)
+    results["sampled"] = sampled_runs(spec["small_model"], spec["small_prompts"], TP)
     results["prefix_cache"] = prefix_cached(spec["checkpoints"][spec["compiled"]], spec["turns"])
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dead_rank(path, out, rank)
@@ -156,6 +157,39 @@ def draft_head_runs(path: str, prompts: list[str], tp: int) -> dict[str, dict]:
         tokens = [r.token_ids for r in engine.generate([engine.encode(p) for p in prompts], params)]
         results[name] = {"tokens": tokens, "accepted": engine.stats().get("accepted", 0)}
     return results
+
+
+SAMPLED = [  # one request per prompt, each its own mix of the sampler's features
+    dict(temperature=0.8, top_k=40, top_p=0.9, seed=1, logprobs=2, prompt_logprobs=1),
+    dict(temperature=1.0, min_p=0.05, seed=2, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={10: 2.0}),
+    dict(temperature=0.7, seed=3, presence_penalty=0.4, min_tokens=20, logprobs=1),
+]
+
+
+def sampled_runs(path: str, prompts: list[str], tp: int) -> dict[str, list]:
+    """The trained model at `tp` ranks, the prompts batched with `SAMPLED`'s parameters, MTP off and K=2: each
+    request's tokens and logprobs (`_logprobs_of`)."""
+    recipe = load_recipe({"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": tp}})
+    loaded = load_from_recipe(recipe)
+    runs = {}
+    for name, enabled in (("off", False), ("mtp", True)):
+        mtp = dataclasses.replace(recipe.mtp, enabled=enabled, k=2)
+        engine = Engine.from_recipe(dataclasses.replace(recipe, mtp=mtp), loaded=loaded, log=quiet)
+        ids = [engine.encode(p) for p in prompts]
+        params = [SamplingParams(24, **fields) for fields in SAMPLED]
+        rids = [engine.submit(prompt, param) for prompt, param in zip(ids, params, strict=True)]
+        while engine.has_unfinished():
+            engine.step()
+        results = [engine.result(rid) for rid in rids]
+        runs[name] = [_logprobs_of(r) for r in results]
+    return runs
+
+
+def _logprobs_of(result) -> tuple[list[int], list[float], list[list[int]]]:
+    """A result's tokens, and of each position with logprobs (prompt positions first) the chosen token's logprob
+    and the ids of the most likely tokens."""
+    entries = [e for e in (result.prompt_logprobs or []) if e is not None] + list(result.logprobs or [])
+    return result.token_ids, [e.logprob for e in entries], [[token for token, _ in e.top] for e in entries]
 
 
 def k_auto(path: str, prompts: list[str], rank: int) -> dict[str, list]:

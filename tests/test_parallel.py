@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -16,16 +17,13 @@ from typer.testing import CliRunner
 
 from qwen_mtp import Engine, load_model
 from qwen_mtp import loader as loader_module
-from qwen_mtp.bench import run_bench
 from qwen_mtp.cli import app
 from qwen_mtp.config import ModelConfig
-from qwen_mtp.engine import SamplingParams, sampling
 from qwen_mtp.engine.setup import LoadedModel
-from qwen_mtp.errors import CheckpointError, ConfigError, RecipeError, RequestError
+from qwen_mtp.errors import CheckpointError, ConfigError, RecipeError
 from qwen_mtp.model.shapes import RankShapes
 from qwen_mtp.parallel import ShardPlan, TensorParallel
 from qwen_mtp.parallel.launch import check_recipe, spawn_ranks
-from qwen_mtp.parallel.vocab import VocabShard
 from qwen_mtp.recipe import load_recipe
 
 PRESETS = ("tiny", "tiny-8l")  # GQA 4/2 (one KV head per rank) and MQA (the KV head replicated on both ranks)
@@ -65,6 +63,17 @@ def tp2(checkpoint, tmp_path_factory):
     (out / "spec.json").write_text(json.dumps(spec))
     started = time.monotonic()
     ranks = spawn_ranks(2, "gloo", TIMEOUT_S, parallel_workers.tp_checks, (str(out / "spec.json"),))
+    exited_at = [None, None]  # when each rank's process ended, watched while the references below compute
+
+    def watch() -> None:
+        while None in exited_at and time.monotonic() - started < DEADLINE_S:
+            for r, process in enumerate(ranks.processes):
+                if exited_at[r] is None and process.exitcode is not None:
+                    exited_at[r] = time.time()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         reference = {}
         for preset, path in paths.items():
@@ -73,12 +82,8 @@ def tp2(checkpoint, tmp_path_factory):
             hf = load_hf(path, torch.float32)
             reference[preset] = {"tp1": tp1, "hf": [hf_greedy_with_margins(hf, p, MAX_NEW, None) for p in prompts()]}
         reference["draft_heads"] = parallel_workers.draft_head_runs(str(SMALL), SMALL_PROMPTS, 1)
-        exited_at = [None, None]
-        while None in exited_at and time.monotonic() - started < DEADLINE_S:
-            for r, process in enumerate(ranks.processes):
-                if exited_at[r] is None and process.exitcode is not None:
-                    exited_at[r] = time.time()
-            time.sleep(0.05)
+        reference["sampled"] = parallel_workers.sampled_runs(str(SMALL), SMALL_PROMPTS, 1)
+        watcher.join()
         results = [
             json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()
         ]
@@ -128,6 +133,20 @@ def test_tp2_draft_heads_on_vocabulary_shards_give_the_mtp_off_tokens(tp2):
     # TP=1 drafts the same up to the near-ties that rounding across degrees can flip (none on this machine: equal)
     tp1 = {name: run["accepted"] for name, run in tp2["reference"]["draft_heads"].items()}
     assert all(abs(accepted[name] - tp1[name]) <= DRAFT_NEAR_TIES for name in accepted), (accepted, tp1)
+
+
+def test_tp2_sampling_penalties_and_logprobs_equal_with_mtp_and_tp1(tp2):
+    """Sampled requests at TP=2 (temperature with top-k / top-p / min-p, penalties, logit bias, min_tokens, logprobs
+    and prompt logprobs, each request its own mix; the whole vocabulary gathered on every rank): MTP K=2 gives
+    MTP-off's tokens and logprobs, and TP=1's tokens, logprobs within fp32 rounding of the degrees' sums."""
+    runs = rank_results(tp2)[0]["sampled"]
+    reference = tp2["reference"]["sampled"]
+    assert runs["mtp"] == runs["off"]  # tokens, logprobs and the top ids, exactly
+    assert [tokens for tokens, _, _ in runs["off"]] == [tokens for tokens, _, _ in reference["off"]]
+    for (_, ours, _), (_, theirs, _) in zip(runs["off"], reference["off"], strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    lengths = [len(logprobs) for _, logprobs, _ in runs["off"]]  # asked: prompt and output, none, output
+    assert lengths[0] > 24 and lengths[1:] == [0, 24], lengths
 
 
 def test_tp2_k_auto_agrees_across_ranks_and_gives_the_mtp_off_tokens(tp2):
@@ -342,31 +361,6 @@ def rank_engine(checkpoint, **sections) -> Engine:
     return Engine(LoadedModel(model, None, path, torch.device("cpu")), **sections)
 
 
-@pytest.mark.parametrize(
-    "params,message",
-    [
-        (SamplingParams(4, temperature=0.7, seed=1), "temperature=0.7"),
-        (SamplingParams(4, temperature=1.0, top_p=0.9, seed=1), "temperature=1.0"),
-        (SamplingParams(4, logprobs=2), "logprobs=2"),
-        (SamplingParams(4, prompt_logprobs=1), "prompt_logprobs=1"),
-        (SamplingParams(4, repetition_penalty=1.2), "repetition_penalty=1.2"),
-        (SamplingParams(4, frequency_penalty=0.5), "frequency_penalty=0.5"),
-        (SamplingParams(4, logit_bias={3: 1.0}), "logit_bias"),
-        (SamplingParams(4, min_tokens=2), "min_tokens=2"),
-    ],
-)
-def test_sampling_and_logprobs_under_tp_are_refused_at_submit(checkpoint, params, message):
-    engine = rank_engine(checkpoint)
-    with pytest.raises(RequestError, match=rf"{message}.*parallel.tp=2\) decodes greedily only"):
-        engine.submit([1, 2, 3], params)
-    engine.check_request([1, 2, 3], SamplingParams(4))  # greedy without logprobs runs
-
-
-def test_the_sampler_refuses_a_vocabulary_shard_outside_greedy():
-    with pytest.raises(ValueError, match="only greedy steps run tensor-parallel"):
-        sampling.choose(torch.zeros(1, 8), sampling.Mode(noise=True), shard=VocabShard(0, None))
-
-
 def test_tp2_prefix_caching_restores_each_ranks_state_and_gives_the_cold_tokens(tp2):
     """A conversation at TP=2 with MTP K=2: with prefix caching every turn's tokens and drafts equal a cold run's,
     each turn after the first restores the history's full chunks (on both ranks, their own KV heads and GDN
@@ -387,11 +381,7 @@ def test_tp2_prefix_caching_restores_each_ranks_state_and_gives_the_cold_tokens(
     assert cleared["prefix_free_snapshot_slots"] == cleared["prefix_snapshot_slots"]
 
 
-def test_sampled_bench_and_the_server_under_tp_are_refused(tmp_path):
-    recipe = load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 2},
-                          "bench": {"temperature": 0.8, "out_dir": str(tmp_path / "out")}})  # fmt: skip
-    with pytest.raises(RecipeError, match=r"bench.temperature=0.8 with parallel.tp=2: .* greedily only"):
-        run_bench(recipe, progress=False)
+def test_the_server_under_tp_is_refused(tmp_path):
     file = tmp_path / "serve.yaml"
     file.write_text("model: {fixture: tiny, device: cpu}\nparallel: {tp: 2}\n")
     result = CliRunner().invoke(app, ["serve", str(file)])

@@ -364,8 +364,6 @@ class Engine:
             raise RequestError("empty prompt: give at least one token")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
-        if self.parallel is not None:
-            self._check_tensor_parallel(params)
         if params.structured is not None:
             self.grammars.check(params.structured)  # a grammar this tokenizer cannot compile fails here
         vocab = self.config.vocab_size
@@ -387,17 +385,6 @@ class Engine:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) needs {need} KV pages but the "
                 f"whole pool has {self.pages.num_pages}; raise cache.num_pages or cache.memory_fraction"
-            )
-
-    def _check_tensor_parallel(self, params: SamplingParams) -> None:
-        """Under tensor parallelism each rank holds a shard of the vocabulary's logits and the token is chosen by a
-        cross-rank argmax (`parallel.vocab`): sampling, penalties, logit biases and logprobs, which need the whole
-        vocabulary's logits, are refused (a structured output's mask is not: each rank masks its own ids)."""
-        asked = _softmax_features(params)
-        if asked:
-            raise RequestError(
-                f"{', '.join(asked)}: tensor parallelism (parallel.tp={self.parallel.degree}) decodes greedily only "
-                "for now; use temperature 0 without penalties or logprobs, or parallel.tp: 1"
             )
 
     def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> int:
@@ -950,21 +937,6 @@ def _token_logprobs(
                                                    values[row * width : row * width + (n or 0)], strict=True)))
         for token, row in zip(tokens, rows, strict=True)
     ]  # fmt: skip
-
-
-def _softmax_features(params: SamplingParams) -> list[str]:
-    """What a request asks for that needs the whole vocabulary's logits, not only their argmax (named as given)."""
-    asked = (
-        (f"temperature={params.temperature}", not params.greedy),
-        (f"repetition_penalty={params.repetition_penalty}", params.repetition_penalty != 1.0),
-        (f"presence_penalty={params.presence_penalty}", params.presence_penalty != 0.0),
-        (f"frequency_penalty={params.frequency_penalty}", params.frequency_penalty != 0.0),
-        ("logit_bias", bool(params.logit_bias)),
-        (f"min_tokens={params.min_tokens}", params.min_tokens > 0),
-        (f"logprobs={params.logprobs}", params.logprobs is not None),
-        (f"prompt_logprobs={params.prompt_logprobs}", params.prompt_logprobs is not None),
-    )
-    return [name for name, on in asked if on]
 
 
 def _stderr(message: str) -> None:

@@ -76,10 +76,10 @@ class Runner:
         self.coupled_drafts = True  # drafts from the same noise as the target's choice (`mtp.coupled_drafts`)
         self.grammars: grammar.Grammars | None = None  # structured outputs' token masks (set by the engine)
         self.steps = DecodeSteps(model, pages, states, k)
-        self.penalties: PenaltyState | None = None
-        if model.vocab_shard is None:  # tensor parallel refuses penalties (`Engine.check_request`)
-            self.penalties = PenaltyState(states.num_rows + 1, model.lm_head_weight.shape[0], device)
-            self.steps.penalties = self.penalties
+        # the counts cover the whole vocabulary: under tensor parallelism a penalized step gathers its rows
+        vocab = model.lm_head_weight.shape[0] * (1 if model.parallel is None else model.parallel.degree)
+        self.penalties = PenaltyState(states.num_rows + 1, vocab, device)
+        self.steps.penalties = self.penalties
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
         self.chunk_graphs: ChunkGraphs | None = None  # full prefill chunks in graphs (compile.prefill_graphs)
         self.prefill_steps = PrefillSteps(model, pages, states)
@@ -251,6 +251,8 @@ class Runner:
         parts = []
         for start in range(0, len(targets), 128):
             logits = self.model.logits(hidden[0, start : min(start + 128, len(targets))])
+            if self.model.vocab_shard is not None:  # tensor parallel: the whole rows, the same on every rank
+                logits = self.model.vocab_shard.gather(logits)
             parts.append(sampling.token_logprobs(logits, ids[start : start + 128], n))
         return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 

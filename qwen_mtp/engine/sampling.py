@@ -35,10 +35,11 @@ Logprobs are on the unfiltered, unpenalized, unmasked temperature-1 distribution
 the chosen token and for the `MAX_LOGPROBS` most likely ones (each request keeps the n it asked for). Everything
 here is a function of device tensors with no host read, so it runs inside the decode, verify and draft graphs.
 
-Under tensor parallelism the logits are the rank's vocabulary shard and `shard` (the model's `vocab_shard`)
-takes the argmax across the ranks, breaking ties to the lowest id as `argmax` does. Only greedy steps run there,
-structured outputs' masks included (each rank masks its own ids; `Engine.check_request` refuses sampling, penalties
-and logprobs under tensor parallelism: their softmax, filters, counts and noise need the whole vocabulary's logits).
+Under tensor parallelism the logits are the rank's vocabulary shard. A greedy step (a structured output's mask
+included: each rank masks its own ids) takes the argmax across the ranks through `shard` (the model's
+`vocab_shard`), breaking ties to the lowest id as `argmax` does. Any other step needs the whole vocabulary (the
+softmax, the filters, the counts, the noise of each id): it gathers the rows (`VocabShard.gather`) and every rank
+runs the same sampler on the same values, so the ranks choose alike.
 """
 
 from __future__ import annotations
@@ -202,12 +203,12 @@ def choose(
     `allowed` the tokens each position may take. The choice is made on the penalized, masked logits, the logprobs
     stay those of the model's own distribution."""
     if shard is not None:
-        if not (mode.greedy or mode == Mode(constrained=True)):
-            raise ValueError(f"sampling mode {mode} over a vocabulary shard: only greedy steps run tensor-parallel")
-        values = logits.float()
-        if mode.constrained:  # this rank's ids of each position's mask
-            values = apply_token_mask(values, allowed, shard.start)
-        return shard.argmax(values), None
+        if mode.greedy or mode == Mode(constrained=True):  # an argmax: each rank's best, then the best of those
+            values = logits.float()
+            if mode.constrained:  # this rank's ids of each position's mask
+                values = apply_token_mask(values, allowed, shard.start)
+            return shard.argmax(values), None
+        logits = shard.gather(logits)  # sampling, penalties, logprobs: the whole rows, the same on every rank
     if mode.greedy:
         return logits.float().argmax(dim=-1), None
     lead, vocab = logits.shape[:-1], logits.shape[-1]

@@ -5,7 +5,9 @@ lookup reads the rows this rank holds, zeros the others and sums over ranks: one
 The lm_head gives each rank the logits of its ids only; the token is chosen without gathering them: each rank's
 (largest logit, its id) pair is all-gathered and the largest wins, ties going to the lowest id, as
 `torch.argmax` breaks them (a rank's own argmax picks its lowest id, and ranks are in id order). A draft
-vocabulary's ids split the same way: each rank scores the ones in its shard (possibly none).
+vocabulary's ids split the same way: each rank scores the ones in its shard (possibly none). A step that samples,
+penalizes or reports logprobs gathers the whole rows instead (`VocabShard.gather`: V/tp logits a row from each rank)
+and every rank runs the single-device sampler on them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class VocabShard:
 
     def __init__(self, start: int, group: ProcessGroup):
         self.start, self.group = start, group
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits [..., V] from every rank's shard [..., V/tp] (ranks hold consecutive ids):
+        what sampling, penalties and logprobs need. Every rank gets the same tensor, so every rank's sampler makes
+        the same choice."""
+        return torch.cat(all_gather(logits, self.group).unbind(0), dim=-1)
 
     def argmax(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Global token ids [...] of the largest logit, for this rank's logits [..., n] (fp32): its whole shard

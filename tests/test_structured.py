@@ -19,7 +19,6 @@ import torch
 from helpers import cpu_engine, load_hf, random_prompt, reference_lltokenizer, run_batch
 
 from qwen_mtp import Engine, SamplingParams, StructuredOutput
-from qwen_mtp.engine.engine import _softmax_features
 from qwen_mtp.engine.grammar import Grammars, apply_token_mask, mask_words, token_masks
 from qwen_mtp.errors import RequestError
 
@@ -96,7 +95,6 @@ def test_bad_structured_outputs_are_request_errors():
         SamplingParams(min_tokens=2, structured=StructuredOutput(regex="a+"))
     assert StructuredOutput(json_schema='{"type": "integer"}').json_schema == {"type": "integer"}
     assert StructuredOutput(choice=["a", "b"]).kind == "choice"
-    assert _softmax_features(SamplingParams(structured=StructuredOutput(regex="a"))) == []  # greedy: runs under TP
 
 
 def test_gbnf_grammars_are_taken_as_lark(path):

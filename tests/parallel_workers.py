@@ -1,5 +1,7 @@
-"""What the two gloo ranks of tests/test_parallel.py run. Spawned processes import this module (not the test
-module, which pulls in transformers): one spawn serves every check, since a spawn costs seconds."""
+"""What the two gloo ranks of tests/test_parallel.py run: the tiny checkpoints' generations (MTP off and on, a busy
+engine, constrained, compiled), the trained model's draft heads, `k: auto` and sampled requests, a prefix-cached
+conversation, then the dead-rank check. Spawned processes import this module (not the test module, which pulls in
+transformers): one spawn serves every check, since a spawn costs seconds."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from prefix_helpers import converse
 
 from qwen_mtp.engine import Engine, SamplingParams, StructuredOutput
 from qwen_mtp.engine.k_policy import StepTimes
@@ -42,7 +45,7 @@ def tp_checks(spec_file: str) -> None:
     results = {"vocab_argmax": vocab_argmax_cases(parallel), "sum_in_rank_order": rank_order_sum_case(parallel)}
     for name, path in spec["checkpoints"].items():
         results[name] = generations(path, spec["prompts"], spec["max_new_tokens"], name == spec["compiled"])
-    results["draft_heads"] = draft_heads(spec["small_model"], spec["small_prompts"])
+    results["draft_heads"] = draft_head_runs(spec["small_model"], spec["small_prompts"], TP)
     results["k_auto"] = k_auto(spec["small_model"], spec["small_prompts"], rank)
     results["sampled"] = sampled_runs(spec["small_model"], spec["small_prompts"], TP)
     results["prefix_cache"] = prefix_cached(spec["checkpoints"][spec["compiled"]], spec["turns"])
@@ -137,15 +140,11 @@ DRAFT_HEADS = {
 }
 
 
-def draft_heads(path: str, prompts: list[str]) -> dict[str, dict]:
-    """The trained model (its drafts are accepted, so a wrong draft shows) at TP=2, K=2, greedy: each draft head of
-    `DRAFT_HEADS` on vocabulary shards (each rank scores its part of the draft ids, possibly none, or an FP8 copy of
-    its shard), the plain lm_head and MTP off: each run's tokens and accepted draft count."""
-    return draft_head_runs(path, prompts, TP)
-
-
 def draft_head_runs(path: str, prompts: list[str], tp: int) -> dict[str, dict]:
-    """`draft_heads` at `tp` ranks (1: the test process's own reference)."""
+    """The trained model (its drafts are accepted, so a wrong draft shows) at `tp` ranks (1: the test process's own
+    reference), K=2, greedy: each draft head of `DRAFT_HEADS` (under TP on vocabulary shards: each rank scores its
+    part of the draft ids, possibly none, or an FP8 copy of its shard), the plain lm_head and MTP off: each run's
+    tokens and accepted draft count."""
     recipe = load_recipe({"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": tp}})
     loaded = load_from_recipe(recipe)
     runs = {"off": None, "lm_head": {}, **DRAFT_HEADS}
@@ -216,8 +215,6 @@ def prefix_cached(path: str, turns: list[list[int]]) -> dict[str, object]:
     """A conversation at TP=2 with MTP K=2 (each turn's prompt: the history and its message; `converse`), cold and
     with `cache.prefix_caching` (each rank restores its own GDN heads' snapshots and KV pages); then the cache
     cleared. Per run: each turn's tokens, drafts and restored positions; the cached engine's stats."""
-    from prefix_helpers import converse
-
     runs = {}
     for caching in (False, True):
         cache = {"prefill_chunk": PREFIX_CHUNK, "page_size": PREFIX_CHUNK, "prefix_caching": caching}

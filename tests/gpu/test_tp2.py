@@ -1,11 +1,14 @@
 """Tensor parallel on two GPUs (NCCL): MTP-on == MTP-off at TP=2 with the collectives inside CUDA graphs (and
-torch.compile), at real 27B shapes with random weights and on the bf16 tiny fixture. Needs 2 GPUs (the
-nvidia-h200-x2 machine); skipped on one. The CPU proof (gloo) is tests/test_parallel.py."""
+torch.compile), at real 27B shapes with random weights and on the bf16 tiny fixture; and on the shipped model the
+features that run under TP (sampling, penalties and logprobs on gathered rows, draft heads, k: auto, prefix
+caching). Needs 2 GPUs (the nvidia-h200-x2 machine); skipped on one. The CPU proof (gloo) is
+tests/test_parallel.py."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +60,43 @@ def test_tp2_mtp_gives_the_plain_tokens_on_two_gpus(checkpoint, tmp_path, model,
         for k in (1, 2, 3):
             assert first[f"b{batch}-k{k}"] == plain, f"batch {batch}, K={k}: MTP tokens != plain at TP=2"
     assert first["b8-k0"][:1] == first["b1-k0"]  # a request's tokens do not depend on its batch
+
+
+SMALL = Path(__file__).resolve().parents[2] / "models" / "qwen-mtp-small"
+TEXTS = ["import os\n\ndef ", "class Stack:\n    def push(self, item):\n", "for i in range(10):\n", "def main():\n"]
+
+
+def run_ranks(worker, spec: dict, out: Path) -> list[dict]:
+    """Spawn two NCCL ranks running `worker` on `spec` (written to out/spec.json); each rank's rank<r>.json."""
+    (out / "spec.json").write_text(json.dumps(spec))
+    ranks = spawn_ranks(2, "nccl", 600.0, worker, (str(out / "spec.json"),))
+    deadline = time.monotonic() + 1200
+    try:
+        while not ranks.join(timeout=5):
+            assert time.monotonic() < deadline, "the TP=2 ranks did not finish in 20 minutes"
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_tp2_sampling_draft_heads_k_auto_and_prefix_caching_on_two_gpus(tmp_path):
+    """The shipped model at TP=2, bf16, CUDA graphs: sampled, penalized and greedy requests with logprobs give
+    MTP-off's tokens, logprobs and top ids under MTP K=2, with a draft vocabulary, with the FP8 draft lm_head and
+    with k: auto; a conversation with prefix caching gives the cold run's tokens; both ranks agree."""
+    spec = {
+        "out": str(tmp_path),
+        "recipe": {
+            "model": {"path": str(SMALL), "dtype": "bfloat16", "device": "cuda"},
+            "parallel": {"tp": 2, "timeout_s": 600},
+            "compile": {"cuda_graphs": True},
+        },
+        "texts": TEXTS,
+        "max_new_tokens": 32,
+    }
+    first, second = run_ranks(tp2_workers.tp2_features, spec, tmp_path)
+    assert first == second
+    for name in tp2_workers.FEATURE_RUNS:
+        assert first[name] == first["off"], name
+    assert first["prefix_cached"] == first["prefix_cold"] and first["prefix_hits"] > 0

@@ -167,7 +167,7 @@ SAMPLED = [  # one request per prompt, each its own mix of the sampler's feature
 
 def sampled_runs(path: str, prompts: list[str], tp: int) -> dict[str, list]:
     """The trained model at `tp` ranks, the prompts batched with `SAMPLED`'s parameters, MTP off and K=2: each
-    request's tokens and logprobs (`_logprobs_of`)."""
+    request's tokens and logprobs (`logprobs_of`)."""
     recipe = load_recipe({"model": {"path": path, "device": "cpu", "dtype": "float32"}, "parallel": {"tp": tp}})
     loaded = load_from_recipe(recipe)
     runs = {}
@@ -180,11 +180,11 @@ def sampled_runs(path: str, prompts: list[str], tp: int) -> dict[str, list]:
         while engine.has_unfinished():
             engine.step()
         results = [engine.result(rid) for rid in rids]
-        runs[name] = [_logprobs_of(r) for r in results]
+        runs[name] = [logprobs_of(r) for r in results]
     return runs
 
 
-def _logprobs_of(result) -> tuple[list[int], list[float], list[list[int]]]:
+def logprobs_of(result) -> tuple[list[int], list[float], list[list[int]]]:
     """A result's tokens, and of each position with logprobs (prompt positions first) the chosen token's logprob
     and the ids of the most likely tokens."""
     entries = [e for e in (result.prompt_logprobs or []) if e is not None] + list(result.logprobs or [])

@@ -307,8 +307,7 @@ class Engine:
         weight = self.model.lm_head_weight  # tensor parallel: this rank's vocabulary shard, from id `start`
         shard = self.model.vocab_shard
         start = 0 if shard is None else shard.start
-        vocab = weight.shape[0] if shard is None else self.config.vocab_size
-        ids = draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, vocab) if mtp.draft_vocab else None
+        ids = draft_ids(mtp.draft_vocab_file, mtp.draft_vocab, self.model.vocab_rows) if mtp.draft_vocab else None
         if ids is not None and shard is not None:
             ids = ids[(ids >= start) & (ids < start + weight.shape[0])]  # this rank's part (possibly none)
         # the FP8 product follows `model.fp8_decode`, which `set_fp8_decode` wrote into every linear module

@@ -77,8 +77,7 @@ class Runner:
         self.grammars: grammar.Grammars | None = None  # structured outputs' token masks (set by the engine)
         self.steps = DecodeSteps(model, pages, states, k)
         # the counts cover the whole vocabulary: under tensor parallelism a penalized step gathers its rows
-        vocab = model.lm_head_weight.shape[0] * (1 if model.parallel is None else model.parallel.degree)
-        self.penalties = PenaltyState(states.num_rows + 1, vocab, device)
+        self.penalties = PenaltyState(states.num_rows + 1, model.vocab_rows, device)
         self.steps.penalties = self.penalties
         self.graphs: StepGraphs | None = None  # set by the engine when compile.* is on
         self.chunk_graphs: ChunkGraphs | None = None  # full prefill chunks in graphs (compile.prefill_graphs)

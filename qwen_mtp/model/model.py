@@ -92,6 +92,12 @@ class QwenHybridForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def vocab_rows(self) -> int:
+        """The lm_head's rows over every rank: the ids a token can take (under tensor parallelism this rank holds
+        `lm_head_weight`'s V / tp of them, from `vocab_shard.start`)."""
+        return self.lm_head_weight.shape[0] * (1 if self.parallel is None else self.parallel.degree)
+
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: ForwardCache | None = None
     ) -> torch.Tensor:

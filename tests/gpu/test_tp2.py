@@ -21,6 +21,21 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor pa
 MODES = {"graphs": {"cuda_graphs": True}, "compiled": {"cuda_graphs": True, "enabled": True}}
 
 
+def run_ranks(worker, spec: dict, out: Path) -> list[dict]:
+    """Spawn two NCCL ranks running `worker` on `spec` (written to out/spec.json); each rank's rank<r>.json."""
+    (out / "spec.json").write_text(json.dumps(spec))
+    ranks = spawn_ranks(2, "nccl", 600.0, worker, (str(out / "spec.json"),))
+    deadline = time.monotonic() + 1200
+    try:
+        while not ranks.join(timeout=5):
+            assert time.monotonic() < deadline, "the TP=2 ranks did not finish in 20 minutes"
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 # 27B shapes with CUDA graphs; the bf16 fixture (a replicated KV head) with graphs and with torch.compile (inductor
 # on 27B takes minutes per graph). benchmarks/gpu_suite.sh's `-k "not compiled"` leaves the compiled case out.
 @pytest.mark.parametrize("model,mode", [("synthetic-27b", "graphs"), ("tiny-8l", "graphs"), ("tiny-8l", "compiled")])
@@ -43,17 +58,7 @@ def test_tp2_mtp_gives_the_plain_tokens_on_two_gpus(checkpoint, tmp_path, model,
         ],
         "max_new_tokens": 48,
     }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    ranks = spawn_ranks(2, "nccl", 600.0, tp2_workers.tp2_exactness, (str(tmp_path / "spec.json"),))
-    deadline = time.monotonic() + 1200
-    try:
-        while not ranks.join(timeout=5):
-            assert time.monotonic() < deadline, "the TP=2 ranks did not finish in 20 minutes"
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
-    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    first, second = run_ranks(tp2_workers.tp2_exactness, spec, tmp_path)
     assert first == second  # every rank emits the same tokens
     for batch in (1, 8):
         plain = first[f"b{batch}-k0"]
@@ -64,21 +69,6 @@ def test_tp2_mtp_gives_the_plain_tokens_on_two_gpus(checkpoint, tmp_path, model,
 
 SMALL = Path(__file__).resolve().parents[2] / "models" / "qwen-mtp-small"
 TEXTS = ["import os\n\ndef ", "class Stack:\n    def push(self, item):\n", "for i in range(10):\n", "def main():\n"]
-
-
-def run_ranks(worker, spec: dict, out: Path) -> list[dict]:
-    """Spawn two NCCL ranks running `worker` on `spec` (written to out/spec.json); each rank's rank<r>.json."""
-    (out / "spec.json").write_text(json.dumps(spec))
-    ranks = spawn_ranks(2, "nccl", 600.0, worker, (str(out / "spec.json"),))
-    deadline = time.monotonic() + 1200
-    try:
-        while not ranks.join(timeout=5):
-            assert time.monotonic() < deadline, "the TP=2 ranks did not finish in 20 minutes"
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_tp2_sampling_draft_heads_k_auto_and_prefix_caching_on_two_gpus(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import parallel_workers
+
 from qwen_mtp.engine import Engine, SamplingParams
 from qwen_mtp.engine.setup import load_from_recipe
 from qwen_mtp.parallel import current
@@ -33,13 +35,9 @@ def tp2_exactness(spec_file: str) -> None:
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
-# tp2_features: one request per prompt, each its own mix of the sampler's features (the gathered rows under TP)
-SAMPLED = [
-    dict(temperature=0.8, top_k=40, top_p=0.9, seed=1, logprobs=2, prompt_logprobs=1),
-    dict(temperature=1.0, min_p=0.05, seed=2, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={10: 2.0}),
-    dict(temperature=0.7, seed=3, presence_penalty=0.4, min_tokens=20, logprobs=1),
-    dict(),  # greedy beside them
-]
+# tp2_features: one request per prompt, each its own mix of the sampler's features (the CPU test's, and a greedy
+# request beside them)
+SAMPLED = [*parallel_workers.SAMPLED, {}]
 FEATURE_RUNS = {  # the MTP section of each run (None: MTP off)
     "off": None,
     "k2": {"enabled": True, "k": 2},
@@ -67,7 +65,7 @@ def tp2_features(spec_file: str) -> None:
         ]
         while engine.has_unfinished():
             engine.step()
-        results[name] = [_tokens_and_logprobs(engine.result(rid)) for rid in rids]
+        results[name] = [parallel_workers.logprobs_of(engine.result(rid)) for rid in rids]
         del engine
     for caching in (False, True):  # greedy, MTP K=2: each turn's prompt is the history and a new message
         variant = dict(spec["recipe"]) | {"mtp": {"enabled": True, "k": 2}}
@@ -83,9 +81,3 @@ def tp2_features(spec_file: str) -> None:
         results["prefix_hits"] = engine.stats().get("prefix_hits", 0)
         del engine
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def _tokens_and_logprobs(result) -> list:
-    """A result's tokens, then each position's chosen logprob (prompt positions first) and its top ids."""
-    entries = [e for e in (result.prompt_logprobs or []) if e is not None] + list(result.logprobs or [])
-    return [result.token_ids, [e.logprob for e in entries], [[token for token, _ in e.top] for e in entries]]

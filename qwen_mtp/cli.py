@@ -323,11 +323,11 @@ def serve(
     host: Annotated[str | None, typer.Option(help="listen address (default: server.host)")] = None,
     port: Annotated[int | None, typer.Option(help="port, 0 for any free one (default: server.port)")] = None,
 ) -> None:
-    """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics)."""
-    from qwen_mtp.engine import Engine
+    """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics). With
+    `parallel.tp: N` it starts N ranks (or runs as the rank torchrun started): rank 0 serves, the others follow."""
     from qwen_mtp.errors import RecipeError
+    from qwen_mtp.parallel.launch import run_ranks
     from qwen_mtp.recipe import load_recipe
-    from qwen_mtp.serve.server import serve as run_server
 
     overrides = [
         *(set_ or ()),
@@ -338,19 +338,31 @@ def serve(
         loaded_recipe = load_recipe(recipe, tuple(overrides))
         if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
             raise RecipeError("mtp.draft: oracle drafts need each request's answer beforehand: serve with head")
-        if loaded_recipe.parallel.tp != 1:
-            raise RecipeError(
-                f"parallel.tp={loaded_recipe.parallel.tp}: the server runs one engine in one process; tensor-parallel "
-                "serving is not available yet: serve with parallel.tp 1"
-            )
-        engine = Engine.from_recipe(loaded_recipe, progress=sys.stderr.isatty())
-        engine.warmup()
-    except QwenMTPError as err:
+        run_ranks(loaded_recipe, _serve_rank, loaded_recipe)
+    except (QwenMTPError, OSError) as err:  # OSError: the address is taken or not ours to bind
         _fail(err)
-    try:
-        run_server(engine, loaded_recipe.server, log=lambda line: typer.echo(line, err=True))
-    except OSError as err:  # the address is taken or not ours to bind
-        _fail(err)
+
+
+def _serve_rank(loaded_recipe: Recipe) -> None:
+    """`qwen-mtp serve` on one rank: rank 0 loads, warms up and serves; every other rank loads, warms up and
+    follows rank 0's engine loop step by step (serve/relay.py)."""
+    from qwen_mtp.engine import Engine
+    from qwen_mtp.parallel import current
+    from qwen_mtp.serve.relay import Relay, follow
+    from qwen_mtp.serve.server import serve as run_server
+
+    parallel = current(loaded_recipe.parallel.tp)
+    lead = parallel is None or parallel.rank == 0
+    engine = Engine.from_recipe(loaded_recipe, progress=lead and sys.stderr.isatty(), log=None if lead else _quiet)
+    engine.warmup()
+    relay = Relay(parallel, loaded_recipe.parallel.timeout_s) if parallel is not None else None
+    if lead:
+        log = lambda line: typer.echo(line, err=True)  # noqa: E731
+        if relay is not None:
+            log(f"tensor parallel over {parallel.degree} ranks: {relay.pids} (process ids by rank; rank 0 serves)")
+        run_server(engine, loaded_recipe.server, log=log, relay=relay)
+    else:
+        follow(engine, relay)
 
 
 if __name__ == "__main__":

@@ -381,12 +381,12 @@ def test_tp2_prefix_caching_restores_each_ranks_state_and_gives_the_cold_tokens(
     assert cleared["prefix_free_snapshot_slots"] == cleared["prefix_snapshot_slots"]
 
 
-def test_the_server_under_tp_is_refused(tmp_path):
+def test_the_server_refuses_a_degree_the_model_cannot_split_before_any_rank_starts(tmp_path):
     file = tmp_path / "serve.yaml"
-    file.write_text("model: {fixture: tiny, device: cpu}\nparallel: {tp: 2}\n")
+    file.write_text("model: {fixture: tiny, device: cpu}\nparallel: {tp: 3}\n")
     result = CliRunner().invoke(app, ["serve", str(file)])
     assert result.exit_code == 2
-    assert "parallel.tp=2: the server runs one engine in one process" in result.output
+    assert "parallel.tp: tensor parallel degree 3 does not divide" in result.output
 
 
 def test_an_engine_outside_started_ranks_says_how_to_start_them():

@@ -9,12 +9,15 @@ others then fail in their next collective (at once when the peer's connection cl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -95,12 +98,36 @@ def run_ranks(recipe: Recipe, target: Callable[..., Any], *args: Any) -> None:
 
     try:
         ranks = spawn_ranks(tp, backend, timeout, target, args)
-        while not ranks.join():  # returns each time one rank exits, True once all have
-            pass
+        with _signals_to_rank_0(ranks):
+            while not ranks.join():  # returns each time one rank exits, True once all have
+                pass
     except mp.ProcessExitedException as err:
         raise RankFailure(
             f"rank {err.error_index} of {tp} exited with code {err.exit_code}; see its message above"
         ) from None
+
+
+@contextlib.contextmanager
+def _signals_to_rank_0(ranks) -> Iterator[None]:
+    """While this process waits for its spawned ranks: a SIGTERM goes on to rank 0, which stops the run (a server
+    stops gracefully and tells the other ranks; a `run` or `bench` rank dies and the wait stops the rest), and a
+    SIGINT is ignored here (Ctrl-C in a terminal reaches every rank already). Without this the ranks would outlive
+    a terminated parent."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame) -> None:
+        if ranks.processes[0].is_alive():
+            os.kill(ranks.processes[0].pid, signal.SIGTERM)
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def spawn_ranks(tp: int, backend: str, timeout: float, target: Callable[..., Any], args: tuple):

@@ -35,6 +35,7 @@ from qwen_mtp.serve.protocol import (
     template_tools,
 )
 from qwen_mtp.serve.reasoning import ReasoningSplitter, opens_thinking
+from qwen_mtp.serve.relay import Relay
 from qwen_mtp.serve.responses import Choice
 from qwen_mtp.serve.text import TextAssembler, output_decoder
 from qwen_mtp.serve.tools import ToolCallSplitter
@@ -52,10 +53,13 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected."""
 
 
-def create_app(engine: Engine, settings: ServerSection, log: Callable[[str], None] = print) -> FastAPI:
-    """The app; its lifespan starts the engine loop and, at shutdown, cancels what still runs."""
+def create_app(
+    engine: Engine, settings: ServerSection, log: Callable[[str], None] = print, relay: Relay | None = None
+) -> FastAPI:
+    """The app; its lifespan starts the engine loop and, at shutdown, cancels what still runs. Under tensor
+    parallelism (rank 0 only) `relay` tells the other ranks what the loop applies (relay.py)."""
     metrics = ServerMetrics()
-    loop = EngineLoop(engine, metrics, settings.max_queue, settings.request_timeout_s, log)
+    loop = EngineLoop(engine, metrics, settings.max_queue, settings.request_timeout_s, log, relay)
     metrics.watch(lambda: loop.stats, lambda: loop.in_flight)
     api = _Api(engine, loop, settings)
     if api.defaults:

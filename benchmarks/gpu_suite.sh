@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|tp2|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -64,7 +64,8 @@
 #   tp2          issue #23 on two GPUs (nvidia-h200-x2), part 1: benchmarks/tensor_parallel.py tokens at 27B (MODEL:
 #                a synthetic preset, default qwen3.5-27b; qwen3.5-27b-fp8 for FP8, carry torchao): MTP K=1..4 ==
 #                MTP off for 32 mixed prompts at B = 1, 8, 32 under graphs, TP=2 tokens against TP=1 (where they
-#                part, by how much TP=1 led), then tests/gpu/test_tp2.py (TESTS=0: not);
+#                part, by how much TP=1 led), then tests/gpu/test_tp2.py but its server test (TESTS=0: not);
+#   tp2serve     `qwen-mtp serve` at TP=2 on two GPUs (the shipped model, graphs): MTP on answers as MTP off;
 #   tp2bench     issue #23, part 2: the collectives' latency at the rows a step sends, `qwen-mtp bench` at TP=1 and
 #                TP=2 (B1, B8; plain, K=2, K=3 at oracle 0.8), and the table of both (tensor_parallel.py summary);
 #   conv         the conv update's kernels (tile, columns): op tests, launch choices, the decode attention's launch
@@ -472,7 +473,7 @@ if [[ "$STAGE" == targets ]]; then  # one device call (~8 min; carry .whl): the 
   bench_27b 110 bench-targets-fp8 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set 'bench.draft_vocabs=[0,32768]'
 fi
-if [[ "$STAGE" == tp2 || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks
+if [[ "$STAGE" == tp2 || "$STAGE" == tp2serve || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi topo -m | head -4
 fi
@@ -490,7 +491,10 @@ if [[ "$STAGE" == tp2 ]]; then  # one device call (~9 min)
   model=${MODEL:-qwen3.5-27b}
   tp2_tokens 400 "$model" recipes/bench-27b.yaml --set "model.synthetic=$model"
   [[ "${TESTS:-1}" == 1 ]] && counted 220 tp2-tests.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_tp2.py \
-    -k "not compiled"
+    -k "not compiled and not server"
+fi
+if [[ "$STAGE" == tp2serve ]]; then  # one device call (~3 min): `qwen-mtp serve` at TP=2, MTP on against off
+  counted 300 tp2-serve.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_tp2.py -k server
 fi
 if [[ "$STAGE" == tp2bench ]]; then  # one device call (~8 min)
   timeout 90 python3 benchmarks/tensor_parallel.py collectives recipes/bench-27b.yaml --out "$OUT/tp2" \

@@ -1,10 +1,12 @@
 """Live servers for the serving and lm-eval tests: uvicorn in a thread on a loopback port the OS picks, over a
-tiny checkpoint."""
+tiny checkpoint; and `qwen-mtp serve` with two tensor-parallel ranks in a subprocess (`TPServer`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwen_mtp.engine import Engine
 from qwen_mtp.recipe import load_recipe
 from qwen_mtp.serve.server import bind, uvicorn_server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A ChatML template like Qwen's (the tiny tokenizer has <|im_start|> / <|im_end|> as special tokens).
 CHAT_TEMPLATE = (
@@ -97,3 +101,49 @@ class LiveServer:
                     return m
             assert time.monotonic() < deadline, f"pages / rows still in use: {m}"
             time.sleep(0.05)
+
+
+class TPServer:
+    """`qwen-mtp serve RECIPE --set parallel.tp=2 --port 0` in a subprocess (the launcher spawns the ranks)."""
+
+    def __init__(self, recipe: Path, start_s: float = 240.0):  # 240 s: two ranks loading on two busy cores
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        command = ["python", "-m", "qwen_mtp.cli", "serve", str(recipe), "--port", "0"]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + start_s
+        while not any("serving" in line for line in self.lines):
+            line = self.proc.stderr.readline()
+            self.lines.append(line)
+            assert line or self.proc.poll() is None, f"the server exited before serving: {''.join(self.lines)}"
+            assert time.monotonic() < deadline, "the server did not start"
+        self.url = self.lines[-1].split(" on ")[1].split()[0]
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid, from the line rank 0 logs before serving."""
+        (line,) = [line for line in self.lines if line.startswith("tensor parallel over 2 ranks: (")]
+        return dict(enumerate(int(pid) for pid in line.split("(")[1].split(")")[0].split(",")))
+
+    def stderr(self) -> str:
+        return "".join(self.lines) + self.proc.stderr.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[1].split()[0] != "Z"  # a zombie has exited
+
+
+def wait_gone(pids, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks still running: {[p for p in pids if alive(p)]}"
+        time.sleep(0.1)

@@ -9,67 +9,17 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from helpers import random_prompt
-from serve_helpers import tiny_recipe
+from serve_helpers import TPServer, tiny_recipe, wait_gone
 
 from qwen_mtp.engine import Engine, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"model": "qwen-mtp", "temperature": 0}
-START_S = 240.0  # spawning two ranks and loading the model on two busy cores
-
-
-class TPServer:
-    """`qwen-mtp serve RECIPE --set parallel.tp=2 --port 0` in a subprocess (the launcher spawns the ranks)."""
-
-    def __init__(self, recipe: Path):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        command = ["python", "-m", "qwen_mtp.cli", "serve", str(recipe), "--port", "0"]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + START_S
-        while not any("serving" in line for line in self.lines):
-            line = self.proc.stderr.readline()
-            self.lines.append(line)
-            assert line or self.proc.poll() is None, f"the server exited before serving: {''.join(self.lines)}"
-            assert time.monotonic() < deadline, "the server did not start"
-        self.url = self.lines[-1].split(" on ")[1].split()[0]
-
-    def ranks(self) -> dict[int, int]:
-        """rank -> pid, from the line rank 0 logs before serving."""
-        (line,) = [line for line in self.lines if line.startswith("tensor parallel over 2 ranks: (")]
-        return dict(enumerate(int(pid) for pid in line.split("(")[1].split(")")[0].split(",")))
-
-    def stderr(self) -> str:
-        return "".join(self.lines) + self.proc.stderr.read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[1].split()[0] != "Z"  # a zombie has exited
-
-
-def _wait_gone(pids, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"ranks still running: {[p for p in pids if _alive(p)]}"
-        time.sleep(0.1)
 
 
 def write_recipe(tmp_path: Path, checkpoint: Path) -> Path:
@@ -149,7 +99,7 @@ def test_tp2_server_answers_tp1_tokens_cancels_and_stops_gracefully(tmp_path, ch
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert server.proc.wait(60) == 0, server.stderr()
-        _wait_gone(ranks.values())
+        wait_gone(ranks.values())
         assert "server stopped" in server.stderr()
     finally:
         server.close()
@@ -161,7 +111,7 @@ def test_a_rank_that_dies_stops_the_tp2_server_with_an_error(tmp_path, chat_chec
         ranks = server.ranks()
         os.kill(ranks[1], signal.SIGKILL)
         assert server.proc.wait(90) != 0
-        _wait_gone(ranks.values())
+        wait_gone(ranks.values())
         stderr = server.stderr()
         assert "rank 1 of 2 exited" in stderr or "engine loop stopped" in stderr, stderr
     finally:

@@ -1,18 +1,22 @@
 """Tensor parallel on two GPUs (NCCL): MTP-on == MTP-off at TP=2 with the collectives inside CUDA graphs (and
 torch.compile), at real 27B shapes with random weights and on the bf16 tiny fixture; and on the shipped model the
 features that run under TP (sampling, penalties and logprobs on gathered rows, draft heads, k: auto, prefix
-caching). Needs 2 GPUs (the nvidia-h200-x2 machine); skipped on one. The CPU proof (gloo) is
-tests/test_parallel.py."""
+caching), and `qwen-mtp serve` at TP=2. Needs 2 GPUs (the nvidia-h200-x2 machine); skipped on one. The CPU
+proofs (gloo) are tests/test_parallel.py and tests/test_serve_parallel.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 import tp2_workers
+from serve_helpers import TPServer, wait_gone
 
 from qwen_mtp.parallel.launch import spawn_ranks
 
@@ -90,3 +94,38 @@ def test_tp2_sampling_draft_heads_k_auto_and_prefix_caching_on_two_gpus(tmp_path
     for name in tp2_workers.FEATURE_RUNS:
         assert first[name] == first["off"], name
     assert first["prefix_cached"] == first["prefix_cold"] and first["prefix_hits"] > 0
+
+
+def test_tp2_server_with_mtp_answers_as_without_on_two_gpus(tmp_path):
+    """`qwen-mtp serve` at TP=2 (NCCL, graphs, the shipped model in bf16): concurrent requests answered with MTP
+    K=3 equal the answers of the same server with MTP off; SIGTERM stops both ranks with status 0."""
+    prompts = TEXTS * 4
+    answers = {}
+    for mtp in (False, True):
+        recipe = tmp_path / f"serve-mtp-{mtp}.yaml"
+        recipe.write_text(
+            f"model:\n  path: {SMALL}\n  dtype: bfloat16\n  device: cuda\n"
+            f"mtp:\n  enabled: {str(mtp).lower()}\n  k: 3\n"
+            "compile:\n  cuda_graphs: true\n"
+            "parallel:\n  tp: 2\n  timeout_s: 300\n"
+        )
+        server = TPServer(recipe, start_s=300)
+        try:
+            ranks = server.ranks()
+
+            answers[mtp] = asyncio.run(_greedy_answers(server.url, prompts, 48))
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(120) == 0, server.stderr()
+            wait_gone(ranks.values())
+        finally:
+            server.close()
+    assert answers[True] == answers[False]
+
+
+async def _greedy_answers(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Every prompt's greedy completion, all sent at once (the server batches them)."""
+    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as c:
+        outs = await asyncio.gather(
+            *(c.completions.create(model="qwen-mtp", prompt=p, max_tokens=max_tokens, temperature=0) for p in prompts)
+        )
+    return [o.choices[0].text for o in outs]

@@ -147,13 +147,13 @@ def _rank_slices(config: ModelConfig, parallel: TensorParallel | None) -> Callab
         weight = plan.shard(name[: -len(SCALE_SUFFIX)])
         if weight is None or config.weight_block_size is None:
             return weight
-        blocks = weight.blocks(config.weight_block_size[weight.dim])
+        block = config.weight_block_size[weight.matrix_axis]
+        blocks = weight.blocks(block)
         if blocks is None:
             raise CheckpointError(
                 f"fp8 tensor {name[: -len(SCALE_SUFFIX)]}: parallel.tp={parallel.degree} splits its "
-                f"{('rows', 'columns')[weight.dim]} into {list(weight.ranges)}, not on its "
-                f"{config.weight_block_size[weight.dim]}-wide scale blocks; use a degree whose shards are "
-                "whole blocks (or the bf16 checkpoint)"
+                f"{('rows', 'columns')[weight.matrix_axis]} into {list(weight.ranges)}, not on its "
+                f"{block}-wide scale blocks; use a degree whose shards are whole blocks (or the bf16 checkpoint)"
             )
         return blocks
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -26,7 +27,9 @@ from qwen_mtp.parallel import ShardPlan, TensorParallel
 from qwen_mtp.parallel.launch import check_recipe, spawn_ranks
 from qwen_mtp.recipe import load_recipe
 
-PRESETS = ("tiny", "tiny-8l")  # GQA 4/2 (one KV head per rank) and MQA (the KV head replicated on both ranks)
+# GQA 4/2 (one KV head per rank), MQA (the KV head replicated on both ranks), Qwen3.5-MoE (3-D expert tensors) and
+# Qwen3-Next (per-expert tensors, interleaved GDN projections, a dense layer among the MoE ones)
+PRESETS = ("tiny", "tiny-8l", "tiny-moe", "tiny-next")
 MAX_NEW = 16
 TIMEOUT_S = 10.0  # the ranks' process-group timeout
 DEADLINE_S = 420.0  # the whole spawn (~110 s on 2 busy cores), so that a bug cannot hang CI
@@ -255,16 +258,30 @@ def test_loader_reads_only_each_ranks_slices(checkpoint, monkeypatch, preset):
         monkeypatch.setattr(loader_module, "_open", lambda file, c=counts: CountingHandle(opened(file), c))
         model = load_model(path, parallel=TensorParallel(rank, 2, rank, None))
         plan = ShardPlan(model.config, 2, rank)
+        read: dict[str, int] = {}
+        for name, size in counts.items():  # a per-expert tensor's bytes count toward the 3-D weight it fills
+            read[filled_weight(name)] = read.get(filled_weight(name), 0) + size
         for name, tensor in model.state_dict().items():
             shard = plan.shard(name)
             expected = full[name] if shard is None else shard.read(full[name])
             assert torch.equal(tensor, expected), f"rank {rank}: {name} is not its slice of the checkpoint"
             # bytes read from disk for this tensor: exactly the rank's part (fp32 on disk and in the model)
-            assert counts[name] == expected.numel() * expected.element_size(), name
-        assert sum(counts.values()) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            assert read[name] == expected.numel() * expected.element_size(), name
+        assert sum(read.values()) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
         totals.append(sum(counts.values()))
     whole = sum(t.numel() * t.element_size() for t in full.values())
     assert max(totals) < 0.6 * whole  # replicated norms, fc and (tiny-8l) KV heads are what exceeds half
+
+
+PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def filled_weight(name: str) -> str:
+    """The model tensor checkpoint tensor `name` fills: a per-expert tensor fills its 3-D expert weight."""
+    match = PER_EXPERT.search(name)
+    if match is None:
+        return name
+    return name[: match.start()] + (".experts.down_proj" if match[1] == "down" else ".experts.gate_up_proj")
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -272,12 +289,24 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
+# head dims of 128 (and MoE widths of 256): every TP=2 shard boundary falls on a 128-wide scale block
+ALIGNED = {"head_dim": 128, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+ALIGNED_MOE = {**ALIGNED, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
+FP8_CHECKPOINTS = {
+    "dense": ("tiny-fp8", {}),
+    "moe-per-expert": ("tiny-moe-fp8", {"experts": "per_expert", **ALIGNED_MOE}),  # as Qwen's FP8 releases
+    "moe-fused": ("tiny-moe-fp8", {"experts": "fused", **ALIGNED_MOE}),  # Hugging Face's FP8Experts
+}
+
+
+@pytest.mark.parametrize("kind", FP8_CHECKPOINTS)
 @pytest.mark.parametrize("quant", ["none", "dequantize"])
-def test_fp8_scales_are_sliced_with_their_blocks(checkpoint, quant):
-    """Each rank holds its slice of every tensor: FP8 projections kept in FP8 (quant none: the e4m3 weight and
-    its 128-row/column blocks of `weight_scale_inv`) or dequantized at load, exactly as the whole model does."""
-    # head dims of 128: every TP=2 shard boundary falls on a 128-wide scale block
-    path = checkpoint("tiny-fp8", fp8=True, head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128)
+def test_fp8_scales_are_sliced_with_their_blocks(checkpoint, quant, kind):
+    """Each rank holds its slice of every tensor: FP8 projections and experts kept in FP8 (quant none: the e4m3
+    weight and its 128-row/column blocks of `weight_scale_inv`) or dequantized at load, exactly as the whole
+    model does."""
+    preset, options = FP8_CHECKPOINTS[kind]
+    path = checkpoint(preset, fp8=True, **(ALIGNED | options))
     full = load_model(path, quant=quant).state_dict()
     kept = [name for name, tensor in full.items() if tensor.dtype == torch.float8_e4m3fn]
     assert bool(kept) == (quant == "none")
@@ -302,6 +331,11 @@ def test_fp8_shard_boundary_off_the_128_blocks_is_refused(checkpoint):
     path = checkpoint("tiny-fp8", fp8=True)  # head_dim 64: TP=2 splits k_proj's 128 rows at 64
     with pytest.raises(CheckpointError, match=r"fp8 tensor \S+\.weight: parallel.tp=2 splits its rows .* 128-wide"):
         load_model(path, parallel=TensorParallel(1, 2, 1, None))
+    # experts 128 wide: TP=2 splits each expert's gate and up rows (dim 1 of [E, 2I, H]) and down columns at 64
+    path = checkpoint("tiny-moe-fp8", fp8=True, experts="fused", **ALIGNED)
+    refused = r"fp8 tensor \S+\.experts\.(gate_up_proj: \S+ splits its rows|down_proj: \S+ splits its columns)"
+    with pytest.raises(CheckpointError, match=refused):
+        load_model(path, parallel=TensorParallel(0, 2, 0, None))
 
 
 # ---- errors before any rank starts --------------------------------------------------------------------------
@@ -330,16 +364,6 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks_and_refused_when_uneven(c
         RankShapes.of(wide, 6)
     with pytest.raises(RecipeError, match="parallel.tp: tensor parallel degree 3 does not divide"):
         check_recipe(load_recipe({"model": {"fixture": "tiny", "device": "cpu"}, "parallel": {"tp": 3}}))
-
-
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-next"])
-def test_moe_models_under_tp_are_refused_before_the_ranks_start(checkpoint, preset):
-    """The MoE blocks (and Qwen3-Next's interleaved GDN projections) have no sharding plan: refused, never loaded
-    replicated or sliced wrong."""
-    with pytest.raises(ConfigError, match=r"degree 2: \S+ \(MoE\) models are not sharded yet"):
-        load_model(checkpoint(preset), parallel=TensorParallel(0, 2, 0, None))
-    with pytest.raises(RecipeError, match=r"parallel.tp: .*\(MoE\) models are not sharded yet.*parallel.tp 1"):
-        check_recipe(load_recipe({"model": {"fixture": preset, "device": "cpu"}, "parallel": {"tp": 2}}))
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):

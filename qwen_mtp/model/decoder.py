@@ -30,7 +30,8 @@ class DecoderLayer(nn.Module):
         if spec.moe is None:
             self.mlp = MLP(shapes.hidden_size, shapes.intermediate_size)
         else:
-            self.mlp = SparseMoeBlock(shapes.hidden_size, spec.moe)
+            experts, shared = shapes.expert_intermediate_size, shapes.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(shapes.hidden_size, spec.moe, experts, shared)
         self.input_layernorm = RMSNorm(shapes.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(shapes.hidden_size, eps)
 

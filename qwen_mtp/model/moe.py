@@ -12,7 +12,7 @@ experts stay e4m3 with their block scales, computed by the same kernels (W8A16, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -143,14 +143,22 @@ class SparseMoeBlock(nn.Module):
     """Router + routed experts + shared expert with its sigmoid gate (HF `...SparseMoeBlock`).
 
     The router `gate` [E, H] and the shared expert's gate [1, H] read the same input, so they are one
-    `MergedLinear` (`router`, HF names `gate.weight` and `shared_expert_gate.weight`): one GEMM on CUDA."""
+    `MergedLinear` (`router`, HF names `gate.weight` and `shared_expert_gate.weight`): one GEMM on CUDA.
 
-    def __init__(self, hidden: int, config: MoeConfig):
+    Under tensor parallelism every rank holds the whole router and a slice of every expert's (and the shared
+    expert's) intermediate columns, as a dense MLP is split: each rank routes alike and its output is a partial
+    sum, linear in the experts' and the shared expert's partial down products, so the block's output is summed
+    over the ranks once (`reduce`, set by `qwen_mtp.parallel.apply_tensor_parallel`; the shared expert's own
+    down_proj is not reduced)."""
+
+    def __init__(self, hidden: int, config: MoeConfig, intermediate: int | None = None, shared: int | None = None):
+        """`intermediate` / `shared`: this rank's columns of each expert / of the shared expert (default: all)."""
         super().__init__()
         self.hidden, self.top_k, self.normalize = hidden, config.top_k, config.norm_topk_prob
         self.router = MergedLinear(hidden, [("gate", config.num_experts), ("shared_expert_gate", 1)])
-        self.experts = Experts(config.num_experts, hidden, config.intermediate_size)
-        self.shared_expert = MLP(hidden, config.shared_intermediate_size)
+        self.experts = Experts(config.num_experts, hidden, intermediate or config.intermediate_size)
+        self.shared_expert = MLP(hidden, shared or config.shared_intermediate_size)
+        self.reduce: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., H] -> [..., H]; `invariant`: each token computed as it would be alone (decode path)."""
@@ -163,4 +171,6 @@ class SparseMoeBlock(nn.Module):
             flat, experts.gate_up_proj, experts.down_proj, weights, ids, shared, shared_gate, invariant,
             experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv,
         )  # fmt: skip
+        if self.reduce is not None:
+            out = self.reduce(out, invariant)
         return out.reshape(x.shape)

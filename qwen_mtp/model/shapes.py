@@ -24,18 +24,15 @@ class RankShapes:
     gdn_value_head_dim: int
     conv_kernel: int
     intermediate_size: int  # MLP columns on this rank
+    expert_intermediate_size: int = 0  # MoE: each routed expert's columns on this rank (0: no MoE)
+    shared_expert_intermediate_size: int = 0  # MoE: the shared expert's columns on this rank
 
     @classmethod
     def of(cls, config: ModelConfig, tp: int = 1) -> RankShapes:
         """The shapes of one of `tp` ranks; a ConfigError names what `tp` does not divide."""
         if tp < 1:
             raise ConfigError(f"tensor parallel degree must be >= 1, got {tp}")
-        if tp > 1 and (config.moe is not None or config.interleaved_gdn_projections):
-            kind = "MoE" if config.moe is not None else "Qwen3-Next"
-            raise ConfigError(
-                f"tensor parallel degree {tp}: {config.model_type} ({kind}) models are not sharded yet (the MoE blocks "
-                "and Qwen3-Next's interleaved GDN projections have no tensor-parallel plan): use parallel.tp 1"
-            )
+        moe = config.moe
         counts = {
             "vocab_size": config.vocab_size,
             "num_attention_heads": config.num_attention_heads,
@@ -43,6 +40,9 @@ class RankShapes:
             "linear_num_value_heads": config.linear_num_value_heads,
             "intermediate_size": config.intermediate_size,
         }
+        if moe is not None:  # each expert split like a dense MLP (every rank holds a slice of every expert)
+            counts["moe_intermediate_size"] = moe.intermediate_size
+            counts["shared_expert_intermediate_size"] = moe.shared_intermediate_size
         kv_heads = config.num_key_value_heads
         if kv_heads >= tp:
             counts["num_key_value_heads"] = kv_heads
@@ -69,6 +69,8 @@ class RankShapes:
             gdn_value_head_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim,
             intermediate_size=config.intermediate_size // tp,
+            expert_intermediate_size=0 if moe is None else moe.intermediate_size // tp,
+            shared_expert_intermediate_size=0 if moe is None else moe.shared_intermediate_size // tp,
         )
 
     @property

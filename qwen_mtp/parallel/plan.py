@@ -13,13 +13,21 @@ One table, by the tensor's Hugging Face name, serves the loader (each rank reads
 | attention `k_proj`, `v_proj` | rows | its KV heads, or the one KV head its query heads share (replicated) |
 | attention `o_proj` | columns | its query heads' channels (row-parallel) |
 | MLP `gate_proj`, `up_proj` / `down_proj` | rows / columns | I / tp intermediate channels (down: row-parallel) |
-| norms, `q_norm`, `k_norm`, GDN `norm`, `mtp.fc`, `mtp.pre_fc_norm_*` | - | replicated |
+| MoE `experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] | dim 1 / dim 2 | I / tp of each expert's gate, up |
+| MoE per-expert `experts.{e}.gate_proj`, `up_proj` / `down_proj` | rows / columns | the same slices |
+| MoE `shared_expert.gate_proj`, `up_proj` / `down_proj` | rows / columns | I_shared / tp channels |
+| Qwen3-Next `in_proj_qkvz`, `in_proj_ba` | rows | its key heads' row groups (q, k, v, z / b, a of a key head) |
+| norms, `q_norm`, `k_norm`, GDN `norm`, `mtp.fc`, `mtp.pre_fc_norm_*`, the MoE router | - | replicated |
 
-Rank r holds the r-th block of every sharded dimension, so shards follow token ids and head order.
+Rank r holds the r-th block of every sharded dimension, so shards follow token ids and head order. Qwen3-Next's
+interleaved projections group their rows by key head, so a rank's key heads are one contiguous block of rows there
+too, which the rank's own (smaller) mixer permutes into the fused layout as the whole model does
+(`model/next_layout.py`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +36,7 @@ from qwen_mtp.config import ModelConfig
 from qwen_mtp.model.shapes import RankShapes
 
 ROW_PARALLEL = ("o_proj", "out_proj", "down_proj")  # linears whose output is a partial sum over ranks
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,12 @@ class TensorShard:
     dim: int
     ranges: tuple[tuple[int, int], ...]
     full: int
+    ndim: int = 2  # the tensor's dimensions: 3 for the MoE experts' stacked weights [E, N, K]
+
+    @property
+    def matrix_axis(self) -> int:
+        """0 when the shard splits the matrix's rows (N), 1 its columns (K): the axis of its block scales."""
+        return self.dim - self.ndim + 2
 
     @property
     def size(self) -> int:
@@ -57,7 +72,7 @@ class TensorShard:
         if any(start % block or (stop % block and stop != self.full) for start, stop in self.ranges):
             return None
         ranges = tuple((start // block, -(-stop // block)) for start, stop in self.ranges)
-        return TensorShard(self.dim, ranges, -(-self.full // block))
+        return TensorShard(self.dim, ranges, -(-self.full // block), self.ndim)
 
 
 class ShardPlan:
@@ -99,6 +114,30 @@ class ShardPlan:
             "mlp.up_proj.weight": TensorShard(rows, (mlp,), c.intermediate_size),
             "mlp.down_proj.weight": TensorShard(cols, (mlp,), c.intermediate_size),
         }
+        if c.moe is not None:
+            expert, full = self._block(s.expert_intermediate_size), c.moe.intermediate_size
+            shared, full_shared = self._block(s.shared_expert_intermediate_size), c.moe.shared_intermediate_size
+            self._table |= {
+                "mlp.experts.gate_up_proj": TensorShard(1, (expert, _shift(expert, full)), 2 * full, ndim=3),
+                "mlp.experts.down_proj": TensorShard(2, (expert,), full, ndim=3),
+                "mlp.experts.*.gate_proj.weight": TensorShard(rows, (expert,), full),
+                "mlp.experts.*.up_proj.weight": TensorShard(rows, (expert,), full),
+                "mlp.experts.*.down_proj.weight": TensorShard(cols, (expert,), full),
+                "mlp.shared_expert.gate_proj.weight": TensorShard(rows, (shared,), full_shared),
+                "mlp.shared_expert.up_proj.weight": TensorShard(rows, (shared,), full_shared),
+                "mlp.shared_expert.down_proj.weight": TensorShard(cols, (shared,), full_shared),
+            }
+        if c.interleaved_gdn_projections:  # Qwen3-Next: rows grouped by key head (next_layout.py)
+            group_heads = c.linear_num_value_heads // c.linear_num_key_heads  # value heads a key head serves
+            qkvz = 2 * c.linear_key_head_dim + 2 * group_heads * c.linear_value_head_dim  # rows of one group
+            self._table |= {
+                "linear_attn.in_proj_qkvz.weight": TensorShard(
+                    rows, (self._block(s.gdn_key_heads * qkvz),), c.linear_num_key_heads * qkvz
+                ),
+                "linear_attn.in_proj_ba.weight": TensorShard(
+                    rows, (self._block(s.gdn_key_heads * 2 * group_heads),), c.linear_num_value_heads * 2
+                ),
+            }
 
     def _block(self, size: int) -> tuple[int, int]:
         """This rank's block of a dimension that holds `size` indices per rank."""
@@ -108,6 +147,7 @@ class ShardPlan:
         """The shard of checkpoint tensor `name` (text-layout HF name) this rank holds; None: it is replicated."""
         if self.tp == 1:
             return None
+        name = _EXPERT_INDEX.sub(".experts.*.", name)  # one entry for every expert's per-expert tensors
         for suffix, shard in self._table.items():
             if name == suffix or name.endswith("." + suffix):
                 return shard

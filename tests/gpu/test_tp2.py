@@ -40,14 +40,17 @@ def run_ranks(worker, spec: dict, out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-# 27B shapes with CUDA graphs; the bf16 fixture (a replicated KV head) with graphs and with torch.compile (inductor
-# on 27B takes minutes per graph). benchmarks/gpu_suite.sh's `-k "not compiled"` leaves the compiled case out.
-@pytest.mark.parametrize("model,mode", [("synthetic-27b", "graphs"), ("tiny-8l", "graphs"), ("tiny-8l", "compiled")])
+# 27B shapes with CUDA graphs; the bf16 fixtures (a replicated KV head; MoE) with graphs, and with torch.compile
+# (inductor on 27B takes minutes per graph). benchmarks/gpu_suite.sh's `-k "not compiled"` leaves the compiled case out.
+@pytest.mark.parametrize(
+    "model,mode",
+    [("synthetic-27b", "graphs"), ("tiny-8l", "graphs"), ("tiny-8l", "compiled"), ("tiny-moe", "graphs")],
+)
 def test_tp2_mtp_gives_the_plain_tokens_on_two_gpus(checkpoint, tmp_path, model, mode):
     if model.startswith("synthetic"):
         source = {"synthetic": "qwen3.5-27b"}
     else:
-        source = {"path": str(checkpoint("tiny-8l", dtype="bfloat16"))}
+        source = {"path": str(checkpoint(model, dtype="bfloat16"))}
     gen = torch.Generator().manual_seed(3)
     vocab = 248320 if model.startswith("synthetic") else 512
     spec = {

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -65,6 +65,8 @@
 #                a synthetic preset, default qwen3.5-27b; qwen3.5-27b-fp8 for FP8, carry torchao): MTP K=1..4 ==
 #                MTP off for 32 mixed prompts at B = 1, 8, 32 under graphs, TP=2 tokens against TP=1 (where they
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py but its server test (TESTS=0: not);
+#   serve        `qwen-mtp serve` on one GPU (MTP on answers as off, SIGTERM), the MoE exactness suite (the MoE block's
+#                tensor-parallel seam at TP=1) and the host-sync counts;
 #   tp2serve     `qwen-mtp serve` at TP=2 on two GPUs (the shipped model, graphs): MTP on answers as MTP off;
 #   tp2bench     issue #23, part 2: the collectives' latency at the rows a step sends, `qwen-mtp bench` at TP=1 and
 #                TP=2 (B1, B8; plain, K=2, K=3 at oracle 0.8), and the table of both (tensor_parallel.py summary);
@@ -472,6 +474,11 @@ if [[ "$STAGE" == targets ]]; then  # one device call (~8 min; carry .whl): the 
   bench_27b 200 bench-targets-bf16 --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[2,3]'
   bench_27b 110 bench-targets-fp8 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set 'bench.draft_vocabs=[0,32768]'
+fi
+if [[ "$STAGE" == serve ]]; then  # one device call (~5 min)
+  counted 240 serve-cuda.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_serve_cuda.py
+  counted 200 moe-exact.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_moe_exactness.py
+  counted 100 host-syncs.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_host_syncs.py
 fi
 if [[ "$STAGE" == tp2 || "$STAGE" == tp2serve || "$STAGE" == tp2bench ]]; then  # issue #23: two GPUs, NVLink multicast off as the device asks
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

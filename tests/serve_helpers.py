@@ -1,8 +1,9 @@
 """Live servers for the serving and lm-eval tests: uvicorn in a thread on a loopback port the OS picks, over a
-tiny checkpoint; and `qwen-mtp serve` with two tensor-parallel ranks in a subprocess (`TPServer`)."""
+tiny checkpoint; and `qwen-mtp serve` in a subprocess (`CliServer`, for tensor-parallel ranks and GPU runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_mtp.engine import Engine
@@ -103,8 +105,9 @@ class LiveServer:
             time.sleep(0.05)
 
 
-class TPServer:
-    """`qwen-mtp serve RECIPE --set parallel.tp=2 --port 0` in a subprocess (the launcher spawns the ranks)."""
+class CliServer:
+    """`qwen-mtp serve RECIPE --port 0` in a subprocess, as a user starts it (with `parallel.tp: 2` in the recipe
+    the launcher spawns the ranks)."""
 
     def __init__(self, recipe: Path, start_s: float = 240.0):  # 240 s: two ranks loading on two busy cores
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -147,3 +150,12 @@ def wait_gone(pids, timeout: float = 30.0) -> None:
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"ranks still running: {[p for p in pids if alive(p)]}"
         time.sleep(0.1)
+
+
+async def greedy_answers(url: str, prompts: list, max_tokens: int) -> list[str]:
+    """Every prompt's greedy completion from the server at `url`, all sent at once (the server batches them)."""
+    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as c:
+        outs = await asyncio.gather(
+            *(c.completions.create(model="qwen-mtp", prompt=p, max_tokens=max_tokens, temperature=0) for p in prompts)
+        )
+    return [o.choices[0].text for o in outs]

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from helpers import random_prompt
-from serve_helpers import TPServer, tiny_recipe, wait_gone
+from serve_helpers import CliServer, tiny_recipe, wait_gone
 
 from qwen_mtp.engine import Engine, SamplingParams
 
@@ -58,7 +58,7 @@ def test_tp2_server_answers_tp1_tokens_cancels_and_stops_gracefully(tmp_path, ch
     (want_sampled,) = expected(
         reference, [(prompts[1], SamplingParams(10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11))]
     )
-    server = TPServer(write_recipe(tmp_path, chat_checkpoint))
+    server = CliServer(write_recipe(tmp_path, chat_checkpoint))
     try:
         ranks = server.ranks()
 
@@ -106,7 +106,7 @@ def test_tp2_server_answers_tp1_tokens_cancels_and_stops_gracefully(tmp_path, ch
 
 
 def test_a_rank_that_dies_stops_the_tp2_server_with_an_error(tmp_path, chat_checkpoint):
-    server = TPServer(write_recipe(tmp_path, chat_checkpoint))
+    server = CliServer(write_recipe(tmp_path, chat_checkpoint))
     try:
         ranks = server.ranks()
         os.kill(ranks[1], signal.SIGKILL)

@@ -12,11 +12,10 @@ import signal
 import time
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 import tp2_workers
-from serve_helpers import TPServer, wait_gone
+from serve_helpers import CliServer, greedy_answers, wait_gone
 
 from qwen_mtp.parallel.launch import spawn_ranks
 
@@ -112,23 +111,14 @@ def test_tp2_server_with_mtp_answers_as_without_on_two_gpus(tmp_path):
             "compile:\n  cuda_graphs: true\n"
             "parallel:\n  tp: 2\n  timeout_s: 300\n"
         )
-        server = TPServer(recipe, start_s=300)
+        server = CliServer(recipe, start_s=300)
         try:
             ranks = server.ranks()
 
-            answers[mtp] = asyncio.run(_greedy_answers(server.url, prompts, 48))
+            answers[mtp] = asyncio.run(greedy_answers(server.url, prompts, 48))
             server.proc.send_signal(signal.SIGTERM)
             assert server.proc.wait(120) == 0, server.stderr()
             wait_gone(ranks.values())
         finally:
             server.close()
     assert answers[True] == answers[False]
-
-
-async def _greedy_answers(url: str, prompts: list[str], max_tokens: int) -> list[str]:
-    """Every prompt's greedy completion, all sent at once (the server batches them)."""
-    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as c:
-        outs = await asyncio.gather(
-            *(c.completions.create(model="qwen-mtp", prompt=p, max_tokens=max_tokens, temperature=0) for p in prompts)
-        )
-    return [o.choices[0].text for o in outs]

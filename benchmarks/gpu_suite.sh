@@ -475,7 +475,8 @@ if [[ "$STAGE" == targets ]]; then  # one device call (~8 min; carry .whl): the 
   bench_27b 110 bench-targets-fp8 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set 'bench.draft_vocabs=[0,32768]'
 fi
-if [[ "$STAGE" == serve ]]; then  # one device call (~5 min)
+if [[ "$STAGE" == serve ]]; then  # one device call (~5 min; carry .whl with the serve wheels in .whl/serve: fastapi,
+  # uvicorn, prometheus-client, openai and their dependencies, which the GPU box lacks; docs/development.md)
   counted 240 serve-cuda.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_serve_cuda.py
   counted 200 moe-exact.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_moe_exactness.py
   counted 100 host-syncs.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_host_syncs.py

@@ -110,12 +110,13 @@ class CliServer:
     the launcher spawns the ranks)."""
 
     def __init__(self, recipe: Path, start_s: float = 240.0):  # 240 s: two ranks loading on two busy cores
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the GPU box's .site too
+        env = {**os.environ, "PYTHONPATH": path}
         command = ["python", "-m", "qwen_mtp.cli", "serve", str(recipe), "--port", "0"]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.lines: list[str] = []
         deadline = time.monotonic() + start_s
-        while not any("serving" in line for line in self.lines):
+        while not self.lines or not self.lines[-1].startswith("serving "):  # not "... reserving ..."
             line = self.proc.stderr.readline()
             self.lines.append(line)
             assert line or self.proc.poll() is None, f"the server exited before serving: {''.join(self.lines)}"

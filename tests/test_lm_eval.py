@@ -151,6 +151,16 @@ def test_generate_until_honours_repetition_penalty_and_refuses_what_it_cannot(re
         lm.generate_until([SimpleNamespace(args=(context, {"until": [], "length_penalty": 2.0}))])
 
 
+def test_tensor_parallel_recipes_are_sent_to_the_server(recipe_file):
+    """The in-process model runs one engine in one process: a tensor-parallel recipe is refused before anything
+    loads, naming the route that works (the server, which runs under TP, and lm-eval's local-completions)."""
+    from qwen_mtp.errors import RecipeError
+    from qwen_mtp.eval.lm import QwenMTPLM
+
+    with pytest.raises(RecipeError, match=r"parallel.tp=2: .*qwen-mtp serve.*local-completions"):
+        QwenMTPLM(recipe=str(recipe_file), **{"parallel.tp": 2})
+
+
 def test_loglikelihood_rolling_equals_hf(recipe_file, checkpoint):
     import qwen_mtp.eval.lm as adapter
 

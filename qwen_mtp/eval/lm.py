@@ -17,6 +17,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from qwen_mtp.engine import Engine, Result, SamplingParams
 from qwen_mtp.errors import RecipeError
+from qwen_mtp.recipe import load_recipe
 from qwen_mtp.serve.text import TextAssembler, output_decoder
 
 
@@ -39,7 +40,14 @@ class QwenMTPLM(TemplateLM):
                 "keys as section.key=value"
             )
         sets = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]  # YAML reads JSON values
-        self.engine = Engine.from_recipe(recipe, tuple(sets))
+        loaded_recipe = load_recipe(recipe, tuple(sets))
+        if loaded_recipe.parallel.tp != 1:
+            raise RecipeError(
+                f"parallel.tp={loaded_recipe.parallel.tp}: the qwen-mtp lm-eval model runs one engine in this "
+                "process; for tensor parallel, serve the recipe (qwen-mtp serve) and evaluate it with lm-eval's "
+                "local-completions model (docs/serving.md)"
+            )
+        self.engine = Engine.from_recipe(loaded_recipe)
         if self.engine.tokenizer is None:
             raise RecipeError("qwen-mtp under lm-eval needs a checkpoint with a tokenizer (tasks are text)")
         self.tokenizer = self.engine.tokenizer

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -151,6 +152,30 @@ def wait_gone(pids, timeout: float = 30.0) -> None:
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"ranks still running: {[p for p in pids if alive(p)]}"
         time.sleep(0.1)
+
+
+def gpu_answers_with_and_without_mtp(tmp_path: Path, prompts: list, max_tokens: int, tp: int = 1) -> dict:
+    """The shipped model served on GPUs (bf16, CUDA graphs, `tp` ranks) with MTP off, then with MTP K=3: each
+    server's greedy answers to `prompts` sent at once, by MTP on or off. Each server must stop on SIGTERM with
+    status 0, every rank with it."""
+    answers = {}
+    for mtp in (False, True):
+        recipe = tmp_path / f"serve-tp{tp}-mtp-{mtp}.yaml"
+        recipe.write_text(
+            f"model:\n  path: {ROOT / 'models' / 'qwen-mtp-small'}\n  dtype: bfloat16\n  device: cuda\n"
+            f"mtp:\n  enabled: {str(mtp).lower()}\n  k: 3\n"
+            f"compile:\n  cuda_graphs: true\nparallel:\n  tp: {tp}\n  timeout_s: 300\n"
+        )
+        server = CliServer(recipe, start_s=300)
+        try:
+            ranks = server.ranks() if tp > 1 else {}
+            answers[mtp] = asyncio.run(greedy_answers(server.url, prompts, max_tokens))
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(120) == 0, server.stderr()
+            wait_gone(ranks.values())
+        finally:
+            server.close()
+    return answers
 
 
 async def greedy_answers(url: str, prompts: list, max_tokens: int) -> list[str]:

@@ -6,16 +6,14 @@ proofs (gloo) are tests/test_parallel.py and tests/test_serve_parallel.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import tp2_workers
-from serve_helpers import CliServer, greedy_answers, wait_gone
+from serve_helpers import gpu_answers_with_and_without_mtp
 
 from qwen_mtp.parallel.launch import spawn_ranks
 
@@ -101,24 +99,5 @@ def test_tp2_sampling_draft_heads_k_auto_and_prefix_caching_on_two_gpus(tmp_path
 def test_tp2_server_with_mtp_answers_as_without_on_two_gpus(tmp_path):
     """`qwen-mtp serve` at TP=2 (NCCL, graphs, the shipped model in bf16): concurrent requests answered with MTP
     K=3 equal the answers of the same server with MTP off; SIGTERM stops both ranks with status 0."""
-    prompts = TEXTS * 4
-    answers = {}
-    for mtp in (False, True):
-        recipe = tmp_path / f"serve-mtp-{mtp}.yaml"
-        recipe.write_text(
-            f"model:\n  path: {SMALL}\n  dtype: bfloat16\n  device: cuda\n"
-            f"mtp:\n  enabled: {str(mtp).lower()}\n  k: 3\n"
-            "compile:\n  cuda_graphs: true\n"
-            "parallel:\n  tp: 2\n  timeout_s: 300\n"
-        )
-        server = CliServer(recipe, start_s=300)
-        try:
-            ranks = server.ranks()
-
-            answers[mtp] = asyncio.run(greedy_answers(server.url, prompts, 48))
-            server.proc.send_signal(signal.SIGTERM)
-            assert server.proc.wait(120) == 0, server.stderr()
-            wait_gone(ranks.values())
-        finally:
-            server.close()
+    answers = gpu_answers_with_and_without_mtp(tmp_path, TEXTS * 4, 48, tp=2)
     assert answers[True] == answers[False]

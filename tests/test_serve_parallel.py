@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ from serve_helpers import CliServer, tiny_recipe, wait_gone
 
 from qwen_mtp.engine import Engine, SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"model": "qwen-mtp", "temperature": 0}
 
 
@@ -116,3 +119,16 @@ def test_a_rank_that_dies_stops_the_tp2_server_with_an_error(tmp_path, chat_chec
         assert "rank 1 of 2 exited" in stderr or "engine loop stopped" in stderr, stderr
     finally:
         server.close()
+
+
+def test_relay_latency_benchmark_sends_every_case_intact(tmp_path):
+    """benchmarks/relay_latency.py: rank 1 receives each message equal to what rank 0 sent (it asserts so), and the
+    report has a time for each case."""
+    out = tmp_path / "relay.json"
+    command = [sys.executable, "benchmarks/relay_latency.py", "--messages", "20", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["case"] for row in rows] == ["empty pass (a step, nothing new)", "a new request, 2048-token prompt",
+                                             "a cancellation"]  # fmt: skip
+    assert all(row["us_per_message"] > 0 for row in rows)

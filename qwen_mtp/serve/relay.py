@@ -4,12 +4,13 @@ cancelled), then steps with it.
 
 Every rank's scheduler then takes the same decisions from the same inputs, as in `qwen-mtp run` (docs/parallel.md
 "SPMD"): the requests enter each engine in the same order with the same (seeded) parameters, and a cancellation or
-a timeout applies between the same two steps on every rank. The messages go over a gloo group of their own
-(`torch.distributed.broadcast_object_list`): host objects, never on the GPU stream, and apart from the NCCL group
-the model's collectives use. Rank 0 sends one message a step, and one every `heartbeat_s` while idle, so a waiting
-rank never reaches the group's timeout. A message is one broadcast of a small header; requests and cancellations,
-when there are any, follow pickled in a second one (what `broadcast_object_list` would send, without its size
-broadcast on every step): the other ranks start each step a broadcast's latency after rank 0.
+a timeout applies between the same two steps on every rank. The messages are `torch.distributed` broadcasts over a
+gloo group of their own: host memory, never on the GPU stream, and apart from the NCCL group the model's
+collectives use. Rank 0 sends one message a step, and one every `heartbeat_s` while idle, so a waiting rank never
+reaches the group's timeout. A message is one broadcast of a three-integer header; requests and cancellations, when
+there are any, follow pickled in a second one (what `broadcast_object_list` sends, without its size broadcast on
+every step), so the other ranks start each step about one broadcast's latency after rank 0
+(benchmarks/relay_latency.py).
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ class Relay:
         pids: list[int | None] = [None] * parallel.degree
         dist.all_gather_object(pids, os.getpid(), group=self.group)
         self.pids = tuple(pids)  # every rank's process id, by rank (rank 0 logs them: which process is which)
-
-    @property
-    def lead(self) -> bool:
-        return self.parallel.rank == 0
 
     def send(self, tick: Tick) -> None:
         changes = pickle.dumps((tick.submitted, tick.cancelled)) if tick.submitted or tick.cancelled else b""

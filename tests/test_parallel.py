@@ -438,3 +438,47 @@ def test_qwen_mtp_run_starts_two_ranks_and_rank_0_prints(tp2, checkpoint, tmp_pa
     assert proc.stdout.count("tensor parallel over 2 ranks") == 1  # rank 1 prints nothing
     printed = [json.loads(line.split(": ", 1)[1]) for line in proc.stdout.splitlines() if "token ids:" in line]
     assert printed == rank_results(tp2)[0][PRESETS[0]]["off"]
+
+
+def test_sigterm_to_the_launcher_stops_its_ranks(checkpoint, tmp_path):
+    """A SIGTERM to `qwen-mtp run` while its two ranks generate goes on to rank 0; the launcher stops the other and
+    exits with an error, leaving no rank running (before, the ranks outlived a terminated launcher)."""
+    import shutil
+    import signal
+    import subprocess
+
+    recipe = tmp_path / "long.yaml"
+    recipe.write_text(
+        f"model: {{path: {checkpoint(PRESETS[0])}, device: cpu, dtype: float32}}\n"
+        f"parallel: {{tp: 2, timeout_s: {TIMEOUT_S}}}\nrun: {{prompts: [[1, 2, 3]], max_new_tokens: 3000, "
+        "ignore_eos: true}\n"
+    )
+    proc = subprocess.Popen(
+        [shutil.which("qwen-mtp"), "run", str(recipe), "--progress-every", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while "generated" not in (line := proc.stderr.readline()):  # a progress line: the ranks are generating
+            assert line, f"qwen-mtp run ended before generating: {proc.stderr.read()}"
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ranks = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(ranks) == 2, children
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) != 0
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() and _running(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its launcher"
+            time.sleep(0.1)
+        assert "rank 0 of 2 exited" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -506,3 +506,20 @@ def test_every_request_kind_at_once_answers_the_same_with_mtp(server, mtp_server
             assert got == want, f"request {i} ({requests[i][0]}, streamed {requests[i][1]}) differs with MTP"
     server.wait_all_free()
     mtp_server.wait_all_free()
+
+
+def test_an_engine_loop_that_breaks_stops_the_server_instead_of_hanging(checkpoint):
+    """Past a failed step (which ends only its requests), an error in the engine loop leaves nothing to step the
+    engine: the running request ends with an error, and the server stops (`qwen-mtp serve` then exits 2)."""
+    live = LiveServer.from_recipe(tiny_recipe(checkpoint()))
+    with live:
+        loop = live.server.config.app.state.engine_loop
+
+        def broken_stats():
+            raise RuntimeError("the loop's own bug")
+
+        live.engine.stats = broken_stats  # runs after every step, outside the step's own error handling
+        response = httpx.post(live.url + "/completions", json={"prompt": [1, 2], "max_tokens": 50, **GREEDY})
+        assert response.status_code == 500
+        live.thread.join(10)
+        assert not live.thread.is_alive() and isinstance(loop.failed, RuntimeError)

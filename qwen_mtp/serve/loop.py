@@ -79,7 +79,7 @@ class EngineLoop:
         self.capacity = engine.scheduler.max_batch + max_queue  # requests in flight at most
         self.request_timeout_s = request_timeout_s
         self.stats: dict[str, Any] = engine.stats()  # refreshed by the loop after every step (read by /metrics)
-        self.failed: BaseException | None = None  # under tensor parallelism: what ended the loop (the server stops)
+        self.failed: BaseException | None = None  # what ended the loop, if anything did (then the server stops)
         self.on_failure: Callable[[], None] = lambda: None  # called on the loop's thread once `failed` is set
         self._ids = itertools.count()
         self._live: dict[int, _Live] = {}  # loop id -> the request
@@ -156,11 +156,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._serve()
-        except Exception as err:  # under TP only (a failed step or a lost rank): every rank's run ends
+        except Exception as err:  # a failed step under TP, a lost rank, or a bug here: nothing would step any more
             self.failed = err
             self.log(
                 f"engine loop stopped: {type(err).__name__}: {err} (under tensor parallelism a failed step or a "
-                "lost rank ends the server on every rank)"
+                "lost rank ends the server on every rank; at TP=1 only a failed step is survivable)"
             )
             self.close()
             for request_id in list(self._live):

@@ -27,7 +27,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class ServerFailed(QwenMTPError):
-    """The engine loop stopped under tensor parallelism (a failed step or a lost rank), and the server with it."""
+    """The engine loop stopped (under tensor parallelism a failed step or a lost rank; at any degree, a bug in the
+    loop itself), and the server with it."""
 
 
 def uvicorn_server(
@@ -50,7 +51,7 @@ def serve(
     engine: Engine, settings: ServerSection, log: Callable[[str], None] = print, relay: Relay | None = None
 ) -> None:
     """Serve until SIGTERM or SIGINT; returns normally after a graceful stop, raises `ServerFailed` when the engine
-    loop stopped the server."""
+    loop stopped the server (the process then exits with status 2)."""
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn_server(engine, settings, log, relay)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -146,3 +147,19 @@ def benchmark_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(folder)
+
+
+def running(pid: int) -> bool:
+    """Process `pid` exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout: float = 30.0) -> None:
+    """Wait until none of `pids` runs (e.g. a launcher's ranks after it stopped); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"processes still running: {[p for p in pids if running(p)]}"
+        time.sleep(0.1)

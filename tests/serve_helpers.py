@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from helpers import wait_gone
 from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_mtp.engine import Engine
@@ -136,22 +137,6 @@ class CliServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[1].split()[0] != "Z"  # a zombie has exited
-
-
-def wait_gone(pids, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"ranks still running: {[p for p in pids if alive(p)]}"
-        time.sleep(0.1)
 
 
 def gpu_answers_with_and_without_mtp(tmp_path: Path, prompts: list, max_tokens: int, tp: int = 1) -> dict:

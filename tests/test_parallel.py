@@ -13,7 +13,7 @@ from pathlib import Path
 import parallel_workers
 import pytest
 import torch
-from helpers import hf_greedy_with_margins, load_hf, random_prompt, reference_lltokenizer
+from helpers import hf_greedy_with_margins, load_hf, random_prompt, reference_lltokenizer, wait_gone
 from typer.testing import CliRunner
 
 from qwen_mtp import Engine, load_model
@@ -465,20 +465,9 @@ def test_sigterm_to_the_launcher_stops_its_ranks(checkpoint, tmp_path):
         assert len(ranks) == 2, children
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) != 0
-        deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{pid}").exists() and _running(pid) for pid in ranks):
-            assert time.monotonic() < deadline, "a rank outlived its launcher"
-            time.sleep(0.1)
+        wait_gone(ranks)  # no rank outlives its launcher
         assert "rank 0 of 2 exited" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie waiting for its parent has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import random_prompt
-from serve_helpers import CliServer, tiny_recipe, wait_gone
+from helpers import random_prompt, wait_gone
+from serve_helpers import CliServer, tiny_recipe
 
 from qwen_mtp.engine import Engine, SamplingParams
 

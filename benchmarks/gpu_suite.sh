@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -65,6 +65,8 @@
 #                a synthetic preset, default qwen3.5-27b; qwen3.5-27b-fp8 for FP8, carry torchao): MTP K=1..4 ==
 #                MTP off for 32 mixed prompts at B = 1, 8, 32 under graphs, TP=2 tokens against TP=1 (where they
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py but its server test (TESTS=0: not);
+#   kauto        `mtp.k: auto` with chained steps against a fixed K=3 (27B bf16, B1 / B8 / B32), the exactness subset
+#                first; AUTO_ONLY=1: k auto unchained (cache.lookahead=false), the A/B's other half;
 #   serve        `qwen-mtp serve` on one GPU (MTP on answers as off, SIGTERM), the MoE exactness suite (the MoE block's
 #                tensor-parallel seam at TP=1) and the host-sync counts;
 #   tp2serve     `qwen-mtp serve` at TP=2 on two GPUs (the shipped model, graphs): MTP on answers as MTP off;
@@ -474,6 +476,18 @@ if [[ "$STAGE" == targets ]]; then  # one device call (~8 min; carry .whl): the 
   bench_27b 200 bench-targets-bf16 --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[2,3]'
   bench_27b 110 bench-targets-fp8 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set 'bench.draft_vocabs=[0,32768]'
+fi
+if [[ "$STAGE" == kauto ]]; then  # one device call (~8 min; AUTO_ONLY=1: ~3 min): `mtp.k: auto`'s chained steps, 27B
+  # bf16 B1 / B8 / B32 at oracle 0.8, max_k 3: the exactness subset, then plain, K=3 and k auto with the lookahead (on
+  # by default); AUTO_ONLY=1 runs k auto with cache.lookahead=false instead (its steps unchained, as before they chained)
+  if [[ "${AUTO_ONLY:-0}" == 1 ]]; then
+    bench_27b 240 bench-kauto-unchained --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[auto]' --set mtp.max_k=3 \
+      --set cache.lookahead=false
+  else
+    counted 250 exactness-kauto.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
+      -k "(mtp_equals_plain_bf16 and graphs) or stress"
+    bench_27b 330 bench-kauto-chained --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[3,auto]' --set mtp.max_k=3
+  fi
 fi
 if [[ "$STAGE" == serve ]]; then  # one device call (~5 min; carry .whl with the serve wheels in .whl/serve: fastapi,
   # uvicorn, prometheus-client, openai and their dependencies, which the GPU box lacks; docs/development.md)

@@ -37,6 +37,9 @@ class Scripted:
     def observe(self, drafted, accepted):
         self.observed.append((drafted, accepted))
 
+    def measured(self, count):
+        return True
+
     def measure(self, bucket):
         raise AssertionError("a scripted policy needs no step times")
 
@@ -162,6 +165,32 @@ def test_real_policy_equals_plain(checkpoint, params):
     assert {k for count, k in chosen if count >= 3} == {0} and {k for count, k in chosen if count <= 2} == {3}
 
 
+def test_steps_chain_while_k_stays(checkpoint, monkeypatch):
+    """With `cache.lookahead` (on by default) a step whose K is the K of the step in flight is launched before
+    that one is read, K = 0 steps included; a change of K waits for the read. The tokens stay plain decoding's,
+    and each verify's acceptance counts the real drafts it checked: a step after a rise of K checks fewer than K
+    (fillers), and the chained step launched before its read must not change that count."""
+    path = checkpoint("tiny")
+
+    def longer(i):
+        return dataclasses.replace(greedy(i), max_new_tokens=40)
+
+    expected = run(cpu_engine(path), longer)
+    engine = cpu_engine(path, "auto", max_k=3, draft="oracle", oracle_accept=0.8)
+    engine.speculator.policy = Scripted([1, 3, 3, 3, 3, 0, 0, 0, 0, 2])
+    verifies, verify = [], engine.speculator._verify
+
+    def recorded(batch, drafted, shift=None):
+        verifies.append((batch.token_ids.shape[1] - 1, drafted, shift is not None))  # K, real drafts, chained
+        return verify(batch, drafted, shift)
+
+    monkeypatch.setattr(engine.speculator, "_verify", recorded)
+    assert run(engine, longer, oracles=expected) == expected
+    assert {0, 3} <= {k for k, _, chained in verifies if chained}
+    assert any(sum(drafted) < k * len(drafted) for k, drafted, _ in verifies)  # a rise of K: fillers
+    assert engine.stats()["drafted"] == sum(sum(drafted) for _, drafted, _ in verifies)
+
+
 def _mtp_kv(engine, request, positions):
     """The MTP layers' keys and values of `request`'s first `positions` positions [layers, 2, positions, ...]."""
     pages = engine.pages
@@ -191,8 +220,8 @@ def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params, behind, mon
         request = engine.requests[
             engine.submit_with_oracle(prompt, oracle, dataclasses.replace(params(0), max_new_tokens=60))
         ]
-        # read after a step with drafts: no position left behind
-        while request.num_computed < len(prompt) + 24 or (script and engine.speculator.policy.used[-1] == 0):
+        # read when no position is left behind (K = 0 steps caught up)
+        while request.num_computed < len(prompt) + 24 or request.id in engine.speculator._behind:
             engine.step()
         kv.append(_mtp_kv(engine, request, len(prompt) + 24))
     torch.testing.assert_close(kv[1], kv[0], rtol=1e-5, atol=1e-5)
@@ -202,17 +231,18 @@ def test_plain_steps_run_no_mtp_work(checkpoint, monkeypatch):
     """A K = 0 step runs the target alone: the MTP head runs only when K rises again (one catch-up pass)."""
     path = checkpoint("tiny")
     engine = cpu_engine(path, "auto", max_k=3)
-    engine.speculator.policy = Scripted([0, 0, 0, 0, 2])
+    engine.speculator.policy = Scripted([0] * 8 + [2, 2])  # a refused chain takes one 2, the next step the other
     calls = []
     for name in ("draft", "prefill_mtp"):
         original = getattr(engine.runner, name)
         monkeypatch.setattr(engine.runner, name, lambda *a, _n=name, _o=original: calls.append(_n) or _o(*a))
     request = engine.requests[engine.submit(PROMPTS[3], greedy(0))]
-    while len(engine.speculator.policy.used) < 5:
+    while "draft" not in calls and engine.has_unfinished():
         engine.step()
-    # the prompt's three 16-token chunks, then nothing for four K = 0 steps, then the K = 2 step: one catch-up
-    # pass over the four positions and the step's own draft
+    # the prompt's three 16-token chunks, then nothing for the K = 0 steps (chained ones among them), then the
+    # K = 2 step: one catch-up pass over their positions and the step's own draft
     assert calls == ["prefill_mtp"] * 4 + ["draft"]
+    assert engine.lookahead_steps > 0
     assert request.id not in engine.speculator._behind
 
 

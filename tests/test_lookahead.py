@@ -161,9 +161,12 @@ def test_lookahead_sampled_verifies_keep_tokens_and_logprobs(path):
     assert engine.lookahead_steps > 0
 
 
-def test_k_auto_verifies_are_not_chained(path):
-    """`mtp.k: auto` picks K from acceptance the host has not read yet: no lookahead; tokens as plain."""
+def test_k_auto_verifies_are_chained_while_k_stays(path):
+    """`mtp.k: auto` chains verifies while its choice stays the K of the one in flight (it chooses from the
+    acceptance read so far); tokens as plain. tests/test_k_auto.py changes K between chained steps."""
     params = [SamplingParams(8, ignore_eos=True) for _ in PROMPTS]
     engine = make_engine(path, lookahead=True, k="auto")
+    engine.warmup()
     assert summary(run(engine, params)) == summary(run(make_engine(path, lookahead=False), params))
-    assert engine.lookahead_steps == 0
+    assert engine.lookahead_steps > 0
+    assert_all_reclaimed(engine)

@@ -489,8 +489,8 @@ class Engine:
         if fill is not None:
             self.scheduler.add(fill)
 
-    def _record_acceptance(self, request: Request, accepted: int) -> None:
-        self.speculator.record(request, accepted)
+    def _record_acceptance(self, request: Request, accepted: int, drafted: int) -> None:
+        self.speculator.record(request, accepted, drafted)
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[Update]:
@@ -550,7 +550,9 @@ class Engine:
         token and its drafts. Every request then has one step in flight beyond what it has applied; the
         scheduler allows it only when that step surely runs."""
         verify = step.verified is not None
-        if not self.lookahead or step.error is not None or (verify and not self.speculator.can_look_ahead()):
+        if not self.lookahead or step.error is not None:
+            return
+        if verify and not self.speculator.can_look_ahead(step.requests, step.verified.verified.k):
             return
         if grammar.constrained(step.requests):  # the next step's token masks need this step's tokens on the host
             return
@@ -765,8 +767,9 @@ class Engine:
     def _launch_verify(self, requests: list[Request], after: Ahead | None = None) -> _Launched:
         """MTP: verify, accept, commit and draft on the device; the host reads j, the chosen tokens and the
         next drafts with the rest of the step. `after` (a lookahead verify): the verify in flight, which this one
-        continues from on the device."""
-        k = self.speculator.step_k(len(requests))  # mtp.k, or the K policy's choice for this step
+        continues from on the device, at its K."""
+        # mtp.k, or the K policy's choice for this step (a chained one: the K of the one in flight, as it chose)
+        k = self.speculator.step_k(len(requests)) if after is None else after.verified.k
         with self.timer("verify"):
             verified = self.speculator.verify(requests, k, after)
         with self.timer("draft"):
@@ -784,7 +787,9 @@ class Engine:
                 if logprob_parts:
                     entries = _token_logprobs(emitted, *values[3:], request.params.logprobs, rows=rows)
                 drafts = proposed[b * k : (b + 1) * k]
-                result.append(Outcome(request, j + 1, emitted, drafts=drafts, accepted=j, logprobs=entries))
+                result.append(
+                    Outcome(request, j + 1, emitted, entries, drafts=drafts, accepted=j, drafted=verified.drafted[b])
+                )
             return result
 
         parts = [verified.accepted, verified.chosen, drafts] + logprob_parts

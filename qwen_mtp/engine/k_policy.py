@@ -85,6 +85,10 @@ class KPolicy:
     def bucket(self, count: int) -> int:
         return next((size for size in self.buckets if size >= count), self.buckets[-1])
 
+    def measured(self, count: int) -> bool:
+        """Whether the times of the bucket that runs `count` requests are known (`choose` needs no measuring)."""
+        return self.bucket(count) in self.times
+
     def measure(self, bucket: int) -> StepTimes:
         if bucket not in self.times:
             self.times[bucket] = self.times_of(bucket)

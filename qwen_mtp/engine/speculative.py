@@ -69,6 +69,7 @@ class Verified:
     chosen: torch.Tensor  # chosen tokens [B, K+1]
     accepted: torch.Tensor  # drafts accepted per request [B] (j)
     logprobs: sampling.Logprobs | None  # of the chosen tokens, when a request asks
+    drafted: tuple[int, ...] = ()  # real drafts each request's row verifies (the rest of its K are fillers)
     shift: torch.Tensor | None = None  # a lookahead verify: the accepted counts [B] of the verify before it
 
     @property
@@ -107,7 +108,6 @@ class Speculator:
         self.draft_mode, self.oracle_accept, self.seed = draft, oracle_accept, seed
         self.totals = SpecStats(self.max_k)  # every verify step of every request, for Engine.stats()
         self._oracles: dict[int, tuple[list[int], list[bool]]] = {}  # request -> (tokens, use) per output index
-        self._drafted: dict[int, int] = {}  # request -> real drafts its last verify checked (fillers excluded)
         # request -> (first position, the target's hidden [H] at each position since): what K = 0 steps left for
         # the MTP head to catch up with
         self._behind: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -126,7 +126,6 @@ class Speculator:
 
     def forget(self, request: Request) -> None:
         self._oracles.pop(request.id, None)
-        self._drafted.pop(request.id, None)
         self._behind.pop(request.id, None)
 
     # ---- prefill -------------------------------------------------------------------------------------------
@@ -166,27 +165,25 @@ class Speculator:
             tokens = torch.cat([last, after.drafts], dim=1)
             starts = [r.num_computed + 1 for r in requests]  # + j, on the device
             batch = self.runner.batch(StepKind.DECODE, requests, tokens, starts, shift=previous.accepted)
-            for r in requests:
-                self._drafted[r.id] = k
-            return self._verify(batch, previous.accepted)
+            return self._verify(batch, (previous.k,) * len(requests), previous.accepted)  # its chain's K drafts
         if k > 0:  # drafts for the requests K = 0 steps left behind
             self._catch_up([r for r in requests if r.id in self._behind], draft=True)
         else:
             self._catch_up([r for r in requests if len(self._behind.get(r.id, (0, ()))[1]) >= MAX_BEHIND], False)
-        tokens = []
+        tokens, drafted = [], []
         for r in requests:
             drafts = r.drafts[:k] if r.grammar is None else grammar.forced_drafts(r.grammar, r.drafts, k)
-            self._drafted[r.id] = len(drafts)
+            drafted.append(len(drafts))
             tokens.append([r.tokens[r.num_computed]] + drafts + [FILLER] * (k - len(drafts)))
         batch = self.runner.batch(StepKind.DECODE, requests, tokens, [r.num_computed for r in requests])
-        return self._verify(batch)
+        return self._verify(batch, tuple(drafted))
 
-    def _verify(self, batch: StepBatch, shift: torch.Tensor | None = None) -> Verified:
+    def _verify(self, batch: StepBatch, drafted: tuple[int, ...], shift: torch.Tensor | None = None) -> Verified:
         hidden, chosen, logprobs = self.runner.decode(batch)  # [B, K+1, H], [B, K+1]
         accepted = sampling.accept(batch.token_ids[:, 1:], chosen)
         self.runner.states.commit(batch.state_rows, accepted)
         self.runner.count_emitted(batch, chosen, accepted)
-        return Verified(batch, hidden, chosen, accepted, logprobs, shift)
+        return Verified(batch, hidden, chosen, accepted, logprobs, drafted, shift)
 
     def propose(self, requests: list[Request], verified: Verified) -> torch.Tensor:
         """MTP catch-up over the verified positions, then the draft chain: the next drafts [B, K]. After a K = 0
@@ -206,10 +203,19 @@ class Speculator:
         override, use = self._overrides(requests, firsts, offset, verified.k, span)
         return self.runner.draft(batch, verified.hidden, verified.accepted, override, use)
 
-    def can_look_ahead(self) -> bool:
-        """Whether verify steps may be chained (`cache.lookahead`): only at a fixed K > 0 (`k: auto` chooses K
-        from acceptance the host has not read yet, and K = 0 steps keep host state for the catch-up)."""
-        return self.policy is None and self.max_k > 0
+    def can_look_ahead(self, requests: list[Request], in_flight: int) -> bool:
+        """Whether the next verify of `requests` may be chained to the one in flight, which verifies `in_flight`
+        drafts (`cache.lookahead`): it verifies the drafts that one's chain proposes, so only when this step's K is
+        the same. A fixed K always is. `k: auto` chooses from the acceptance read so far, one step behind the
+        device's (a moving average over many steps: the lag changes little), and chains while K stays; a change of
+        K waits for the read. Chained K = 0 steps keep their positions' hidden states for the catch-up as unchained
+        ones do, but the catch-up itself runs unchained: a chain stops before any request lags `MAX_BEHIND`."""
+        if self.policy is None:
+            return self.max_k > 0
+        # a bucket's first step times its steps, which would replay graphs whose outputs the chain starts from
+        if not self.policy.measured(len(requests)) or self.policy.choose(len(requests)) != in_flight:
+            return False
+        return in_flight > 0 or all(len(self._behind.get(r.id, (0, ()))[1]) + 1 < MAX_BEHIND for r in requests)
 
     def _catch_up(self, requests: list[Request], draft: bool) -> None:
         """Run the MTP head over the positions K = 0 steps left behind, from the target's hidden states kept
@@ -229,8 +235,8 @@ class Speculator:
                 drafts = self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
                 request.drafts = drafts[0].tolist()
 
-    def record(self, request: Request, accepted: int) -> None:
-        drafted = self._drafted.get(request.id, self.max_k)
+    def record(self, request: Request, accepted: int, drafted: int) -> None:
+        """A verify's result for `request`: `accepted` of its `drafted` real drafts."""
         request.spec.record(accepted, drafted)
         self.totals.record(accepted, drafted)
         if self.policy is not None:

@@ -47,6 +47,7 @@ class Outcome:
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt positions a prefill chunk scored
     drafts: list[int] | None = None  # the next verify's drafts
     accepted: int | None = None  # drafts the verify accepted
+    drafted: int = 0  # real drafts the verify checked (a step's K, less the fillers of a request that had fewer)
     error: BaseException | None = None  # the step raised: the request ends with finish_reason "error"
 
 
@@ -55,7 +56,7 @@ class RequestUpdater:
         self,
         eos_ids: Callable[[], set[int]],
         release: Callable[[Request], None],
-        record_acceptance: Callable[[Request, int], None],
+        record_acceptance: Callable[[Request, int, int], None],
         decode: Callable[[list[int]], str] | None = None,
     ):
         self.eos_ids, self.release, self.record_acceptance = eos_ids, release, record_acceptance
@@ -75,7 +76,7 @@ class RequestUpdater:
                 continue
             request.num_computed += outcome.computed
             if outcome.accepted is not None:
-                self.record_acceptance(request, outcome.accepted)
+                self.record_acceptance(request, outcome.accepted, outcome.drafted)
             if outcome.prompt_logprobs is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(outcome.prompt_logprobs)
             new = self._append(request, outcome.tokens, eos, outcome.logprobs)

@@ -325,7 +325,7 @@ def serve(
 ) -> None:
     """Serve the recipe's model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics). With
     `parallel.tp: N` it starts N ranks (or runs as the rank torchrun started): rank 0 serves, the others follow."""
-    from qwen_mtp.errors import RecipeError
+    from qwen_mtp.errors import RecipeError, require_extra
     from qwen_mtp.parallel.launch import run_ranks
     from qwen_mtp.recipe import load_recipe
 
@@ -335,6 +335,7 @@ def serve(
         *([f"server.port={port}"] if port is not None else []),
     ]
     try:
+        require_extra("serve", ("fastapi", "uvicorn", "prometheus_client"))
         loaded_recipe = load_recipe(recipe, tuple(overrides))
         if loaded_recipe.mtp.enabled and loaded_recipe.mtp.draft == "oracle":
             raise RecipeError("mtp.draft: oracle drafts need each request's answer beforehand: serve with head")

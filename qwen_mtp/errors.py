@@ -1,4 +1,6 @@
-"""Exceptions a user can meet, raised at the boundaries (recipe, checkpoint, request admission)."""
+"""Exceptions a user can meet, raised at the boundaries (recipe, checkpoint, request admission, installation)."""
+
+import importlib.util
 
 
 class QwenMTPError(Exception):
@@ -19,3 +21,18 @@ class CheckpointError(QwenMTPError, ValueError):
 
 class RequestError(QwenMTPError, ValueError):
     """A generation request that can never run: empty prompt, unknown token id, too long, bad limits."""
+
+
+class MissingExtraError(QwenMTPError, ImportError):
+    """A command needs packages of an optional extra (pyproject.toml) that are not installed."""
+
+
+def require_extra(extra: str, modules: tuple[str, ...]) -> None:
+    """Raise a `MissingExtraError` naming the install command when any of `modules` cannot be imported: checked
+    before a command loads a model, so a missing package costs no load and shows no traceback."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtraError(
+            f"this needs {', '.join(missing)}, from the '{extra}' extra: pip install 'qwen-mtp[{extra}]' "
+            f"(in a checkout: pip install -e '.[{extra}]')"
+        )

@@ -94,3 +94,37 @@ def test_bench_reports_every_row_exact(tmp_path):
     assert all(r["exact"] for r in rows)
     assert rows[1]["acceptance_length"] > 2.0  # oracle 1.0, output cut at 6 tokens
     assert "x plain" in proc.stdout and (tmp_path / "bench.txt").exists()
+
+
+def _without(monkeypatch, module):
+    """importlib as it is where `module` is not installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
+
+
+def test_serve_without_the_serve_extra_says_what_to_install(monkeypatch):
+    """`qwen-mtp serve` where fastapi is missing: one line naming the install command, before any model loads."""
+    from typer.testing import CliRunner
+
+    from qwen_mtp.cli import app
+
+    def started(*args):
+        raise AssertionError("the ranks started without the serving packages")
+
+    monkeypatch.setattr("qwen_mtp.parallel.launch.run_ranks", started)
+    _without(monkeypatch, "fastapi")
+    result = CliRunner().invoke(app, ["serve", str(ROOT / "recipes/tiny.yaml")])
+    assert result.exit_code == 2 and not isinstance(result.exception, ImportError)
+    assert "fastapi" in result.output and "pip install 'qwen-mtp[serve]'" in result.output
+
+
+def test_eval_without_lm_eval_says_what_to_install(monkeypatch):
+    import pytest
+
+    from qwen_mtp.eval.__main__ import main
+
+    _without(monkeypatch, "lm_eval")
+    with pytest.raises(SystemExit, match=r"lm_eval, from the 'serve' extra: pip install 'qwen-mtp\[serve\]'"):
+        main()

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 
 def main() -> None:
+    from qwen_mtp.errors import MissingExtraError, require_extra
+
+    try:
+        require_extra("serve", ("lm_eval",))
+    except MissingExtraError as err:
+        raise SystemExit(f"error: {err}") from None
     from lm_eval.__main__ import cli_evaluate
 
     import qwen_mtp.eval.lm  # noqa: F401  (registers the model type)

@@ -170,3 +170,64 @@ def test_k_auto_verifies_are_chained_while_k_stays(path):
     assert summary(run(engine, params)) == summary(run(make_engine(path, lookahead=False), params))
     assert engine.lookahead_steps > 0
     assert_all_reclaimed(engine)
+
+
+class RandomK:
+    """A `mtp.k: auto` policy for tests: K = 0..3 at random (seeded), kept with probability 0.7 so steps chain."""
+
+    buckets = [1]
+
+    def __init__(self, seed: int):
+        self.rng, self.k = random.Random(seed), 2
+
+    def measured(self, count):
+        return True
+
+    def choose(self, count):
+        if self.rng.random() > 0.7:
+            self.k = self.rng.randint(0, 3)
+        return self.k
+
+    def observe(self, drafted, accepted):
+        pass
+
+
+def test_k_auto_chains_under_random_arrivals_cancels_stops_and_k(path):
+    """`mtp.k: auto` with K changing at random (K = 0 included) while requests arrive, are cancelled and stop on
+    stop tokens, under memory pressure, oracle drafts accepted at 0.6: every finished request equals plain
+    decoding with its parameters, nothing leaks, and chains ran at several K."""
+    rng = random.Random(11)
+    cache = {"num_pages": 24, "num_state_rows": 3, "max_batch": 3}
+    reference = make_engine(path, False, **cache)
+    engine = make_engine(path, True, k="auto", draft="oracle", **cache)
+    engine.speculator.policy = RandomK(5)
+    chained, launch = [], engine._launch_verify
+
+    def recorded(requests, after=None):
+        if after is not None:
+            chained.append((after.verified.k, len(requests)))
+        return launch(requests, after)
+
+    engine._launch_verify = recorded
+    submitted, cancelled, steps = {}, set(), 0
+    while steps < 150 or engine.has_unfinished():
+        if steps < 150 and rng.random() < 0.2:
+            prompt = random_prompt(rng.randint(1, 30), seed=rng.randint(0, 10**6))
+            params = SamplingParams(rng.randint(1, 40), ignore_eos=True)
+            expected = reference.generate([prompt], params)[0].token_ids
+            if len(expected) > 3 and rng.random() < 0.3:  # stop at a token of its own continuation
+                params = SamplingParams(params.max_new_tokens, ignore_eos=True, stop_token_ids=[expected[3]])
+                expected = reference.generate([prompt], params)[0].token_ids
+            submitted[engine.submit_with_oracle(prompt, expected, params)] = expected
+        live = [rid for rid in submitted if not engine.requests[rid].done]
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
+            engine.cancel(victim)
+            cancelled.add(victim)
+        engine.step()
+        steps += 1
+    assert_all_reclaimed(engine)
+    assert cancelled and len({k for k, _ in chained}) >= 3 and max(count for _, count in chained) > 1, chained
+    for rid, expected in submitted.items():
+        if rid not in cancelled:
+            assert engine.result(rid).token_ids == expected, rid

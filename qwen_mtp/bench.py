@@ -57,6 +57,7 @@ class Row:
     verify_ms: float  # target forward per step (plain: the decode forward)
     draft_ms: float
     host_ms: float
+    ahead_pct: float  # steps launched before the step ahead of them was read (cache.lookahead), % of the timed steps
     peak_mem_gib: float
     roofline_pct: float  # weights + KV + recurrent state
     roofline_weights_pct: float  # weights alone
@@ -198,6 +199,7 @@ def timed_batch(
     _sync(device)
     start = time.perf_counter()
     steps = decode_steps = 0  # decode steps: those after every request had its first token
+    ahead = engine.lookahead_steps
     engine.timer.reset()
     while engine.has_unfinished():
         prefilled = len(first) == len(ids)
@@ -224,6 +226,8 @@ def timed_batch(
         "decode_tokens": counts,
         "decode_seconds": end - decode_start,
         "decode_steps": decode_steps,
+        "steps": steps,
+        "ahead_steps": engine.lookahead_steps - ahead,
         "phases": dict(engine.timer.seconds),
     }
 
@@ -368,6 +372,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 verify_ms=1e3 * forward / steps,
                 draft_ms=1e3 * phases.get("draft", 0.0) / steps,
                 host_ms=1e3 * (step - (forward + phases.get("draft", 0.0)) / steps),
+                ahead_pct=100.0 * result["ahead_steps"] / max(result["steps"], 1),
                 peak_mem_gib=peak,
                 roofline_pct=100.0 * (sum(moved.values()) / bandwidth) / step,
                 roofline_weights_pct=100.0 * (moved["weights"] / bandwidth) / step,
@@ -392,7 +397,8 @@ COLUMNS = [
     ("acc", "accept_rate", "{}"), ("TTFT ms", "ttft_ms", "{:.1f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
     ("tok/s", "tokens_per_s", "{:.1f}"), ("x plain", "speedup", "{:.2f}"), ("AL", "acceptance_length", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"), ("verify", "verify_ms", "{:.2f}"), ("draft", "draft_ms", "{:.2f}"),
-    ("host", "host_ms", "{:.2f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"), ("% roof", "roofline_pct", "{:.0f}"),
+    ("host", "host_ms", "{:.2f}"), ("ahead %", "ahead_pct", "{:.0f}"), ("peak GiB", "peak_mem_gib", "{:.1f}"),
+    ("% roof", "roofline_pct", "{:.0f}"),
     ("% roof w", "roofline_weights_pct", "{:.0f}"), ("exact", "exact", "{}"),
 ]  # fmt: skip
 

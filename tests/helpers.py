@@ -88,6 +88,28 @@ def random_prompt(length: int, seed: int, vocab: int = 500) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def random_traffic(engine, rng, arrivals: int, arrive: float, cancel: float, submit, each_step=None):
+    """Seeded traffic on `engine`: for the first `arrivals` steps a request arrives with probability `arrive`
+    (`submit(rng)` submits it and returns its id and what the test keeps of it), and a live request is cancelled
+    with probability `cancel`; then steps until everything ends (`each_step()` after every step). Returns {id:
+    kept} and the set of cancelled ids."""
+    submitted, cancelled, steps = {}, set(), 0
+    while steps < arrivals or engine.has_unfinished():
+        if steps < arrivals and rng.random() < arrive:
+            rid, kept = submit(rng)
+            submitted[rid] = kept
+        live = [rid for rid in submitted if not engine.requests[rid].done]
+        if live and rng.random() < cancel:
+            victim = rng.choice(live)
+            engine.cancel(victim)
+            cancelled.add(victim)
+        engine.step()
+        steps += 1
+        if each_step is not None:
+            each_step()
+    return submitted, cancelled
+
+
 def cpu_engine(path, k: int | None = None, **mtp):
     """An fp32 CPU engine on the checkpoint at `path`, prefill chunks of 16 tokens: MTP off, or on with K = `k`
     and the other `mtp.*` settings given."""

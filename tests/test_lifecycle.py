@@ -5,7 +5,7 @@ submitting and generating, and steps that raise."""
 import random
 
 import pytest
-from helpers import random_prompt
+from helpers import random_prompt, random_traffic
 
 from qwen_mtp import Engine, RequestError, SamplingParams
 
@@ -129,21 +129,17 @@ def test_randomized_lifecycle_no_leaks_and_solo_tokens(path, mixed, arrivals, le
     if mixed:
         cache.update(mixed_steps=True, max_step_tokens=3 + 16 + 8)
     engine = make_engine(path, {"cuda_graphs": False, "prefill_graphs": prefill_graphs}, **cache)
-    submitted, cancelled, steps = {}, set(), 0
-    while steps < arrivals or engine.has_unfinished():
-        if steps < arrivals and rng.random() < 0.3:
-            prompt = random_prompt(rng.randint(1, 60), seed=rng.randint(0, 10**6))
-            max_new = rng.randint(1, 20)
-            submitted[engine.submit(prompt, SamplingParams(max_new, ignore_eos=True))] = (prompt, max_new)
-        live = [rid for rid in submitted if not engine.requests[rid].done]
-        if live and rng.random() < 0.05:
-            victim = rng.choice(live)
-            engine.cancel(victim)
-            cancelled.add(victim)
-        engine.step()
-        steps += 1
+
+    def submit(rng):
+        prompt = random_prompt(rng.randint(1, 60), seed=rng.randint(0, 10**6))
+        max_new = rng.randint(1, 20)
+        return engine.submit(prompt, SamplingParams(max_new, ignore_eos=True)), (prompt, max_new)
+
+    def pools_in_bounds():
         stats = engine.stats()
         assert 0 <= stats["free_pages"] <= stats["total_pages"] and engine.pages.available_pages >= 0
+
+    submitted, cancelled = random_traffic(engine, rng, arrivals, 0.3, 0.05, submit, pools_in_bounds)
     assert_all_reclaimed(engine)
     finished = [rid for rid in submitted if rid not in cancelled]
     assert len(finished) > least[0] and len(cancelled) > least[1]

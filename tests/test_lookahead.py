@@ -6,7 +6,7 @@ back."""
 import random
 
 import pytest
-from helpers import random_prompt
+from helpers import random_prompt, random_traffic
 
 from qwen_mtp import Engine, SamplingParams
 
@@ -102,18 +102,13 @@ def test_lookahead_randomized_arrivals_cancels_and_lengths(path):
     solo run, nothing leaks, and chains ran."""
     rng = random.Random(7)
     cache = {"num_pages": 20, "num_state_rows": 3, "max_batch": 3}
-    engine, submitted, cancelled, steps = make_engine(path, True, **cache), {}, set(), 0
-    while steps < 120 or engine.has_unfinished():
-        if steps < 120 and rng.random() < 0.12:
-            prompt, n = random_prompt(rng.randint(1, 30), seed=rng.randint(0, 10**6)), rng.randint(1, 16)
-            submitted[engine.submit(prompt, SamplingParams(n, ignore_eos=True))] = (prompt, n)
-        live = [rid for rid in submitted if not engine.requests[rid].done]
-        if live and rng.random() < 0.03:
-            victim = rng.choice(live)
-            engine.cancel(victim)
-            cancelled.add(victim)
-        engine.step()
-        steps += 1
+    engine = make_engine(path, True, **cache)
+
+    def submit(rng):
+        prompt, n = random_prompt(rng.randint(1, 30), seed=rng.randint(0, 10**6)), rng.randint(1, 16)
+        return engine.submit(prompt, SamplingParams(n, ignore_eos=True)), (prompt, n)
+
+    submitted, cancelled = random_traffic(engine, rng, 120, 0.12, 0.03, submit)
     assert_all_reclaimed(engine)
     assert engine.lookahead_steps > 10 and cancelled
     reference = make_engine(path, False, **cache)
@@ -209,23 +204,17 @@ def test_k_auto_chains_under_random_arrivals_cancels_stops_and_k(path):
         return launch(requests, after)
 
     engine._launch_verify = recorded
-    submitted, cancelled, steps = {}, set(), 0
-    while steps < 150 or engine.has_unfinished():
-        if steps < 150 and rng.random() < 0.2:
-            prompt = random_prompt(rng.randint(1, 30), seed=rng.randint(0, 10**6))
-            params = SamplingParams(rng.randint(1, 40), ignore_eos=True)
+
+    def submit(rng):
+        prompt = random_prompt(rng.randint(1, 30), seed=rng.randint(0, 10**6))
+        params = SamplingParams(rng.randint(1, 40), ignore_eos=True)
+        expected = reference.generate([prompt], params)[0].token_ids
+        if len(expected) > 3 and rng.random() < 0.3:  # stop at a token of its own continuation
+            params = SamplingParams(params.max_new_tokens, ignore_eos=True, stop_token_ids=[expected[3]])
             expected = reference.generate([prompt], params)[0].token_ids
-            if len(expected) > 3 and rng.random() < 0.3:  # stop at a token of its own continuation
-                params = SamplingParams(params.max_new_tokens, ignore_eos=True, stop_token_ids=[expected[3]])
-                expected = reference.generate([prompt], params)[0].token_ids
-            submitted[engine.submit_with_oracle(prompt, expected, params)] = expected
-        live = [rid for rid in submitted if not engine.requests[rid].done]
-        if live and rng.random() < 0.03:
-            victim = rng.choice(live)
-            engine.cancel(victim)
-            cancelled.add(victim)
-        engine.step()
-        steps += 1
+        return engine.submit_with_oracle(prompt, expected, params), expected
+
+    submitted, cancelled = random_traffic(engine, rng, 150, 0.2, 0.03, submit)
     assert_all_reclaimed(engine)
     assert cancelled and len({k for k, _ in chained}) >= 3 and max(count for _, count in chained) > 1, chained
     for rid, expected in submitted.items():

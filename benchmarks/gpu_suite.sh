@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|ksweep|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -67,6 +67,8 @@
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py but its server test (TESTS=0: not);
 #   kauto        `mtp.k: auto` with chained steps against a fixed K=3 (27B bf16, B1 / B8 / B32), the exactness subset
 #                first; AUTO_ONLY=1: k auto unchained (cache.lookahead=false), the A/B's other half;
+#   ksweep       #16's batch sweep (27B at oracle 0.8: plain, K=1..4 and k auto, max_k 4) for BATCHES (default 1,2,4;
+#                then 8,16 and 32,64 in two more calls), MODEL=fp8 (default; carry .whl for torchao) or bf16;
 #   serve        `qwen-mtp serve` on one GPU (MTP on answers as off, SIGTERM), the MoE exactness suite (the MoE block's
 #                tensor-parallel seam at TP=1) and the host-sync counts;
 #   tp2serve     `qwen-mtp serve` at TP=2 on two GPUs (the shipped model, graphs): MTP on answers as MTP off;
@@ -488,6 +490,12 @@ if [[ "$STAGE" == kauto ]]; then  # one device call (~8 min; AUTO_ONLY=1: ~3 min
       -k "(mtp_equals_plain_bf16 and graphs) or stress"
     bench_27b 330 bench-kauto-chained --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[3,auto]' --set mtp.max_k=3
   fi
+fi
+if [[ "$STAGE" == ksweep ]]; then  # three device calls (~9 min each): #16's k auto sweep, a few batch sizes a call
+  preset=qwen3.5-27b; [[ "${MODEL:-fp8}" == fp8 ]] && preset=qwen3.5-27b-fp8
+  batches=${BATCHES:-1,2,4}
+  bench_27b 570 "bench-ksweep-${MODEL:-fp8}-b${batches//,/-}" --set model.synthetic=$preset \
+    --set "bench.batch_sizes=[$batches]" --set 'bench.ks=[1,2,3,4,auto]' --set mtp.max_k=4
 fi
 if [[ "$STAGE" == serve ]]; then  # one device call (~5 min; carry .whl with the serve wheels in .whl/serve: fastapi,
   # uvicorn, prometheus-client, openai and their dependencies, which the GPU box lacks; docs/development.md)

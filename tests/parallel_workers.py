@@ -205,7 +205,21 @@ def k_auto(path: str, prompts: list[str], rank: int) -> dict[str, list]:
     speculator.policy.choose = lambda count: chosen.append(choose(count)) or chosen[-1]
     params = SamplingParams(24, ignore_eos=True)
     tokens = [r.token_ids for r in engine.generate([engine.encode(p) for p in prompts], params)]
-    return {"tokens": tokens, "k": chosen}
+    # K = 0 while three requests run, K > 0 once two are left: their K = 0 positions caught up in one packed pass
+    engine = Engine.from_recipe(recipe, log=quiet)
+    speculator = engine.speculator
+    cheap, dear = StepTimes((1.0,) * 4, (0.0,) * 4), StepTimes((1.0, 3.0, 5.0, 7.0), (0.0,) * 4)
+    speculator.measure_times = lambda bucket: cheap if bucket <= 2 else dear
+    rise, choose = [], speculator.policy.choose
+    speculator.policy.choose = lambda count: rise.append(choose(count)) or rise[-1]
+    lengths = (24, 16, 6)
+    ids = [
+        engine.submit(engine.encode(p), SamplingParams(n, ignore_eos=True))
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    return {"tokens": tokens, "k": chosen, "rise_tokens": [engine.result(i).token_ids for i in ids], "rise_k": rise}
 
 
 PREFIX_CHUNK = 8  # prefill chunk = page size: one page per chunk, so a short conversation spans chunks

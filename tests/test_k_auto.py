@@ -290,3 +290,39 @@ def test_step_times_are_measured_with_the_state_traffic_of_the_batch():
     assert len(set(rows[:3])) == 3 and owned not in rows and rows[3:] == [states.scratch_row] * 3
     states.ssm[:, rows[0]] = 1.0  # what a timed step leaves behind
     assert states.ssm[:, states.allocate(request=8)].abs().sum() == 0
+
+
+def test_catch_up_of_several_requests_is_one_packed_pass(checkpoint, monkeypatch):
+    """When K rises, the positions K = 0 steps left behind are caught up for every request at once: one packed MTP
+    pass over all their spans and one draft chain (one host read), not a pass, a chain and a read per request. The
+    MTP KV and the drafts it makes equal catching each request up on its own (the KV up to fp32 rounding: the
+    packed linears run row by row)."""
+    path = checkpoint("tiny")
+    prompts = PROMPTS[:4]
+    runs = []
+    for alone in (False, True):
+        engine = cpu_engine(path, "auto", max_k=3)
+        engine.speculator.policy = Scripted([2, 0, 0, 0, 0, 3, 3, 0, 0, 1])
+        passes, drafts, spans, catch_up = [], [], engine.runner.prefill_mtp_spans, engine.speculator._catch_up
+        monkeypatch.setattr(
+            engine.runner, "prefill_mtp_spans", lambda s, _f=spans, _p=passes: _p.append(len(s)) or _f(s)
+        )
+
+        def caught_up(requests, draft, _f=catch_up, _alone=alone, _drafts=drafts):
+            for group in [[r] for r in requests] if _alone else [requests]:
+                _f(group, draft)
+            if draft and requests:
+                _drafts.append({r.id: list(r.drafts) for r in requests})
+
+        monkeypatch.setattr(engine.speculator, "_catch_up", caught_up)
+        params = dataclasses.replace(greedy(0), max_new_tokens=60)
+        requests = [engine.requests[engine.submit(p, params)] for p in prompts]
+        # read while every request runs, once no position is behind
+        while any(r.num_computed < len(r.prompt) + 20 or r.id in engine.speculator._behind for r in requests):
+            engine.step()
+        assert max(passes) == (1 if alone else len(prompts)), passes  # K = 0 steps ran for all four at once
+        runs.append((drafts, [_mtp_kv(engine, r, len(r.prompt) + 20) for r in requests]))
+    (drafts, kv), (drafts_alone, kv_alone) = runs
+    assert drafts and drafts == drafts_alone
+    for ours, theirs in zip(kv, kv_alone, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

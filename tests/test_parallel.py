@@ -158,7 +158,11 @@ def test_tp2_k_auto_agrees_across_ranks_and_gives_the_mtp_off_tokens(tp2):
     first, second = (ranks["k_auto"] for ranks in rank_results(tp2))
     assert first["k"] == second["k"] and first["k"], (first["k"], second["k"])
     assert max(first["k"]) == 2, first["k"]  # rank 1's times (K = 3 costs three plain steps) rule
-    assert first["tokens"] == rank_results(tp2)[0]["draft_heads"]["off"]["tokens"]
+    off = rank_results(tp2)[0]["draft_heads"]["off"]["tokens"]
+    assert first["tokens"] == off
+    # K = 0 for three requests, then K > 0 for the two left (a packed catch-up of both): still MTP-off's tokens
+    assert first["rise_k"] == second["rise_k"] and 0 in first["rise_k"] and max(first["rise_k"]) > 0, first["rise_k"]
+    assert first["rise_tokens"] == [tokens[:n] for tokens, n in zip(off, (24, 16, 6), strict=True)]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

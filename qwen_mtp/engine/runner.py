@@ -202,6 +202,31 @@ class Runner:
         hidden = self.prefill_steps.packed(batch)
         return [hidden[:, part] for part in batch.slices()]
 
+    def prefill_mtp_spans(self, spans: Sequence[tuple[Request, int, list[int], torch.Tensor]]) -> torch.Tensor:
+        """The MTP head over spans of positions of several requests, each span (request, first position, the next
+        tokens there: token i+1 at position i, the target's hidden states there [T, H]), writing their MTP KV, in
+        one packed forward (one span: as a prompt chunk). Returns the post-`mtp.norm` hidden state at each span's
+        last position [S, H], where a draft chain starts."""
+        if len(spans) == 1:
+            request, first, following, hidden = spans[0]
+            batch = self.batch(StepKind.PREFILL, [request], [following], [first])
+            return self.prefill_mtp(batch, hidden[None])[:, -1]
+        ids = [request.id for request, *_ in spans]
+        ranges = [range(first, first + len(following)) for _, first, following, _ in spans]
+        lengths = tuple(len(span) for span in ranges)
+        batch = PackedChunks(
+            token_ids=self.tensor([[t for _, _, following, _ in spans for t in following]]),
+            positions=self.tensor([[p for span in ranges for p in span]]),
+            state_rows=self.tensor([self.states.rows[i] for i in ids]),
+            block_tables=self.tensor(self.pages.block_rows(ids), torch.int32),
+            context_lens=self.tensor([span.stop for span in ranges], torch.int32),
+            cu_seqlens=self.tensor([0, *itertools.accumulate(lengths)], torch.int32),
+            lengths=lengths,
+            fresh=(False,) * len(spans),  # the MTP layers hold no recurrent state
+        )
+        out = self.prefill_steps.mtp_packed(batch, torch.cat([hidden for *_, hidden in spans])[None])
+        return out[0, [end - 1 for end in itertools.accumulate(lengths)]]
+
     def prefill_mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         """MTP head over a prompt chunk's positions (writing its own KV there): `token_ids` hold the *next*
         tokens (token i+1 at position i), `hidden` [1, T, H] the target's. Returns post-`mtp.norm` hidden."""

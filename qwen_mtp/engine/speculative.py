@@ -23,10 +23,10 @@ K may change from step to step (`mtp.k: auto`, `k_policy.py`): a step verifies K
 K of those it has, padded with filler tokens when it has fewer (after a step with a smaller K); a filler is
 rarely accepted, and when it is, it equals the target's choice, so the tokens stay the target's. A K = 0 step
 is a plain decode step: it runs no MTP work, and keeps the target's hidden state of its position instead; the
-first step with K > 0 (or `MAX_BEHIND` such positions) runs the MTP head over the positions it missed, as over a
-prompt chunk, and drafts from there (`_catch_up`), so the MTP KV never misses a position and later drafts stay as
-good, while a batch that decodes plainly pays nothing for staying ready. The state pool and the page
-reservations are sized for `max_k`.
+first step with K > 0 (or `MAX_BEHIND` such positions) runs the MTP head over the positions its requests missed,
+as over prompt chunks packed in one forward, and drafts from there in one chain (`_catch_up`), so the MTP KV never
+misses a position and later drafts stay as good, while a batch that decodes plainly pays nothing for staying
+ready. The state pool and the page reservations are sized for `max_k`.
 
 A request with a structured output verifies the tokens its grammar forces next (`grammar.forced_drafts`: a JSON
 key, a tool call's fixed text) in place of the head's first drafts: the target, masked to those tokens, chooses them
@@ -219,21 +219,27 @@ class Speculator:
 
     def _catch_up(self, requests: list[Request], draft: bool) -> None:
         """Run the MTP head over the positions K = 0 steps left behind, from the target's hidden states kept
-        there (as over a prompt chunk: `prefill_chunk`), writing its KV; with `draft`, also draft from the last of
-        them: each request's drafts for the next verify (a host read, only when K rises)."""
-        for request in requests:
-            first, hidden = self._behind.pop(request.id)
-            end = request.num_computed  # positions first..end-1 are behind; the token at `end` is the last emitted
-            following = self.runner.tensor([request.tokens[first + 1 : end + 1]])  # token i+1 at position i
-            batch = self.runner.batch(StepKind.PREFILL, [request], following, [first])
-            mtp_hidden = self.runner.prefill_mtp(batch, torch.stack(hidden)[None])
-            if draft:
-                batch = replace(batch, sampling=self.runner.chain_sampling([request]))
-                accepted = torch.zeros(1, dtype=torch.long, device=mtp_hidden.device)
-                firsts = [end + 1 - len(request.prompt)]  # d1 guesses the token at end + 1
-                override, use = self._overrides([request], firsts, accepted, self.max_k)
-                drafts = self.runner.chain(batch, mtp_hidden[:, -1], self.runner.tensor([end]), override, use)
-                request.drafts = drafts[0].tolist()
+        there (as over prompt chunks, all the requests' spans packed in one forward), writing its KV; with `draft`,
+        also draft from the last of them, one chain for all: each request's drafts for the next verify (one host
+        read, only when K rises)."""
+        if not requests:
+            return
+        spans, ends = [], [r.num_computed for r in requests]
+        for request, end in zip(requests, ends, strict=True):
+            first, hidden = self._behind.pop(request.id)  # positions first..end-1 are behind; `end` the last emitted
+            spans.append((request, first, request.tokens[first + 1 : end + 1], torch.stack(hidden)))
+        last = self.runner.prefill_mtp_spans(spans)  # [B, H] at each request's position end - 1
+        if not draft:
+            return
+        # the chain reads the batch's state rows, pages and sampler rows (its placeholder tokens: none of them)
+        batch = self.runner.batch(StepKind.PREFILL, requests, [[FILLER]] * len(requests), ends)
+        batch = replace(batch, sampling=self.runner.chain_sampling(requests))
+        accepted = torch.zeros(len(requests), dtype=torch.long, device=last.device)
+        firsts = [end + 1 - len(r.prompt) for r, end in zip(requests, ends, strict=True)]  # d1: the token at end + 1
+        override, use = self._overrides(requests, firsts, accepted, self.max_k)
+        drafts = self.runner.chain(batch, last, self.runner.tensor(ends), override, use).tolist()
+        for request, row in zip(requests, drafts, strict=True):
+            request.drafts = row
 
     def record(self, request: Request, accepted: int, drafted: int) -> None:
         """A verify's result for `request`: `accepted` of its `drafted` real drafts."""

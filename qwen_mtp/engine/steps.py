@@ -185,3 +185,9 @@ class PrefillSteps:
         no recurrent state, so no `fresh`."""
         cache = self._cache(tokens, positions, rows, tables, lens, fresh=False)
         return self.model.mtp_hidden_states(tokens, hidden, positions, cache)
+
+    def mtp_packed(self, batch: PackedChunks, hidden: torch.Tensor) -> torch.Tensor:
+        """`mtp` over packed chunks of several requests (`hidden` [1, N, H]): post-`mtp.norm` hidden [1, N, H]."""
+        cache = PackedStepCache(batch, self.pages, self.states)
+        with prefill_rows():
+            return self.model.mtp_hidden_states(batch.token_ids, hidden, batch.positions, cache)

@@ -66,7 +66,7 @@
 #                MTP off for 32 mixed prompts at B = 1, 8, 32 under graphs, TP=2 tokens against TP=1 (where they
 #                part, by how much TP=1 led), then tests/gpu/test_tp2.py but its server test (TESTS=0: not);
 #   kauto        `mtp.k: auto` with chained steps against a fixed K=3 (27B bf16, B1 / B8 / B32), the exactness subset
-#                first; AUTO_ONLY=1: k auto unchained (cache.lookahead=false), the A/B's other half;
+#                and the chained k auto test first; AUTO_ONLY=1: k auto unchained (cache.lookahead=false), the A/B's other half;
 #   ksweep       #16's batch sweep (27B at oracle 0.8: plain, K=1..4 and k auto, max_k 4) for BATCHES (default 1,2,4;
 #                then 8,16 and 32,64 in two more calls), MODEL=fp8 (default; carry .whl for torchao) or bf16;
 #   serve        `qwen-mtp serve` on one GPU (MTP on answers as off, SIGTERM), the MoE exactness suite (the MoE block's
@@ -486,8 +486,8 @@ if [[ "$STAGE" == kauto ]]; then  # one device call (~8 min; AUTO_ONLY=1: ~3 min
     bench_27b 240 bench-kauto-unchained --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[auto]' --set mtp.max_k=3 \
       --set cache.lookahead=false
   else
-    counted 250 exactness-kauto.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
-      -k "(mtp_equals_plain_bf16 and graphs) or stress"
+    counted 300 exactness-kauto.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
+      -k "(mtp_equals_plain_bf16 and graphs) or stress or k_auto"
     bench_27b 330 bench-kauto-chained --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[3,auto]' --set mtp.max_k=3
   fi
 fi

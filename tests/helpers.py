@@ -4,6 +4,7 @@ installed on CPU)."""
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,27 @@ def assert_matches_reference(ours: list[int], expected: list[int], margins: list
 
 def random_prompt(length: int, seed: int, vocab: int = 500) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class RandomK:
+    """A `mtp.k: auto` policy for tests: K = 0..`max_k` at random (seeded), kept with probability 0.7 so steps
+    chain under `cache.lookahead`."""
+
+    buckets = [1]
+
+    def __init__(self, seed: int, max_k: int = 3):
+        self.rng, self.k, self.max_k = random.Random(seed), 2, max_k
+
+    def measured(self, count):
+        return True
+
+    def choose(self, count):
+        if self.rng.random() > 0.7:
+            self.k = self.rng.randint(0, self.max_k)
+        return self.k
+
+    def observe(self, drafted, accepted):
+        pass
 
 
 def random_traffic(engine, rng, arrivals: int, arrive: float, cancel: float, submit, each_step=None):

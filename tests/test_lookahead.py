@@ -6,7 +6,7 @@ back."""
 import random
 
 import pytest
-from helpers import random_prompt, random_traffic
+from helpers import RandomK, random_prompt, random_traffic
 
 from qwen_mtp import Engine, SamplingParams
 
@@ -165,26 +165,6 @@ def test_k_auto_verifies_are_chained_while_k_stays(path):
     assert summary(run(engine, params)) == summary(run(make_engine(path, lookahead=False), params))
     assert engine.lookahead_steps > 0
     assert_all_reclaimed(engine)
-
-
-class RandomK:
-    """A `mtp.k: auto` policy for tests: K = 0..3 at random (seeded), kept with probability 0.7 so steps chain."""
-
-    buckets = [1]
-
-    def __init__(self, seed: int):
-        self.rng, self.k = random.Random(seed), 2
-
-    def measured(self, count):
-        return True
-
-    def choose(self, count):
-        if self.rng.random() > 0.7:
-            self.k = self.rng.randint(0, 3)
-        return self.k
-
-    def observe(self, drafted, accepted):
-        pass
 
 
 def test_k_auto_chains_under_random_arrivals_cancels_stops_and_k(path):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import load_hf, random_prompt
+from helpers import RandomK, load_hf, random_prompt
 
 from qwen_mtp import Engine, SamplingParams, load_model
 from qwen_mtp.ops import triton_utils
@@ -189,3 +189,33 @@ def test_lookahead_equals_plain_graphs(k):
             got = [ahead.result(i) for i in ids]
         assert [r.token_ids for r in got] == [r.token_ids for r in expected], f"batch {batch}"
     assert ahead.lookahead_steps > 0
+
+
+def test_k_auto_chained_steps_equal_plain_graphs():
+    """`mtp.k: auto` under CUDA graphs with the lookahead, K changing at random (0..4, sticky, so steps chain at
+    each K and K = 0 positions are caught up for several requests in one packed pass when K rises): plain
+    decoding's tokens at batch 1, 8 and 32."""
+    source = {"synthetic": "qwen3.5-0.8b"}
+    prompts = [random_prompt(n, seed=n, vocab=200000) for n in (1, 5, 7, 130, 64, 300, 2, 33) * 4]
+    plain = engine_for(source, mode="graphs")
+    auto = engine_for(source, k="auto", draft="oracle", accept=0.7, mode="graphs", lookahead=True)
+    auto.speculator.policy = RandomK(3, max_k=auto.speculator.max_k)
+    chained, packed = set(), []
+    launch, spans = auto._launch_verify, auto.runner.prefill_mtp_spans
+
+    def launch_verify(requests, after=None):
+        if after is not None:  # a chained verify, at the K of the one in flight
+            chained.add(after.verified.k)
+        return launch(requests, after)
+
+    auto._launch_verify = launch_verify
+    auto.runner.prefill_mtp_spans = lambda s: packed.append(len(s)) or spans(s)
+    for batch in (1, 8, 32):
+        expected = plain.generate(prompts[:batch], max_new_tokens=40, ignore_eos=True)
+        params = SamplingParams(40, ignore_eos=True)
+        ids = [auto.submit_with_oracle(p, e.token_ids, params) for p, e in zip(prompts[:batch], expected, strict=True)]
+        while auto.has_unfinished():
+            auto.step()
+        got = [auto.result(i).token_ids for i in ids]
+        assert got == [r.token_ids for r in expected], f"batch {batch}"
+    assert len(chained) >= 3 and 0 in chained and max(packed) > 1, (chained, packed)

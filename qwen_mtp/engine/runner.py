@@ -177,21 +177,27 @@ class Runner:
             return self.chunk_graphs.target(*args, batch.fresh)
         return self.prefill_target(*args, batch.fresh)
 
+    def packed(self, parts: Sequence[tuple[Request, int, list[int]]]) -> PackedChunks:
+        """Several requests' spans end to end as one packed step, each part (request, first position, the tokens
+        fed there); a span from position 0 is fresh (only the GDN layers read that: no state before it)."""
+        ids = [request.id for request, _, _ in parts]
+        ranges = [range(first, first + len(tokens)) for _, first, tokens in parts]
+        lengths = tuple(len(span) for span in ranges)
+        return PackedChunks(
+            token_ids=self.tensor([[t for _, _, tokens in parts for t in tokens]]),
+            positions=self.tensor([[p for span in ranges for p in span]]),
+            state_rows=self.tensor([self.states.rows[i] for i in ids]),
+            block_tables=self.tensor(self.pages.block_rows(ids), torch.int32),
+            context_lens=self.tensor([span.stop for span in ranges], torch.int32),
+            cu_seqlens=self.tensor([0, *itertools.accumulate(lengths)], torch.int32),
+            lengths=lengths,
+            fresh=tuple(span.start == 0 for span in ranges),
+        )
+
     def prefill_packed(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
         """Target model over several requests' prompt chunks in one packed forward (mixed steps; eager: the
         layout changes every step): each chunk's post-norm hidden states [1, T_i, H], views of one tensor."""
-        tokens = [t for c in chunks for t in c.request.prompt[c.start : c.start + c.length]]
-        ids = [c.request.id for c in chunks]
-        batch = PackedChunks(
-            token_ids=self.tensor([tokens]),
-            positions=self.tensor([[p for c in chunks for p in range(c.start, c.start + c.length)]]),
-            state_rows=self.tensor([self.states.rows[i] for i in ids]),
-            block_tables=self.tensor(self.pages.block_rows(ids), torch.int32),
-            context_lens=self.tensor([c.start + c.length for c in chunks], torch.int32),
-            cu_seqlens=self.tensor([0, *itertools.accumulate(c.length for c in chunks)], torch.int32),
-            lengths=tuple(c.length for c in chunks),
-            fresh=tuple(c.start == 0 for c in chunks),
-        )
+        batch = self.packed([(c.request, c.start, c.request.prompt[c.start : c.start + c.length]) for c in chunks])
         if (
             len(chunks) == 1
             and self.chunk_graphs is not None
@@ -211,21 +217,9 @@ class Runner:
             request, first, following, hidden = spans[0]
             batch = self.batch(StepKind.PREFILL, [request], [following], [first])
             return self.prefill_mtp(batch, hidden[None])[:, -1]
-        ids = [request.id for request, *_ in spans]
-        ranges = [range(first, first + len(following)) for _, first, following, _ in spans]
-        lengths = tuple(len(span) for span in ranges)
-        batch = PackedChunks(
-            token_ids=self.tensor([[t for _, _, following, _ in spans for t in following]]),
-            positions=self.tensor([[p for span in ranges for p in span]]),
-            state_rows=self.tensor([self.states.rows[i] for i in ids]),
-            block_tables=self.tensor(self.pages.block_rows(ids), torch.int32),
-            context_lens=self.tensor([span.stop for span in ranges], torch.int32),
-            cu_seqlens=self.tensor([0, *itertools.accumulate(lengths)], torch.int32),
-            lengths=lengths,
-            fresh=(False,) * len(spans),  # the MTP layers hold no recurrent state
-        )
+        batch = self.packed([(request, first, following) for request, first, following, _ in spans])
         out = self.prefill_steps.mtp_packed(batch, torch.cat([hidden for *_, hidden in spans])[None])
-        return out[0, [end - 1 for end in itertools.accumulate(lengths)]]
+        return out[0, [part.stop - 1 for part in batch.slices()]]
 
     def prefill_mtp(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         """MTP head over a prompt chunk's positions (writing its own KV there): `token_ids` hold the *next*

@@ -69,7 +69,7 @@ class Verified:
     chosen: torch.Tensor  # chosen tokens [B, K+1]
     accepted: torch.Tensor  # drafts accepted per request [B] (j)
     logprobs: sampling.Logprobs | None  # of the chosen tokens, when a request asks
-    drafted: tuple[int, ...] = ()  # real drafts each request's row verifies (the rest of its K are fillers)
+    drafted: tuple[int, ...]  # real drafts each request's row verifies (the rest of its K are fillers)
     shift: torch.Tensor | None = None  # a lookahead verify: the accepted counts [B] of the verify before it
 
     @property
@@ -169,7 +169,7 @@ class Speculator:
         if k > 0:  # drafts for the requests K = 0 steps left behind
             self._catch_up([r for r in requests if r.id in self._behind], draft=True)
         else:
-            self._catch_up([r for r in requests if len(self._behind.get(r.id, (0, ()))[1]) >= MAX_BEHIND], False)
+            self._catch_up([r for r in requests if self._lag(r) >= MAX_BEHIND], False)
         tokens, drafted = [], []
         for r in requests:
             drafts = r.drafts[:k] if r.grammar is None else grammar.forced_drafts(r.grammar, r.drafts, k)
@@ -215,7 +215,11 @@ class Speculator:
         # a bucket's first step times its steps, which would replay graphs whose outputs the chain starts from
         if not self.policy.measured(len(requests)) or self.policy.choose(len(requests)) != in_flight:
             return False
-        return in_flight > 0 or all(len(self._behind.get(r.id, (0, ()))[1]) + 1 < MAX_BEHIND for r in requests)
+        return in_flight > 0 or all(self._lag(r) + 1 < MAX_BEHIND for r in requests)
+
+    def _lag(self, request: Request) -> int:
+        """Positions of `request` that K = 0 steps decoded and the MTP head has not caught up with yet."""
+        return len(self._behind[request.id][1]) if request.id in self._behind else 0
 
     def _catch_up(self, requests: list[Request], draft: bool) -> None:
         """Run the MTP head over the positions K = 0 steps left behind, from the target's hidden states kept

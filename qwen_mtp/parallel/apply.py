@@ -23,12 +23,13 @@ def apply_tensor_parallel(model: QwenHybridForCausalLM, parallel: TensorParallel
     if parallel.group is None:
         raise ValueError("apply_tensor_parallel needs the ranks' process group")
     start = ShardPlan(model.config, parallel.degree, parallel.rank).vocab[0]
-    moe_blocks = [name for name, module in model.named_modules() if isinstance(module, SparseMoeBlock)]
+    moe_blocks: list[str] = []  # named_modules() yields a block before anything inside it
     for name, module in model.named_modules():
         if isinstance(module, SparseMoeBlock):  # one sum of the whole block's output (moe.py)
             module.reduce = _summed_over(parallel.group)
+            moe_blocks.append(name + ".")
         elif isinstance(module, Linear) and name.rpartition(".")[2] in ROW_PARALLEL:
-            if not any(name.startswith(block + ".") for block in moe_blocks):  # the shared expert's down_proj
+            if not name.startswith(tuple(moe_blocks)):  # not the shared expert's down_proj: its block sums
                 module.reduce = _summed_over(parallel.group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens.weight, start, parallel.group)
     model.vocab_shard = VocabShard(start, parallel.group)

@@ -55,10 +55,8 @@ def run(
 def _run_rank(loaded_recipe: Recipe, progress_every: float, started: float) -> None:
     """`qwen-mtp run` on one rank (the whole of it at tp = 1): every rank runs the same steps, rank 0 prints."""
     from qwen_mtp.engine import Engine, SamplingParams
-    from qwen_mtp.parallel import current
 
-    parallel = current(loaded_recipe.parallel.tp)
-    lead = parallel is None or parallel.rank == 0
+    parallel, lead = _this_rank(loaded_recipe)
     echo = typer.echo if lead else _quiet
     engine = Engine.from_recipe(loaded_recipe, progress=lead and sys.stderr.isatty(), log=None if lead else _quiet)
     cfg = engine.config
@@ -93,6 +91,14 @@ def _run_rank(loaded_recipe: Recipe, progress_every: float, started: float) -> N
     echo(f"\n{total} new tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({note})")
     if engine.speculator is not None:
         echo(f"MTP k={mtp.k}, {mtp.draft} drafts: {_acceptance(engine.speculator.totals)}")
+
+
+def _this_rank(loaded_recipe: Recipe):
+    """This process's rank (None at tp = 1) and whether it leads: rank 0 (or the only process) prints and serves."""
+    from qwen_mtp.parallel import current
+
+    parallel = current(loaded_recipe.parallel.tp)
+    return parallel, parallel is None or parallel.rank == 0
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -193,10 +199,8 @@ def bench(
 def _bench_rank(loaded_recipe: Recipe) -> None:
     """`qwen-mtp bench` on one rank: every rank runs the same rows, rank 0 prints and writes the outputs."""
     from qwen_mtp.bench import format_table, run_bench, write_outputs
-    from qwen_mtp.parallel import current
 
-    parallel = current(loaded_recipe.parallel.tp)
-    lead = parallel is None or parallel.rank == 0
+    _, lead = _this_rank(loaded_recipe)
     report = run_bench(loaded_recipe, progress=lead and sys.stderr.isatty(), log=typer.echo if lead else _quiet)
     if lead:
         typer.echo(format_table(report))
@@ -348,12 +352,10 @@ def _serve_rank(loaded_recipe: Recipe) -> None:
     """`qwen-mtp serve` on one rank: rank 0 loads, warms up and serves; every other rank loads, warms up and
     follows rank 0's engine loop step by step (serve/relay.py)."""
     from qwen_mtp.engine import Engine
-    from qwen_mtp.parallel import current
     from qwen_mtp.serve.relay import Relay, follow
     from qwen_mtp.serve.server import serve as run_server
 
-    parallel = current(loaded_recipe.parallel.tp)
-    lead = parallel is None or parallel.rank == 0
+    parallel, lead = _this_rank(loaded_recipe)
     engine = Engine.from_recipe(loaded_recipe, progress=lead and sys.stderr.isatty(), log=None if lead else _quiet)
     engine.warmup()
     relay = Relay(parallel, loaded_recipe.parallel.timeout_s) if parallel is not None else None

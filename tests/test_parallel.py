@@ -444,9 +444,11 @@ def test_qwen_mtp_run_starts_two_ranks_and_rank_0_prints(tp2, checkpoint, tmp_pa
     assert printed == rank_results(tp2)[0][PRESETS[0]]["off"]
 
 
-def test_sigterm_to_the_launcher_stops_its_ranks(checkpoint, tmp_path):
-    """A SIGTERM to `qwen-mtp run` while its two ranks generate goes on to rank 0; the launcher stops the other and
-    exits with an error, leaving no rank running (before, the ranks outlived a terminated launcher)."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_alone_stops_its_ranks(checkpoint, tmp_path, signame):
+    """A SIGTERM to `qwen-mtp run` alone while its two ranks generate goes on to rank 0, a SIGINT (`kill -INT`, not
+    a terminal's Ctrl-C, which reaches the ranks itself) to both; the launcher exits with an error, leaving no
+    rank running (before, the ranks outlived a terminated launcher, and ran on after a SIGINT to it)."""
     import shutil
     import signal
     import subprocess
@@ -459,7 +461,7 @@ def test_sigterm_to_the_launcher_stops_its_ranks(checkpoint, tmp_path):
     )
     proc = subprocess.Popen(
         [shutil.which("qwen-mtp"), "run", str(recipe), "--progress-every", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,  # no controlling tty
     )  # fmt: skip
     try:
         while "generated" not in (line := proc.stderr.readline()):  # a progress line: the ranks are generating
@@ -467,10 +469,11 @@ def test_sigterm_to_the_launcher_stops_its_ranks(checkpoint, tmp_path):
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         ranks = [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(ranks) == 2, children
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, signame))
         assert proc.wait(60) != 0
         wait_gone(ranks)  # no rank outlives its launcher
-        assert "rank 0 of 2 exited" in proc.stderr.read()
+        stderr = proc.stderr.read()
+        assert ("rank 0 of 2 exited" if signame == "SIGTERM" else "KeyboardInterrupt") in stderr, stderr
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -111,8 +111,9 @@ def run_ranks(recipe: Recipe, target: Callable[..., Any], *args: Any) -> None:
 def _signals_to_rank_0(ranks) -> Iterator[None]:
     """While this process waits for its spawned ranks: a SIGTERM goes on to rank 0, which stops the run (a server
     stops gracefully and tells the other ranks; a `run` or `bench` rank dies and the wait stops the rest), and a
-    SIGINT is ignored here (Ctrl-C in a terminal reaches every rank already). Without this the ranks would outlive
-    a terminated parent."""
+    SIGINT goes on to every rank, as Ctrl-C in a terminal does (a server's rank 0 stops, a second one forces it;
+    the other ranks follow it), unless it came from that terminal: then every rank has it already. Without this
+    the ranks would outlive a terminated parent, or run on after `kill -INT` to it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -121,13 +122,34 @@ def _signals_to_rank_0(ranks) -> Iterator[None]:
         if ranks.processes[0].is_alive():
             os.kill(ranks.processes[0].pid, signal.SIGTERM)
 
+    def interrupt(signum, frame) -> None:
+        if not _terminal_interrupts_ranks():
+            for process in ranks.processes:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGINT)
+
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward)}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _terminal_interrupts_ranks() -> bool:
+    """Whether this process group is its terminal's foreground group: a Ctrl-C there reaches the spawned ranks
+    (which share the group) by itself. False without a controlling terminal."""
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(tty)
 
 
 def spawn_ranks(tp: int, backend: str, timeout: float, target: Callable[..., Any], args: tuple):

@@ -98,7 +98,7 @@ def run_ranks(recipe: Recipe, target: Callable[..., Any], *args: Any) -> None:
 
     try:
         ranks = spawn_ranks(tp, backend, timeout, target, args)
-        with _signals_to_rank_0(ranks):
+        with _signals_passed_to_ranks(ranks):
             while not ranks.join():  # returns each time one rank exits, True once all have
                 pass
     except mp.ProcessExitedException as err:
@@ -108,7 +108,7 @@ def run_ranks(recipe: Recipe, target: Callable[..., Any], *args: Any) -> None:
 
 
 @contextlib.contextmanager
-def _signals_to_rank_0(ranks) -> Iterator[None]:
+def _signals_passed_to_ranks(ranks) -> Iterator[None]:
     """While this process waits for its spawned ranks: a SIGTERM goes on to rank 0, which stops the run (a server
     stops gracefully and tells the other ranks; a `run` or `bench` rank dies and the wait stops the rest), and a
     SIGINT goes on to every rank, as Ctrl-C in a terminal does (a server's rank 0 stops, a second one forces it;

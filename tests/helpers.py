@@ -110,6 +110,20 @@ class RandomK:
         pass
 
 
+def chained_launches(engine) -> list[tuple[int, int]]:
+    """Record `engine`'s chained verify launches (`cache.lookahead`) from now on: the list it returns gains (the K
+    of the verify in flight, which the chained one keeps; how many requests it verifies) at each."""
+    chained, launch = [], engine._launch_verify
+
+    def recorded(requests, after=None):
+        if after is not None:
+            chained.append((after.verified.k, len(requests)))
+        return launch(requests, after)
+
+    engine._launch_verify = recorded
+    return chained
+
+
 def random_traffic(engine, rng, arrivals: int, arrive: float, cancel: float, submit, each_step=None):
     """Seeded traffic on `engine`: for the first `arrivals` steps a request arrives with probability `arrive`
     (`submit(rng)` submits it and returns its id and what the test keeps of it), and a live request is cancelled

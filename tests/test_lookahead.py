@@ -6,7 +6,7 @@ back."""
 import random
 
 import pytest
-from helpers import RandomK, random_prompt, random_traffic
+from helpers import RandomK, chained_launches, random_prompt, random_traffic
 
 from qwen_mtp import Engine, SamplingParams
 
@@ -176,14 +176,7 @@ def test_k_auto_chains_under_random_arrivals_cancels_stops_and_k(path):
     reference = make_engine(path, False, **cache)
     engine = make_engine(path, True, k="auto", draft="oracle", **cache)
     engine.speculator.policy = RandomK(5)
-    chained, launch = [], engine._launch_verify
-
-    def recorded(requests, after=None):
-        if after is not None:
-            chained.append((after.verified.k, len(requests)))
-        return launch(requests, after)
-
-    engine._launch_verify = recorded
+    chained = chained_launches(engine)
 
     def submit(rng):
         prompt = random_prompt(rng.randint(1, 30), seed=rng.randint(0, 10**6))

@@ -332,6 +332,10 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
             warm_batch, warm_len = warmup_shape(batch, prompt_len, variant.cache.prefill_chunk, step_tokens)
             warm = torch.randint(0, vocab, (warm_batch, warm_len), generator=warm_gen).tolist()
             timed_batch(engine, warm, 3, None if oracles is None else [p[:3] for p in warm], sampled)
+            if engine.speculator is not None and engine.speculator.policy is not None:
+                # k auto learned from the warm-up's drafts, random tokens nearly all rejected: at B32 that took the
+                # acceptance figures so low that the row ran plain decoding at oracle acceptance 0.8
+                engine.speculator.policy.forget_acceptance()
             # the phase timer synchronizes around each phase: with the lookahead it would undo the overlap it
             # measures, so those rows report the step time alone (verify and draft columns 0)
             engine.timer.enabled = not engine.lookahead

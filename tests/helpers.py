@@ -106,6 +106,9 @@ class RandomK:
             self.k = self.rng.randint(0, self.max_k)
         return self.k
 
+    def stepped(self, k, count):
+        pass
+
     def observe(self, drafted, accepted):
         pass
 

@@ -34,6 +34,9 @@ class Scripted:
         self.used.append(next(self.ks))
         return self.used[-1]
 
+    def stepped(self, k, count):
+        pass
+
     def observe(self, drafted, accepted):
         self.observed.append((drafted, accepted))
 
@@ -100,6 +103,40 @@ def test_acceptance_average_observes_the_positions_tried():
     assert average.rates == [0.875, 0.25, 0.5]
     average.observe(drafted=0, accepted=0)  # a plain step tells nothing
     assert average.rates == [0.875, 0.25, 0.5]
+
+
+def test_untried_positions_drift_back_to_the_prior():
+    average = AcceptanceAverage(3, prior=0.8, weight=0.5, relax=0.5)  # drift 1 - 0.5^count
+    average.observe(drafted=3, accepted=0)  # draft 1 rejected
+    assert average.rates == [0.4, 0.8, 0.8]
+    average.untried(0, count=1)  # a plain step: every position drifts
+    assert average.rates == pytest.approx([0.6, 0.8, 0.8])
+    average.observe(drafted=2, accepted=1)
+    assert average.rates == pytest.approx([0.8, 0.4, 0.8])
+    average.untried(1, count=2)  # a K = 1 step of two requests: only positions 2 and 3 drift, 3/4 of the way
+    assert average.rates == pytest.approx([0.8, 0.7, 0.8])
+
+
+def test_k_policy_drafts_again_after_a_stretch_of_poor_acceptance():
+    """The shape of 27B bf16 at B32 on an H100 (plain 23.8 ms, K = 3 37.6 ms): a burst of rejected drafts (as
+    from random text) makes plain decoding the best; once the text is predictable again (every draft accepted
+    with probability 0.8) the policy must come back to K = 3 instead of staying plain because plain steps
+    observe nothing."""
+    times = StepTimes(verify=(23.8, 27.0, 31.0, 35.0), draft=(0.0, 0.9, 1.8, 2.6))
+    policy = KPolicy(3, [32], lambda bucket: times)
+    for _ in range(100):
+        policy.observe(drafted=3, accepted=0)
+    assert policy.choose(32) == 0
+    pattern = itertools.cycle([3, 3, 1, 3, 0, 3, 2, 3, 3, 3])  # accepted drafts of a request, 0.8-ish per position
+    chosen = []
+    for _ in range(400):
+        k = policy.choose(32)
+        policy.stepped(k, 32)
+        for _ in range(32 if k else 0):
+            policy.observe(drafted=k, accepted=min(k, next(pattern)))
+        chosen.append(k)
+    assert chosen[0] == 0 and chosen[-1] == 3
+    assert chosen.index(3) < 200
 
 
 def test_k_policy_measures_each_bucket_once_and_picks_by_batch():

@@ -61,15 +61,31 @@ class AcceptanceAverage:
     """Exponential moving averages of the conditional acceptance a_i of each draft position i = 1..max_k. A
     request's step with `drafted` real drafts and `accepted` of them accepted is one observation of positions
     1..min(accepted + 1, drafted): accepted up to `accepted`, rejected at the next. Positions never tried keep
-    the optimistic `prior`, so the policy tries them once and learns."""
+    the optimistic `prior`, so the policy tries them once and learns.
 
-    def __init__(self, max_k: int, prior: float = 0.8, weight: float = 0.02):
-        self.rates, self.weight = [prior] * max_k, weight
+    Positions that a step does not try (those beyond its K) drift back towards the prior by `relax` per request
+    in the step (`untried`). Without that, a stretch of poor acceptance that made the policy choose K = 0 (or a
+    small K) would keep it there for good: a step that does not draft at a position observes nothing there, so
+    the low figure would never be revised when the text becomes predictable again. The drift per request is 1%
+    of an observation's `weight`, so where acceptance really is poor the policy drafts again for a step now and
+    then, and that step's observations (one per request) push the figure back down. In a simulation at the 27B
+    step times of B1, B8 and B32 this cost at most 1.3% of plain decoding's speed at acceptance 0.02-0.1, and
+    after acceptance fell to ~0 and rose to 0.8 the policy was back at the best K within 7 s (docs/development.md)."""
+
+    def __init__(self, max_k: int, prior: float = 0.8, weight: float = 0.02, relax: float = 0.0002):
+        self.rates, self.prior, self.weight, self.relax = [prior] * max_k, prior, weight, relax
 
     def observe(self, drafted: int, accepted: int) -> None:
         for i in range(min(accepted + 1, drafted)):
             hit = 1.0 if i < accepted else 0.0
             self.rates[i] += self.weight * (hit - self.rates[i])
+
+    def untried(self, k: int, count: int) -> None:
+        """A step verified K = `k` drafts for each of `count` requests: positions k+1..max_k drift towards the
+        prior (by `relax` once per request)."""
+        drift = 1.0 - (1.0 - self.relax) ** count
+        for i in range(k, len(self.rates)):
+            self.rates[i] += drift * (self.prior - self.rates[i])
 
 
 class KPolicy:
@@ -99,5 +115,15 @@ class KPolicy:
         self.current = best_k(self.acceptance.rates, times, self.current)
         return self.current
 
+    def stepped(self, k: int, count: int) -> None:
+        """A verify step of `count` requests at K = `k` ran."""
+        self.acceptance.untried(k, count)
+
     def observe(self, drafted: int, accepted: int) -> None:
         self.acceptance.observe(drafted, min(accepted, drafted))
+
+    def forget_acceptance(self) -> None:
+        """Start the acceptance figures afresh (the step times are kept): the bench, after a warm-up whose drafts
+        were random tokens, so that a row measures the policy at the acceptance it sets."""
+        self.acceptance = AcceptanceAverage(self.max_k)
+        self.current = None

@@ -159,6 +159,8 @@ class Speculator:
         the commit of each request's state at its accepted boundary. `after` (a lookahead verify): the verify in
         flight and its drafts, still on the device; this one starts where that one will have accepted up to."""
         k = self.max_k if k is None else k
+        if self.policy is not None:
+            self.policy.stepped(k if after is None else after.verified.k, len(requests))
         if after is not None:
             previous = after.verified
             last = previous.chosen.gather(1, previous.accepted[:, None])  # c_j: the last token it emits

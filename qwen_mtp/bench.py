@@ -62,6 +62,7 @@ class Row:
     roofline_pct: float  # weights + KV + recurrent state
     roofline_weights_pct: float  # weights alone
     exact: bool
+    k_step_ms: list[float] | None = None  # k auto: the policy's step times at this batch, K = 0..max_k (JSON only)
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -232,6 +233,16 @@ def timed_batch(
     }
 
 
+def policy_step_ms(engine: Engine, batch: int) -> list[float] | None:
+    """With `mtp.k: auto`, the step times (verify + draft, ms) the K policy measured at `batch`'s bucket for K =
+    0..max_k: what it weighed against the acceptance."""
+    policy = engine.speculator.policy if engine.speculator is not None else None
+    if policy is None or not policy.measured(batch):
+        return None
+    times = policy.measure(policy.bucket(batch))
+    return [1e3 * times.step(k) for k in range(len(times.verify))]
+
+
 def decode_tpot(spans: list[float], decode_tokens: list[int]) -> float:
     """Seconds per output token of a request in the decode phase (after every request of the batch had its first
     token): each request's span from then to its last token over the tokens it emitted in it, averaged over the
@@ -381,6 +392,7 @@ def run_bench(recipe: Recipe, progress: bool = True, log=print) -> dict[str, Any
                 roofline_pct=100.0 * (sum(moved.values()) / bandwidth) / step,
                 roofline_weights_pct=100.0 * (moved["weights"] / bandwidth) / step,
                 exact=result["tokens"] == plain_tokens,
+                k_step_ms=policy_step_ms(engine, batch),
             )
             report["rows"].append(dataclasses.asdict(row))
             if lead:

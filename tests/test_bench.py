@@ -131,6 +131,9 @@ def test_a_batch_sweep_with_k_auto_and_draft_vocabularies(tmp_path):
     assert rows == [(b, *row) for b in (1, 2) for row in [("plain", 0, 0), ("mtp", "auto", 0), ("mtp", "auto", 32)]]
     assert all(r["exact"] for r in report["rows"])
     assert all(0 <= r["mean_k"] <= 3 for r in report["rows"] if r["mode"] == "mtp")
+    # what the policy weighed: its step times at the row's batch for K = 0..3 (plain rows: none)
+    assert all(r["k_step_ms"] is None for r in report["rows"] if r["mode"] == "plain")
+    assert all(len(r["k_step_ms"]) == 4 and min(r["k_step_ms"]) > 0 for r in report["rows"] if r["mode"] == "mtp")
     # k auto's steps run ahead of the step before them (cache.lookahead) while K stays, as the plain rows' do
     assert all(r["ahead_pct"] > 0 for r in report["rows"]), [r["ahead_pct"] for r in report["rows"]]
     assert bench.write_outputs(report, tmp_path)[-1].stat().st_size > 0

@@ -492,10 +492,12 @@ if [[ "$STAGE" == kauto ]]; then  # one device call (~8 min; AUTO_ONLY=1: ~3 min
   fi
 fi
 if [[ "$STAGE" == ksweep ]]; then  # three device calls (~9 min each): #16's k auto sweep, a few batch sizes a call
+  # (OUTPUT_LEN: tokens a request, default 64)
   preset=qwen3.5-27b; [[ "${MODEL:-fp8}" == fp8 ]] && preset=qwen3.5-27b-fp8
   batches=${BATCHES:-1,2,4}
   bench_27b 570 "bench-ksweep-${MODEL:-fp8}-b${batches//,/-}" --set model.synthetic=$preset \
-    --set "bench.batch_sizes=[$batches]" --set 'bench.ks=[1,2,3,4,auto]' --set mtp.max_k=4
+    --set "bench.batch_sizes=[$batches]" --set 'bench.ks=[1,2,3,4,auto]' --set mtp.max_k=4 \
+    --set "bench.output_len=${OUTPUT_LEN:-64}"
 fi
 if [[ "$STAGE" == serve ]]; then  # one device call (~5 min; carry .whl with the serve wheels in .whl/serve: fastapi,
   # uvicorn, prometheus-client, openai and their dependencies, which the GPU box lacks; docs/development.md)

@@ -257,8 +257,9 @@ def test_mtp_kv_after_plain_steps_equals_fixed_k(checkpoint, params, behind, mon
         request = engine.requests[
             engine.submit_with_oracle(prompt, oracle, dataclasses.replace(params(0), max_new_tokens=60))
         ]
-        # read when no position is left behind (K = 0 steps caught up)
+        # read when no position is left behind (K = 0 steps caught up); a failed request ends the loop, not the test
         while request.num_computed < len(prompt) + 24 or request.id in engine.speculator._behind:
+            assert engine.has_unfinished(), f"the request ended early: {engine.result(request.id).finish_reason}"
             engine.step()
         kv.append(_mtp_kv(engine, request, len(prompt) + 24))
     torch.testing.assert_close(kv[1], kv[0], rtol=1e-5, atol=1e-5)
@@ -356,6 +357,7 @@ def test_catch_up_of_several_requests_is_one_packed_pass(checkpoint, monkeypatch
         requests = [engine.requests[engine.submit(p, params)] for p in prompts]
         # read while every request runs, once no position is behind
         while any(r.num_computed < len(r.prompt) + 20 or r.id in engine.speculator._behind for r in requests):
+            assert engine.has_unfinished(), "the requests ended early"
             engine.step()
         assert max(passes) == (1 if alone else len(prompts)), passes  # K = 0 steps ran for all four at once
         runs.append((drafts, [_mtp_kv(engine, r, len(r.prompt) + 20) for r in requests]))

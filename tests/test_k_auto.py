@@ -18,6 +18,7 @@ from qwen_mtp.cache.state import StatePool
 from qwen_mtp.engine import speculative
 from qwen_mtp.engine.k_policy import AcceptanceAverage, KPolicy, StepTimes, best_k, expected_tokens
 from qwen_mtp.engine.speculative import spread_tokens
+from qwen_mtp.serve.metrics import ServerMetrics
 
 MAX_NEW = 14
 PROMPTS = [random_prompt(n, seed=700 + n) for n in (1, 4, 5, 33, 2, 19, 9, 17)]
@@ -200,6 +201,16 @@ def test_real_policy_equals_plain(checkpoint, params):
     policy.choose = lambda count: chosen.append((count, choose(count))) or chosen[-1][1]
     assert run(engine, shrinking, oracles=want) == want
     assert {k for count, k in chosen if count >= 3} == {0} and {k for count, k in chosen if count <= 2} == {3}
+    # what an operator sees (Engine.stats(), the server's /metrics): the last step's K (one or two requests: 3)
+    # and the estimates the policy weighs
+    stats = engine.stats()
+    assert stats["step_k"] == 3 and stats["k_auto_acceptance"] == policy.acceptance.rates
+    metrics = ServerMetrics()
+    metrics.watch(engine.stats, lambda: 0)
+    text = metrics.exposition().decode()
+    assert "qwen_mtp_spec_step_k 3.0" in text
+    for position, rate in enumerate(policy.acceptance.rates, start=1):
+        assert f'qwen_mtp_spec_k_auto_acceptance{{position="{position}"}} {rate!r}' in text
 
 
 def test_steps_chain_while_k_stays(checkpoint, monkeypatch):

@@ -171,6 +171,7 @@ def test_mtp_on_answers_equal_mtp_off(server, mtp_server, reference):
     m = mtp_server.metrics()
     assert m["qwen_mtp_spec_drafted_tokens_total"] > 0 and m["qwen_mtp_spec_acceptance_length"] >= 1.0
     assert "qwen_mtp_spec_position_acceptance{position=3}" in m
+    assert m["qwen_mtp_spec_step_k"] == 3 and not any(name.startswith("qwen_mtp_spec_k_auto") for name in m)
 
 
 def test_64_concurrent_requests_all_answered_correctly(server, reference):

@@ -925,7 +925,10 @@ class Engine:
                 accepted=totals.accepted,
                 acceptance_length=totals.acceptance_length,
                 position_acceptance=totals.position_acceptance,
+                step_k=self.speculator.last_k,
             )
+            if self.speculator.policy is not None:  # k auto's running acceptance per draft position: what it weighs
+                stats["k_auto_acceptance"] = list(self.speculator.policy.acceptance.rates)
         return stats
 
 

@@ -107,6 +107,7 @@ class Speculator:
             self.policy = KPolicy(self.max_k, buckets, self.agreed_times)
         self.draft_mode, self.oracle_accept, self.seed = draft, oracle_accept, seed
         self.totals = SpecStats(self.max_k)  # every verify step of every request, for Engine.stats()
+        self.last_k: int | None = None  # the K of the latest verify step (Engine.stats(); None before the first)
         self._oracles: dict[int, tuple[list[int], list[bool]]] = {}  # request -> (tokens, use) per output index
         # request -> (first position, the target's hidden [H] at each position since): what K = 0 steps left for
         # the MTP head to catch up with
@@ -159,8 +160,9 @@ class Speculator:
         the commit of each request's state at its accepted boundary. `after` (a lookahead verify): the verify in
         flight and its drafts, still on the device; this one starts where that one will have accepted up to."""
         k = self.max_k if k is None else k
+        self.last_k = k if after is None else after.verified.k
         if self.policy is not None:
-            self.policy.stepped(k if after is None else after.verified.k, len(requests))
+            self.policy.stepped(self.last_k, len(requests))
         if after is not None:
             previous = after.verified
             last = previous.chosen.gather(1, previous.accepted[:, None])  # c_j: the last token it emits

@@ -107,3 +107,15 @@ class _EngineCollector:
             for i, rate in enumerate(s["position_acceptance"]):
                 per.add_metric([str(i + 1)], rate)
             yield per
+            if s["step_k"] is not None:
+                doc = "drafts per request in the latest verify step (mtp.k, or k auto's choice)"
+                yield gauge("spec_step_k", doc, s["step_k"])
+        if "k_auto_acceptance" in s:
+            estimate = GaugeMetricFamily(
+                f"{PREFIX}_spec_k_auto_acceptance",
+                "k auto's running acceptance estimate at each draft position (given the earlier ones accepted)",
+                labels=["position"],
+            )
+            for i, rate in enumerate(s["k_auto_acceptance"]):
+                estimate.add_metric([str(i + 1)], rate)
+            yield estimate

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from qwen_mtp.engine.k_policy import KPolicy
+
 # bf16 greedy tokens are compared with HF's only up to HF's first step whose top-2 logits are closer than this.
 # At such a near-tie HF's own incremental decode and its own full forward can pick different tokens, and which
 # one depends on the CPU (oneDNN picks kernels by ISA) and the transformers version: seen on an AVX-512 machine
@@ -89,14 +91,13 @@ def random_prompt(length: int, seed: int, vocab: int = 500) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class RandomK:
+class RandomK(KPolicy):
     """A `mtp.k: auto` policy for tests: K = 0..`max_k` at random (seeded), kept with probability 0.7 so steps
-    chain under `cache.lookahead`."""
-
-    buckets = [1]
+    chain under `cache.lookahead`. The rest (acceptance figures, `stepped`, `observe`) is `KPolicy`'s own."""
 
     def __init__(self, seed: int, max_k: int = 3):
-        self.rng, self.k, self.max_k = random.Random(seed), 2, max_k
+        super().__init__(max_k, [1], no_step_times)
+        self.rng, self.k = random.Random(seed), 2
 
     def measured(self, count):
         return True
@@ -106,11 +107,9 @@ class RandomK:
             self.k = self.rng.randint(0, self.max_k)
         return self.k
 
-    def stepped(self, k, count):
-        pass
 
-    def observe(self, drafted, accepted):
-        pass
+def no_step_times(bucket: int):
+    raise AssertionError("a test policy that chooses K itself needs no step times")
 
 
 def chained_launches(engine) -> list[tuple[int, int]]:

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import cpu_engine, random_prompt
+from helpers import cpu_engine, no_step_times, random_prompt
 
 from qwen_mtp import Engine, SamplingParams
 from qwen_mtp.cache.state import StatePool
@@ -24,28 +24,24 @@ MAX_NEW = 14
 PROMPTS = [random_prompt(n, seed=700 + n) for n in (1, 4, 5, 33, 2, 19, 9, 17)]
 
 
-class Scripted:
-    """A K policy that replays a fixed sequence (cycled) and records what the engine asked it."""
+class Scripted(KPolicy):
+    """A K policy that replays a fixed sequence (cycled) and records what the engine asked it; the rest
+    (acceptance figures, `stepped`) is `KPolicy`'s own."""
 
-    def __init__(self, ks):
+    def __init__(self, ks, max_k=4):
+        super().__init__(max_k, [1], no_step_times)
         self.ks, self.used, self.observed = itertools.cycle(ks), [], []
-        self.buckets = [1]
 
     def choose(self, count):
         self.used.append(next(self.ks))
         return self.used[-1]
 
-    def stepped(self, k, count):
-        pass
-
     def observe(self, drafted, accepted):
         self.observed.append((drafted, accepted))
+        super().observe(drafted, accepted)
 
     def measured(self, count):
         return True
-
-    def measure(self, bucket):
-        raise AssertionError("a scripted policy needs no step times")
 
 
 def greedy(i):

@@ -492,12 +492,13 @@ if [[ "$STAGE" == kauto ]]; then  # one device call (~8 min; AUTO_ONLY=1: ~3 min
   fi
 fi
 if [[ "$STAGE" == ksweep ]]; then  # three device calls (~9 min each): #16's k auto sweep, a few batch sizes a call
-  # (OUTPUT_LEN: tokens a request, default 64)
+  # (OUTPUT_LEN: tokens a request, default 256: at 64 the oracle's draws alone put the K that is best in expectation
+  # more than 3% behind the best fixed K in 10-40% of sweeps at B1-B32; benchmarks/oracle_spread.py)
   preset=qwen3.5-27b; [[ "${MODEL:-fp8}" == fp8 ]] && preset=qwen3.5-27b-fp8
   batches=${BATCHES:-1,2,4}
   bench_27b 570 "bench-ksweep-${MODEL:-fp8}-b${batches//,/-}" --set model.synthetic=$preset \
     --set "bench.batch_sizes=[$batches]" --set 'bench.ks=[1,2,3,4,auto]' --set mtp.max_k=4 \
-    --set "bench.output_len=${OUTPUT_LEN:-64}"
+    --set "bench.output_len=${OUTPUT_LEN:-256}"
 fi
 if [[ "$STAGE" == serve ]]; then  # one device call (~5 min; carry .whl with the serve wheels in .whl/serve: fastapi,
   # uvicorn, prometheus-client, openai and their dependencies, which the GPU box lacks; docs/development.md)

@@ -16,6 +16,9 @@ does), the fastest per bucket, written to ops/linear.py's table with `--apply`; 
 it against cuBLAS, a row's bits checked across the bucket edges. `--kind w8a8` does the same for the W8A8 kernel at
 the FP8 shapes (`W8A8_ROW_BUCKETS`; cuBLAS on the dequantized weight as the baseline).
 
+`--set dispatch`: only the launch as the engine makes it, with the shipped tables (no search), against cuBLAS at
+every decode M, a row's bits checked across M and the bucket edges: issue #13's GEMM table in a minute or two.
+
 `--set splits --splits 3,4,6,8`: the launch as the engine makes it, with the shape's plan and every bucket plan cut
 into each of those K split counts instead of its own (all cut at the same points, so a row's bits still never
 depend on M): whether more splits (fuller waves at few rows) win at M <= 32 and what the partial sums they write
@@ -23,7 +26,7 @@ cost at 64-256 rows. Nothing is applied: a split count changes the shape's numbe
 `TUNED` / `TUNED_W8A8` and the buckets by hand, then checked by the exactness suite.
 
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gemm_buckets.py [qwen3.5-27b] [name filter]
-[--set tiles|deep|buckets|splits] [--splits 3,4,6,8] [--apply] [--kind bf16|w8a8] [--out PATH]
+[--set tiles|deep|buckets|dispatch|splits] [--splits 3,4,6,8] [--apply] [--kind bf16|w8a8] [--out PATH]
 """
 
 from __future__ import annotations
@@ -414,7 +417,7 @@ def main() -> None:
     parser.add_argument("preset", nargs="?", default="qwen3.5-27b")
     parser.add_argument("only", nargs="?", default="")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--set", default="tiles", choices=[*VARIANT_SETS, "buckets", "splits"],
+    parser.add_argument("--set", default="tiles", choices=[*VARIANT_SETS, "buckets", "dispatch", "splits"],
                         help="which plans to compare")  # fmt: skip
     parser.add_argument("--splits", default="3,4,6,8", help="--set splits: the K split counts to time")
     parser.add_argument("--apply", action="store_true", help="with --set buckets: write the winners to ops/linear.py")
@@ -422,8 +425,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
     kind = KINDS[args.kind]
-    if args.kind != "bf16" and args.set not in ("buckets", "splits"):
-        parser.error("--kind w8a8 takes --set buckets or splits")
+    if args.kind != "bf16" and args.set not in ("buckets", "dispatch", "splits"):
+        parser.error("--kind w8a8 takes --set buckets, dispatch or splits")
     torch.manual_seed(0)
     t0 = time.time()
     if args.set == "splits":
@@ -434,6 +437,12 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report), f, indent=1)
         print(f"{time.time() - t0:.0f} s; wrote {path}")
+        return
+    if args.set == "dispatch":
+        shapes = {name: nk for name, nk in kind.shapes(args.preset, args.only).items() if "draft vocab" not in name}
+        report = {name: dict(n=n, k=k, dispatch=dispatch_entry(n, k, kind)) for name, (n, k) in shapes.items()}
+        print_dispatch({name: (n, k) for name, (n, k) in shapes.items()}, report)
+        write_report(args.out, report, t0)
         return
     todo = {}
     for name, (n, k) in kind.shapes(args.preset, args.only).items():
@@ -462,14 +471,25 @@ def main() -> None:
         current.update(table)
         if args.apply:
             write_buckets({**current}, linear.__file__, kind.table)
-        print("\nThe launch as the engine makes it (row plan from M), x cuBLAS; 'inv': a row's bits at every M")
-        print(f"  {'shape':28s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M))
         for name, (n, k, _) in todo.items():
-            d = report[name]["dispatch"] = dispatch_entry(n, k, kind)
-            cells = " ".join(f"{d['us'][m] / d['cublas_us'][m]:6.2f}" for m in DECODE_M)
-            inv = "inv" if not d["invariance_failures"] else "NOT-INV " + ",".join(d["invariance_failures"][:4])
-            print(f"  {name:28s} {cells}  m1={d['us'][1]:.1f} us  {inv}")
-    path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm_buckets.json")
+            report[name]["dispatch"] = dispatch_entry(n, k, kind)
+        print_dispatch({name: (n, k) for name, (n, k, _) in todo.items()}, report)
+    write_report(args.out, report, t0)
+
+
+def print_dispatch(shapes: dict[str, tuple[int, int]], report: dict) -> None:
+    """The engine's launch per shape: x cuBLAS at each decode M, its time at M = 1, and the invariance verdict."""
+    print("\nThe launch as the engine makes it (row plan from M), x cuBLAS; 'inv': a row's bits at every M")
+    print(f"  {'shape':28s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M))
+    for name in shapes:
+        d = report[name]["dispatch"]
+        cells = " ".join(f"{d['us'][m] / d['cublas_us'][m]:6.2f}" for m in DECODE_M)
+        inv = "inv" if not d["invariance_failures"] else "NOT-INV " + ",".join(d["invariance_failures"][:4])
+        print(f"  {name:28s} {cells}  m1={d['us'][1]:.1f} us  {inv}")
+
+
+def write_report(out: str | None, report: dict, t0: float) -> None:
+    path = out or os.path.join(os.environ.get("OUT", "."), "gemm_buckets.json")
     with open(path, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report), f, indent=1)
     print(f"{time.time() - t0:.0f} s; wrote {path}")

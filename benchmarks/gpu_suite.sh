@@ -79,7 +79,8 @@
 #   drafthead    the FP8 draft lm_head (mtp.draft_lm_head: fp8): the W8A8 plan family at the lm_head's shape, the 27B
 #                FP8 B1 K=3 bench with the bf16 and FP8 draft lm_heads (carry torchao);
 #   targets      the open issues' figures in one call: the bf16 exactness subset, #13's 27B bf16 rows (B1 / B8 / B32,
-#                K=2 and K=3), #14's and #16's 27B FP8 B1 rows (both draft lm_heads, whole and 32k vocabularies);
+#                K=2 and K=3), #14's and #16's 27B FP8 B1 rows (both draft lm_heads, whole and 32k vocabularies),
+#                the bf16 and W8A8 GEMM launches against cuBLAS at M = 1..256 (#13's and #14's tables);
 #   structuredsteps what a constrained step costs at 27B (benchmarks/structured_steps.py; carry .whl, llguidance);
 #   structured   structured outputs (carry .whl; install .whl/llguidance*.whl beside torchao): the token mask at the
 #                real vocabulary, constrained MTP-on == MTP-off under graphs, the lookahead left alone, then the CPU
@@ -469,15 +470,22 @@ PY
   bench_27b "${BENCH_LIMIT:-330}" bench-fp8-draft-head --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set "bench.draft_vocabs=${VOCABS:-[0,32768]}"
 fi
-if [[ "$STAGE" == targets ]]; then  # one device call (~8 min; carry .whl): the open issues' H200 figures in one call:
-  # the bf16 exactness subset, then #13's 27B bf16 rows (B1, B8, B32; K=2 and K=3 at oracle 0.8), then #14's and #16's
-  # 27B FP8 B1 rows (plain, K=3 with the bf16 and the FP8 draft lm_head, over the whole vocabulary and 32k ids)
+if [[ "$STAGE" == targets ]]; then  # one device call (~4 min, ~8 with the GEMM tables' first compiles; carry .whl):
+  # the open issues' H200 figures in one call: the bf16 exactness subset, then #13's 27B bf16 rows (B1, B8, B32; K=2
+  # and K=3 at oracle 0.8), #14's and #16's 27B FP8 B1 rows (plain, K=3 with the bf16 and the FP8 draft lm_head, over
+  # the whole vocabulary and 32k ids), then the bf16 and W8A8 GEMM launches against cuBLAS (gemm_buckets.py --set
+  # dispatch)
   nvidia-smi --query-gpu=name --format=csv,noheader
   counted 250 exactness-targets.log python3 -m pytest -vv -p no:cacheprovider tests/gpu/test_cuda_exactness.py \
     -k "(mtp_equals_plain_bf16 and graphs) or stress"
   bench_27b 200 bench-targets-bf16 --set 'bench.batch_sizes=[1,8,32]' --set 'bench.ks=[2,3]'
   bench_27b 110 bench-targets-fp8 --set model.synthetic=qwen3.5-27b-fp8 --set 'bench.batch_sizes=[1]' \
     --set 'bench.draft_lm_heads=[bf16,fp8]' --set mtp.draft_vocab_file=first --set 'bench.draft_vocabs=[0,32768]'
+  for kind in bf16 w8a8; do  # #13's and #14's GEMM tables: the engine's launch against cuBLAS, M = 1..256
+    timeout 150 python3 benchmarks/gemm_buckets.py qwen3.5-27b --set dispatch --kind $kind \
+      --out "$OUT/gemm-dispatch-$kind.json" >"$OUT/gemm-dispatch-$kind.log" 2>&1
+    echo "[rc $? at ${SECONDS}s] gemm dispatch $kind"; sed -n '/^The launch as the engine/,$p' "$OUT/gemm-dispatch-$kind.log"
+  done
 fi
 if [[ "$STAGE" == kauto ]]; then  # one device call (~8 min; AUTO_ONLY=1: ~3 min): `mtp.k: auto`'s chained steps, 27B
   # bf16 B1 / B8 / B32 at oracle 0.8, max_k 3: the exactness subset, then plain, K=3 and k auto with the lookahead (on

@@ -2,6 +2,7 @@
 each kernel's bucket list (the W8A8 kernel's keeps a bucket from 17 rows: its 27B plans run 16-row tiles below it)."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from helpers import benchmark_module
@@ -132,3 +133,33 @@ def test_the_split_sweep_cuts_a_shape_and_its_buckets_at_the_same_points(gemm_bu
             plan = linear.row_plan(n, k, m, True, table, k_.base, {})
             assert plan.splits(k) == splits and linear.same_sums(plan, base, n, k), m
     assert (k_.base(n, k), table[n, k]) == before
+
+
+@pytest.mark.parametrize("kind", ["bf16", "w8a8"])
+def test_the_dispatch_table_times_every_shape_of_the_preset(gemm_buckets, kind, monkeypatch, tmp_path, capsys):
+    """`gemm_buckets.py --set dispatch`: the engine's launch for each of the preset's shapes (no search), printed
+    as x cuBLAS per M with the invariance verdict, and written out (the timing itself needs a GPU: faked here)."""
+    import json
+    import sys
+
+    timed = []
+
+    def fake_entry(n, k, kind_):
+        timed.append((n, k))
+        us = {m: 2.0 * m for m in gemm_buckets.DECODE_M}
+        return dict(cublas_us={m: 1.0 * m for m in gemm_buckets.DECODE_M}, us=us, invariance_failures=[], plans={})
+
+    monkeypatch.syspath_prepend(str(Path(gemm_buckets.__file__).parent))  # the shape lists import their siblings
+    monkeypatch.setattr(gemm_buckets, "dispatch_entry", fake_entry)
+    monkeypatch.setattr(gemm_buckets.torch.cuda, "get_device_name", lambda: "fake")
+    out = tmp_path / "dispatch.json"
+    monkeypatch.setattr(sys, "argv", ["gemm_buckets.py", "qwen3.5-27b", "--set", "dispatch", "--kind", kind,
+                                      "--out", str(out)])  # fmt: skip
+    gemm_buckets.main()
+    listed = gemm_buckets.KINDS[kind].shapes("qwen3.5-27b", "")
+    shapes = {name: nk for name, nk in listed.items() if "draft" not in name}
+    assert sorted(timed) == sorted(shapes.values()) and len(shapes) >= 5
+    report = json.loads(out.read_text())["shapes"]
+    assert set(report) == set(shapes)
+    printed = capsys.readouterr().out
+    assert printed.count("  2.00") >= len(shapes) * len(gemm_buckets.DECODE_M) and printed.count(" inv") == len(shapes)

@@ -426,7 +426,48 @@ def format_table(report: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines += [_describe(entry) for entry in k_auto_against_fixed(report["rows"])]
     return "\n".join(lines)
+
+
+def k_auto_against_fixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each k auto row against the best of the plain row and the fixed-K rows run like it (same context, batch,
+    drafts, accept rate, draft vocabulary and lm_head): by tokens/s and by TPOT, the best K and how far behind it
+    k auto is (a fraction; negative: ahead). Issue #16 asks for at most 3% behind at every batch size. A row
+    without fixed-K neighbours gets none."""
+
+    def group(row):
+        return row["prompt_len"], row["batch"]
+
+    def like(row):
+        return row["draft"], row["accept_rate"], row["draft_vocab"], row["draft_lm_head"]
+
+    summary = []
+    for auto in (r for r in rows if r["k"] == "auto"):
+        fixed = [r for r in rows if group(r) == group(auto) and isinstance(r["k"], int) and r["k"] > 0
+                 and like(r) == like(auto)]  # fmt: skip
+        plain = [r for r in rows if group(r) == group(auto) and r["mode"] == "plain"]
+        if not fixed:
+            continue
+        candidates = fixed + plain[:1]
+        by_rate = max(candidates, key=lambda r: r["tokens_per_s"])
+        by_tpot = min(candidates, key=lambda r: r["tpot_ms"])
+        summary.append(dict(
+            prompt_len=auto["prompt_len"], batch=auto["batch"], draft=auto["draft"], accept_rate=auto["accept_rate"],
+            mean_k=auto["mean_k"], best_k_tokens_per_s=by_rate["k"], best_k_tpot=by_tpot["k"],
+            behind_tokens_per_s=1.0 - auto["tokens_per_s"] / by_rate["tokens_per_s"],
+            behind_tpot=auto["tpot_ms"] / by_tpot["tpot_ms"] - 1.0,
+        ))  # fmt: skip
+    return summary
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    drafts = "head drafts" if entry["draft"] == "head" else f"oracle {entry['accept_rate']}"
+    return (
+        f"k auto, ctx {entry['prompt_len']} B{entry['batch']} ({drafts}, mean K {entry['mean_k']:.2f}): "
+        f"{100 * entry['behind_tokens_per_s']:+.1f}% tok/s behind the best of plain and fixed K "
+        f"(K={entry['best_k_tokens_per_s']}), {100 * entry['behind_tpot']:+.1f}% TPOT (K={entry['best_k_tpot']})"
+    )
 
 
 def write_outputs(report: dict[str, Any], out_dir: str | Path, plot: bool = True) -> list[Path]:
@@ -434,7 +475,7 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path, plot: bool = True
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "bench.json", out / "bench.txt"]
-    written[0].write_text(json.dumps(report, indent=2))
+    written[0].write_text(json.dumps({**report, "k_auto": k_auto_against_fixed(report["rows"])}, indent=2))
     written[1].write_text(format_table(report) + "\n")
     if plot:
         written.append(write_plot(report, out / "bench.png"))

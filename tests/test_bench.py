@@ -2,6 +2,7 @@
 table are rewritten after every row (a failure late in a run keeps the rows before it), and the plot is
 always drawn (matplotlib is a dependency)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -225,3 +226,35 @@ def test_mixed_steps_with_staggered_first_tokens_time_the_decode_phase(tmp_path,
     assert 0 < timed["tpot"] <= timed["decode_seconds"] / min(timed["decode_tokens"])
     assert report["mixed_steps"] is True
     assert [(r["mode"], r["exact"]) for r in report["rows"]] == [("plain", True), ("mtp", True)]
+
+
+def _row(batch, k, tokens_per_s, tpot_ms, accept_rate=0.8, mode=None):
+    mode = mode or ("plain" if k == 0 else "mtp")
+    draft = "-" if mode == "plain" else "oracle"
+    measured = dict.fromkeys(f.name for f in dataclasses.fields(bench.Row) if f.type in ("float", "bool"))
+    return {**{key: 0.0 for key in measured}, **dict(
+        prompt_len=128, batch=batch, mode=mode, k=k, draft=draft, accept_rate=None if mode == "plain" else accept_rate,
+        draft_vocab=0, draft_lm_head="-" if mode == "plain" else "bf16", mean_k=3.0 if k == "auto" else float(k),
+        tokens_per_s=tokens_per_s, tpot_ms=tpot_ms, exact=True,
+    )}  # fmt: skip
+
+
+def test_k_auto_is_reported_against_the_best_of_plain_and_fixed_k(tmp_path):
+    """Issue #16's figure in the report: each k auto row against its own batch's plain and fixed-K rows (not
+    another batch's, not another accept rate's), by tokens/s and by TPOT, which may pick different K."""
+    rows = [
+        _row(4, 0, 400.0, 10.0), _row(4, 3, 800.0, 5.0), _row(4, 4, 790.0, 4.9), _row(4, "auto", 780.0, 5.0),
+        _row(4, 2, 900.0, 4.0, accept_rate=1.0),  # another accept rate: not a neighbour
+        _row(8, 3, 2000.0, 4.0),  # another batch: not a neighbour
+        _row(64, 0, 3000.0, 20.0), _row(64, 3, 2900.0, 21.0), _row(64, "auto", 3000.0, 20.0),
+        _row(16, 0, 1000.0, 15.0), _row(16, "auto", 1000.0, 15.0),  # no fixed K ran: no verdict
+    ]  # fmt: skip
+    b4, b64 = bench.k_auto_against_fixed(rows)
+    assert (b4["batch"], b4["best_k_tokens_per_s"], b4["best_k_tpot"]) == (4, 3, 4)
+    assert b4["behind_tokens_per_s"] == pytest.approx(1 - 780 / 800) and b4["behind_tpot"] == pytest.approx(5 / 4.9 - 1)
+    assert (b64["best_k_tokens_per_s"], b64["behind_tokens_per_s"], b64["behind_tpot"]) == (0, 0.0, 0.0)
+    report = {"rows": rows}
+    bench.write_outputs(report, tmp_path, plot=False)
+    assert len(json.loads((tmp_path / "bench.json").read_text())["k_auto"]) == 2
+    text = (tmp_path / "bench.txt").read_text()
+    assert "B4 (oracle 0.8, mean K 3.00): +2.5% tok/s behind the best of plain and fixed K (K=3)" in text

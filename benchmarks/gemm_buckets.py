@@ -433,15 +433,12 @@ def main() -> None:
         counts = tuple(int(s) for s in args.splits.split(",") if s)
         todo = {name: nk for name, nk in kind.shapes(args.preset, args.only).items() if "draft vocab" not in name}
         report = {name: split_sweep(name, n, k, kind, counts, args.jobs) for name, (n, k) in todo.items()}
-        path = args.out or os.path.join(os.environ.get("OUT", "."), "gemm_splits.json")
-        with open(path, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report), f, indent=1)
-        print(f"{time.time() - t0:.0f} s; wrote {path}")
+        write_report(args.out or os.path.join(os.environ.get("OUT", "."), "gemm_splits.json"), report, t0)
         return
     if args.set == "dispatch":
         shapes = {name: nk for name, nk in kind.shapes(args.preset, args.only).items() if "draft vocab" not in name}
         report = {name: dict(n=n, k=k, dispatch=dispatch_entry(n, k, kind)) for name, (n, k) in shapes.items()}
-        print_dispatch({name: (n, k) for name, (n, k) in shapes.items()}, report)
+        print_dispatch(report)
         write_report(args.out, report, t0)
         return
     todo = {}
@@ -473,16 +470,17 @@ def main() -> None:
             write_buckets({**current}, linear.__file__, kind.table)
         for name, (n, k, _) in todo.items():
             report[name]["dispatch"] = dispatch_entry(n, k, kind)
-        print_dispatch({name: (n, k) for name, (n, k, _) in todo.items()}, report)
+        print_dispatch(report)
     write_report(args.out, report, t0)
 
 
-def print_dispatch(shapes: dict[str, tuple[int, int]], report: dict) -> None:
-    """The engine's launch per shape: x cuBLAS at each decode M, its time at M = 1, and the invariance verdict."""
+def print_dispatch(report: dict) -> None:
+    """The engine's launch per shape of `report` (each entry's "dispatch"): x cuBLAS at each decode M, its time at
+    M = 1, and the invariance verdict."""
     print("\nThe launch as the engine makes it (row plan from M), x cuBLAS; 'inv': a row's bits at every M")
     print(f"  {'shape':28s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M))
-    for name in shapes:
-        d = report[name]["dispatch"]
+    for name, entry in report.items():
+        d = entry["dispatch"]
         cells = " ".join(f"{d['us'][m] / d['cublas_us'][m]:6.2f}" for m in DECODE_M)
         inv = "inv" if not d["invariance_failures"] else "NOT-INV " + ",".join(d["invariance_failures"][:4])
         print(f"  {name:28s} {cells}  m1={d['us'][1]:.1f} us  {inv}")

@@ -231,8 +231,7 @@ def test_mixed_steps_with_staggered_first_tokens_time_the_decode_phase(tmp_path,
 def _row(batch, k, tokens_per_s, tpot_ms, accept_rate=0.8, mode=None):
     mode = mode or ("plain" if k == 0 else "mtp")
     draft = "-" if mode == "plain" else "oracle"
-    measured = dict.fromkeys(f.name for f in dataclasses.fields(bench.Row) if f.type in ("float", "bool"))
-    return {**{key: 0.0 for key in measured}, **dict(
+    return {**{field.name: 0.0 for field in dataclasses.fields(bench.Row)}, **dict(
         prompt_len=128, batch=batch, mode=mode, k=k, draft=draft, accept_rate=None if mode == "plain" else accept_rate,
         draft_vocab=0, draft_lm_head="-" if mode == "plain" else "bf16", mean_k=3.0 if k == "auto" else float(k),
         tokens_per_s=tokens_per_s, tpot_ms=tpot_ms, exact=True,

@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|ksweep|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|splitcosts|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|ksweep|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -397,6 +397,10 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~2 min; carry torchao): th
       [[ $rc == 0 ]] && rm -f "$OUT/gemm-splits-$kind-$shape.log"  # printed above; a call brings back few files
     done
   done
+fi
+if [[ "$STAGE" == splitcosts ]]; then  # one device call (~1 min): where the N = 5120 shapes' gap to cuBLAS at 64-128 rows
+  # goes: the same launch with the engine's split reduction, none, and one shared by the splits (gemm_split_costs.py)
+  timeout 300 python3 benchmarks/gemm_split_costs.py --out "$OUT/gemm-split-costs.json" 2>&1 | grep -v Warn
 fi
 if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and logit bias on the GPU
   counted 120 penalty-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_penalties.py \

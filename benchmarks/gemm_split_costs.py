@@ -13,7 +13,10 @@ split points, tiles loaded by tensor descriptors) with three ways to finish the 
   reduction of these partials starts from;
 - `shared`: each split waits for its siblings, then adds every SPLITS-th 16 rows of the tile (same order, so the
   same bits, checked). A diagnostic only: its spin-wait needs every split of a tile resident at once, which CUDA
-  does not promise; the engine never waits on another program.
+  does not promise; the engine never waits on another program;
+- `last, loads at once`: `last` with the partials' loads unrolled, all issued before the first add;
+- `last, own from registers`: `last` where the last split adds its own partial from its registers, reading one
+  partial fewer (both: the engine's order, checked).
 `--warp-specialize` adds each tile with `tl.range(..., warp_specialize=True)` (a producer warp group issuing the
 loads, Triton 3.4+ on Hopper). Off by default: with Triton 3.6 on an H100 it compiled and then never finished
 (docs/benchmark-log.md, thirty-fourth session).
@@ -39,7 +42,7 @@ SHAPES = {"o_proj": (5120, 6144), "mtp_fc": (5120, 10240), "down": (5120, 17408)
 # (block_n, block_m, block_k, warps, stages) -> the row counts it is timed at (a 64-row tile only where it is one)
 TILES = {(128, 64, 128, 8, 3): (64,), (128, 128, 128, 8, 3): (64, 96, 128), (128, 128, 64, 4, 4): (64, 96, 128)}
 ROWS = (64, 96, 128)
-REDUCTIONS = {"last": 1, "none": 0, "shared": 2}
+REDUCTIONS = {"last": 1, "none": 0, "shared": 2, "last, loads at once": 3, "last, own from registers": 4}
 
 
 @functools.cache
@@ -75,7 +78,23 @@ def _kernel():
                 return
             tl.debug_barrier()
             counter = count_ptr + pid_n * tl.num_programs(2) + pid_m
-            if REDUCE == 1:  # the engine's: the last split to arrive adds the partials in order 0, 1, ..
+            if REDUCE >= 3:  # the engine's order; every load issued at once (3), the last split's own in registers (4)
+                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                    parts = ()
+                    for s in tl.static_range(SPLITS):
+                        if REDUCE == 4:
+                            others = mask & (ms[:, None] * 0 + split != s)  # a tensor: the interpreter's mask
+                            p = tl.load(part_ptr + s * plane + tile, mask=others, other=0.0, cache_modifier=".cg")
+                            p = tl.where(split == s, acc, p)
+                        else:
+                            p = tl.load(part_ptr + s * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                        parts = parts + (p,)
+                    total = parts[0]
+                    for s in tl.static_range(1, SPLITS):
+                        total += parts[s]
+                    tl.store(out_ptr + ms[:, None] * so_m + ns[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
+            elif REDUCE == 1:  # the engine's: the last split to arrive adds the partials in order 0, 1, ..
                 if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
                     total = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
                     for s in range(1, SPLITS):

@@ -398,9 +398,11 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~2 min; carry torchao): th
     done
   done
 fi
-if [[ "$STAGE" == splitcosts ]]; then  # one device call (~1 min): where the N = 5120 shapes' gap to cuBLAS at 64-128 rows
-  # goes: the same launch with the engine's split reduction, none, and one shared by the splits (gemm_split_costs.py)
+if [[ "$STAGE" == splitcosts ]]; then  # one device call (~1-2 min): where the N = 5120 shapes' gap to cuBLAS at 64-128
+  # rows goes (the same launch with the engine's split reduction, none, one shared by the splits, ...:
+  # gemm_split_costs.py), then a stream-K partition of them at one row (gemm_stream_k.py)
   timeout 300 python3 benchmarks/gemm_split_costs.py --out "$OUT/gemm-split-costs.json" 2>&1 | grep -v Warn
+  timeout 200 python3 benchmarks/gemm_stream_k.py --out "$OUT/gemm-stream-k.json" 2>&1 | grep -v Warn
 fi
 if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and logit bias on the GPU
   counted 120 penalty-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_penalties.py \

@@ -163,3 +163,22 @@ def test_the_dispatch_table_times_every_shape_of_the_preset(gemm_buckets, kind, 
     assert set(report) == set(shapes)
     printed = capsys.readouterr().out
     assert printed.count("  2.00") >= len(shapes) * len(gemm_buckets.DECODE_M) and printed.count(" inv") == len(shapes)
+
+
+def test_the_one_row_launch_cost_is_the_line_through_the_shapes(gemm_buckets):
+    """`launch_cost`: fixed us + bytes / bandwidth by least squares over the shapes at M = 1, the lm_head left out,
+    from a live report (int keys) or one read back from JSON (string keys)."""
+    shapes = {"o_proj": (5120, 6144), "down": (5120, 17408), "gate_up": (34816, 5120), "lm_head": (248320, 5120)}
+
+    def entry(n, k, string_keys=False):
+        us = 3.0 + n * k / 1e6 / 2.5  # 3 us + one byte an element at 2.5 TB/s (MB / us)
+        if (n, k) == shapes["lm_head"]:
+            us *= 2  # off the line: must not count
+        return dict(n=n, k=k, dispatch=dict(us={"1" if string_keys else 1: us}))
+
+    for string_keys in (False, True):
+        report = {name: entry(n, k, string_keys) for name, (n, k) in shapes.items()}
+        fixed, rate = gemm_buckets.launch_cost(report, "us", weight_bytes=1)
+        assert fixed == pytest.approx(3.0) and rate == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="two shapes"):
+        gemm_buckets.launch_cost({"o_proj": entry(5120, 6144)}, "us", weight_bytes=1)

@@ -474,20 +474,21 @@ def main() -> None:
     write_report(args.out, report, t0)
 
 
-def launch_cost(report: dict, key: str, weight_bytes: int) -> tuple[float, float]:
-    """A one-row launch's time as fixed + weight bytes / bandwidth: the least-squares line through the shapes of
+def one_row_line(report: dict, key: str, weight_bytes: int) -> tuple[float, float]:
+    """One-row launch times as intercept + weight bytes / rate: the least-squares line through the shapes of
     `report` (their "dispatch" times under `key` at M = 1, the lm_head left out: one point 15x the others' bytes
-    would fix the slope alone). Returns (fixed us, TB/s; inf where time does not grow with size). Why: at M = 1 a
-    GEMM streams its weight, so a line separates what a launch pays whatever its size (start-up, pipeline fill,
-    the last wave's tail, the split sums) from its streaming rate, and says which of the two keeps a shape from
-    the copy bandwidth."""
+    would fix the slope alone). Returns (intercept us, slope as TB/s; inf where time does not grow with size).
+    At M = 1 a GEMM streams its weight, so the line says at a glance how far the launches are from the copy
+    bandwidth and which shapes sit off it. Its intercept is not a cost every launch pays: each shape runs its own
+    plan, and shapes that stream at different rates tilt the line (`launch_floor.py` times one plan over K and an
+    empty kernel for that)."""
     points = []
     for name, e in report.items():
         times = e["dispatch"][key]  # M -> us; a report read back from JSON has string keys
         if "lm_head" not in name:
             points.append((e["n"] * e["k"] * weight_bytes / 1e6, times[1] if 1 in times else times["1"]))
     if len({mb for mb, _ in points}) < 2:
-        raise ValueError("launch_cost needs two shapes of different sizes")
+        raise ValueError("one_row_line needs two shapes of different sizes")
     mean_mb, mean_us = (sum(p[i] for p in points) / len(points) for i in (0, 1))
     spread = sum((mb - mean_mb) ** 2 for mb, _ in points)
     us_per_mb = sum((mb - mean_mb) * (us - mean_us) for mb, us in points) / spread
@@ -496,7 +497,7 @@ def launch_cost(report: dict, key: str, weight_bytes: int) -> tuple[float, float
 
 def print_dispatch(report: dict, weight_bytes: int = 2) -> None:
     """The engine's launch per shape of `report` (each entry's "dispatch"): x cuBLAS at each decode M, its time at
-    M = 1, the invariance verdict, and both launches' one-row cost as fixed + bytes / bandwidth (`launch_cost`;
+    M = 1, the invariance verdict, and both launches' one-row times as a line through the shapes (`one_row_line`;
     `weight_bytes`: a weight element's bytes in our launch, 1 for e4m3; cuBLAS always reads bf16)."""
     print("\nThe launch as the engine makes it (row plan from M), x cuBLAS; 'inv': a row's bits at every M")
     print(f"  {'shape':28s} " + " ".join(f"{'M=' + str(m):>6s}" for m in DECODE_M))
@@ -507,8 +508,8 @@ def print_dispatch(report: dict, weight_bytes: int = 2) -> None:
         print(f"  {name:28s} {cells}  m1={d['us'][1]:.1f} us  {inv}")
     if sum("lm_head" not in name for name in report) >= 2:
         for label, key, size in (("ours", "us", weight_bytes), ("cuBLAS bf16", "cublas_us", 2)):
-            fixed, rate = launch_cost(report, key, size)
-            print(f"  one row, {label}: {fixed:.2f} us + weight bytes at {rate:.2f} TB/s (fit over the shapes)")
+            intercept, rate = one_row_line(report, key, size)
+            print(f"  one row, {label}: {intercept:.2f} us + weight bytes at {rate:.2f} TB/s (a line through shapes)")
 
 
 def write_report(out: str | None, report: dict, t0: float) -> None:

@@ -165,8 +165,8 @@ def test_the_dispatch_table_times_every_shape_of_the_preset(gemm_buckets, kind, 
     assert printed.count("  2.00") >= len(shapes) * len(gemm_buckets.DECODE_M) and printed.count(" inv") == len(shapes)
 
 
-def test_the_one_row_launch_cost_is_the_line_through_the_shapes(gemm_buckets):
-    """`launch_cost`: fixed us + bytes / bandwidth by least squares over the shapes at M = 1, the lm_head left out,
+def test_the_one_row_line_is_fitted_through_the_shapes(gemm_buckets):
+    """`one_row_line`: intercept us + bytes / rate by least squares over the shapes at M = 1, the lm_head left out,
     from a live report (int keys) or one read back from JSON (string keys)."""
     shapes = {"o_proj": (5120, 6144), "down": (5120, 17408), "gate_up": (34816, 5120), "lm_head": (248320, 5120)}
 
@@ -178,7 +178,7 @@ def test_the_one_row_launch_cost_is_the_line_through_the_shapes(gemm_buckets):
 
     for string_keys in (False, True):
         report = {name: entry(n, k, string_keys) for name, (n, k) in shapes.items()}
-        fixed, rate = gemm_buckets.launch_cost(report, "us", weight_bytes=1)
-        assert fixed == pytest.approx(3.0) and rate == pytest.approx(2.5)
+        intercept, rate = gemm_buckets.one_row_line(report, "us", weight_bytes=1)
+        assert intercept == pytest.approx(3.0) and rate == pytest.approx(2.5)
     with pytest.raises(ValueError, match="two shapes"):
-        gemm_buckets.launch_cost({"o_proj": entry(5120, 6144)}, "us", weight_bytes=1)
+        gemm_buckets.one_row_line({"o_proj": entry(5120, 6144)}, "us", weight_bytes=1)

@@ -1,0 +1,92 @@
+"""Is the intercept of the one-row GEMM line a cost every launch pays? (issue #14; `gemm_buckets.py`'s `one_row_line`)
+
+The one-row launches of our GEMM over the 27B's shapes fit ~5.5 us plus their weights' bytes at the copy bandwidth,
+where cuBLAS's line starts at 1-2 us (thirty-fourth session, H100). This script times, under a CUDA graph of
+back-to-back launches as the dispatch table does:
+- an empty Triton kernel of G programs (it only waits for the previous kernel and lets the next one launch, as ours
+  do under programmatic dependent launch), G = 120 and 240 (the N = 5120 shapes' one-row grids) and 544;
+- the engine's one-row launch of o_proj-shaped weights (N = 5120) at K = 128 .. 6144 with o_proj's plan, a line of
+  one plan through K (K splits of 2048 columns: one split up to 2048, three at 6144);
+- cuBLAS at the same shapes.
+Each with programmatic dependent launch on and off (`QWEN_MTP_PDL`, read at import: two processes).
+
+Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/launch_floor.py [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from gemm_buckets import one_row_line
+from gemm_family import ROTATION_BYTES, _cdiv, graph_us
+
+from qwen_mtp.ops import linear, triton_utils
+
+GRIDS = (120, 240, 544)
+N, KS = 5120, (128, 512, 2048, 4096, 6144)
+
+
+@functools.cache
+def _empty_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def empty(out_ptr, PDL: tl.constexpr):
+        triton_utils.wait_for_previous_kernel(PDL)
+        if tl.program_id(0) == 0:
+            tl.store(out_ptr, 1)
+
+    return empty
+
+
+def empty_launch(x: torch.Tensor, programs: torch.Tensor) -> torch.Tensor:
+    """An empty kernel of `programs.numel()` programs (the graph helper's (x, weight) call shape; x is unused)."""
+    _empty_kernel()[(programs.numel(),)](programs, **triton_utils.launch(programs.device))
+    return programs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    report = dict(device=torch.cuda.get_device_name(), pdl=os.environ.get("QWEN_MTP_PDL", "1") != "0")
+    x = torch.randn(1, max(KS), device="cuda", dtype=torch.bfloat16)
+    flags = {g: torch.zeros(g, dtype=torch.int32, device="cuda") for g in GRIDS}
+    report["empty_us"] = {g: graph_us(empty_launch, x, [flags[g]]) for g in GRIDS}
+    report["engine_us"], report["cublas_us"] = {}, {}
+    plan = linear.row_plan(N, 6144, 1)  # o_proj's one-row plan at every K: the same tiles, splits of its columns
+    report["plan"] = str(plan)
+    for k in KS:
+        copies = max(1, _cdiv(ROTATION_BYTES, N * k * 2))
+        ws = [torch.randn(N, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        engine = functools.partial(linear.invariant_matmul_triton, plan=plan)
+        report["engine_us"][k] = graph_us(engine, x[:, :k].contiguous(), ws)
+        report["cublas_us"][k] = graph_us(F.linear, x[:, :k].contiguous(), ws)
+        del ws
+    shapes = {  # as `gemm_buckets.py --set dispatch` reports them, for its `one_row_line`
+        f"K={k}": dict(n=N, k=k, dispatch=dict(us={1: report["engine_us"][k]}, cublas_us={1: report["cublas_us"][k]}))
+        for k in KS
+    }  # fmt: skip
+    for key, times in (("engine", "us"), ("cublas", "cublas_us")):
+        intercept, rate = one_row_line(shapes, times, weight_bytes=2)
+        report[f"{key}_line"] = dict(intercept_us=intercept, tb_per_s=rate)
+    pdl = "on" if report["pdl"] else "off"
+    print(f"PDL {pdl}: empty kernel " + ", ".join(f"{g} programs {us:.2f} us" for g, us in report["empty_us"].items()))
+    for key in ("engine", "cublas"):
+        line = report[f"{key}_line"]
+        cells = " ".join(f"K={k}:{report[f'{key}_us'][k]:.1f}" for k in KS)
+        fit = f"{line['intercept_us']:.2f} us + bytes at {line['tb_per_s']:.2f} TB/s"
+        print(f"PDL {pdl}: {key:7s} N={N} {cells} -> {fit}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,10 @@ back-to-back launches as the dispatch table does:
   do under programmatic dependent launch), G = 120 and 240 (the N = 5120 shapes' one-row grids) and 544;
 - the engine's one-row launch of o_proj-shaped weights (N = 5120) at K = 128 .. 6144 with o_proj's plan, a line of
   one plan through K (K splits of 2048 columns: one split up to 2048, three at 6144);
-- cuBLAS at the same shapes.
+- cuBLAS at the same shapes;
+- the read floor: a kernel that only reads B bytes (and sums them) in one launch, for the 27B's W8A8 weight sizes
+  (o_proj, in_proj, down, gate_up), the fastest of a few grids: what one launch of that many bytes can take at best,
+  against which a one-row GEMM of the same bytes is measured.
 Each with programmatic dependent launch on and off (`QWEN_MTP_PDL`, read at import: two processes).
 
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/launch_floor.py [--out PATH]
@@ -29,6 +32,8 @@ from qwen_mtp.ops import linear, triton_utils
 
 GRIDS = (120, 240, 544)
 N, KS = 5120, (128, 512, 2048, 4096, 6144)
+READ_SHAPES = {"o_proj": (5120, 6144), "in_proj": (16384, 5120), "down": (5120, 17408), "gate_up": (34816, 5120)}
+READ_GRIDS = (132, 264, 528, 1056)  # programs: 1, 2, 4, 8 a 132-SM GPU's SM
 
 
 @functools.cache
@@ -43,6 +48,36 @@ def _empty_kernel():
             tl.store(out_ptr, 1)
 
     return empty
+
+
+@functools.cache
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_sum(src_ptr, out_ptr, per_program, n, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        # src_ptr's reads wait for the previous kernel, as the GEMMs' activation reads do (a floor, not a trick)
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * per_program
+        end = tl.minimum(start + per_program, n)
+        acc = tl.zeros([CHUNK], dtype=tl.int32)
+        triton_utils.wait_for_previous_kernel(PDL)
+        for i in tl.range(start, end, CHUNK, num_stages=4):
+            offs = i + tl.arange(0, CHUNK)
+            acc += tl.load(src_ptr + offs, mask=offs < end, other=0)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return read_sum
+
+
+def read_launch(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Read every int32 of `src` once, in out.numel() programs of contiguous slices; each writes its sum."""
+    programs, n = out.numel(), src.numel()
+    chunk = 2048
+    per_program = _cdiv(_cdiv(n, programs), chunk) * chunk
+    _read_kernel()[(programs,)](src, out, per_program, n, CHUNK=chunk, **triton_utils.launch(src.device))
+    return out
 
 
 def empty_launch(x: torch.Tensor, programs: torch.Tensor) -> torch.Tensor:
@@ -60,6 +95,14 @@ def main() -> None:
     flags = {g: torch.zeros(g, dtype=torch.int32, device="cuda") for g in GRIDS}
     report["empty_us"] = {g: graph_us(empty_launch, x, [flags[g]]) for g in GRIDS}
     report["engine_us"], report["cublas_us"] = {}, {}
+    report["read_us"] = {}
+    for name, (n, k) in READ_SHAPES.items():  # the W8A8 weights: one byte an element
+        copies = max(1, _cdiv(ROTATION_BYTES, n * k))
+        outs = {g: torch.zeros(g, dtype=torch.int32, device="cuda") for g in READ_GRIDS}
+        srcs = [torch.randint(0, 99, (n * k // 4,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+        times = {g: graph_us(lambda out, src: read_launch(src, out), outs[g], srcs) for g in READ_GRIDS}
+        report["read_us"][name] = dict(mb=n * k / 1e6, us=times, best_tb_per_s=n * k / 1e6 / min(times.values()))
+        del srcs
     plan = linear.row_plan(N, 6144, 1)  # o_proj's one-row plan at every K: the same tiles, splits of its columns
     report["plan"] = str(plan)
     for k in KS:
@@ -78,6 +121,9 @@ def main() -> None:
         report[f"{key}_line"] = dict(intercept_us=intercept, tb_per_s=rate)
     pdl = "on" if report["pdl"] else "off"
     print(f"PDL {pdl}: empty kernel " + ", ".join(f"{g} programs {us:.2f} us" for g, us in report["empty_us"].items()))
+    for name, r in report["read_us"].items():
+        cells = " ".join(f"{g}:{us:.1f}" for g, us in r["us"].items())
+        print(f"PDL {pdl}: read {name:8s} {r['mb']:6.1f} MB in one launch, us by programs {cells}")
     for key in ("engine", "cublas"):
         line = report[f"{key}_line"]
         cells = " ".join(f"K={k}:{report[f'{key}_us'][k]:.1f}" for k in KS)

@@ -401,12 +401,15 @@ fi
 if [[ "$STAGE" == splitcosts ]]; then  # one device call (~2 min; carry .whl): where the N = 5120 shapes' gap to cuBLAS
   # at 64-128 rows goes (the same launch with the engine's split reduction, none, one shared by the splits, ...:
   # gemm_split_costs.py), a stream-K partition of them at one row (gemm_stream_k.py), and what a one-row launch
-  # costs to start (launch_floor.py: an empty kernel, o_proj's plan over K; PDL on and off)
+  # costs to start (launch_floor.py: an empty kernel, o_proj's plan over K, the read floor; PDL on and off), and
+  # the one-row W8A8 launch taken apart (w8a8_costs.py, the tile-major weight copy included)
   timeout 300 python3 benchmarks/gemm_split_costs.py --out "$OUT/gemm-split-costs.json" 2>&1 | grep -v Warn
   timeout 200 python3 benchmarks/gemm_stream_k.py --out "$OUT/gemm-stream-k.json" 2>&1 | grep -v Warn
   for pdl in 1 0; do
     QWEN_MTP_PDL=$pdl timeout 120 python3 benchmarks/launch_floor.py --out "$OUT/launch-floor-pdl$pdl.json" 2>&1 | grep -v Warn
   done
+  # the one-row W8A8 launch rebuilt and taken apart, against the read floor of its bytes (w8a8_costs.py)
+  timeout 170 python3 benchmarks/w8a8_costs.py --out "$OUT/w8a8-costs.json" 2>&1 | grep -v Warn
 fi
 if [[ "$STAGE" == penalties ]]; then  # one device call (~8 min): penalties and logit bias on the GPU
   counted 120 penalty-ops.log python3 -m pytest -vv -p no:cacheprovider tests/ops/test_penalties.py \

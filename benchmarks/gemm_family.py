@@ -195,6 +195,13 @@ def precompile(tasks: list[tuple], jobs: int, worker=_compile) -> list[str]:
         return [f"parallel compile failed: {type(err).__name__}: {err}"]
 
 
+def write_json(path: str | None, report: dict) -> None:
+    """A probe's report as JSON at `path` (none without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], min_ms: float = 15.0) -> float:
     """Microseconds per call of fn(x, w): a CUDA graph of calls rotating over `weights`, replayed."""
     fn(x, weights[0])  # compiles, allocates the split counters (before capture, at a fixed address)

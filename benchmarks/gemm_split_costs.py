@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import torch
 import torch.nn.functional as F
-from gemm_family import ROTATION_BYTES, _cdiv, graph_us
+from gemm_family import ROTATION_BYTES, _cdiv, graph_us, write_json
 
 from qwen_mtp.ops import linear
 
@@ -203,9 +202,7 @@ def main() -> None:
         report["shapes"][name] = shape_entry(*SHAPES[name], args.warp_specialize)
         print_entry(name, report["shapes"][name])
     report["seconds"] = round(time.time() - t0, 1)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     print(f"{report['seconds']:.0f} s")
 
 

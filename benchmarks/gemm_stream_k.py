@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import torch
 import torch.nn.functional as F
-from gemm_family import ROTATION_BYTES, _cdiv, graph_us
+from gemm_family import ROTATION_BYTES, _cdiv, graph_us, write_json
 
 from qwen_mtp.ops import linear
 
@@ -157,9 +156,7 @@ def main() -> None:
             cells = "".join(f"{s['us'][m]:6.1f} ({s['us'][m] / e['engine_us'][m]:.2f})   " for m in ROWS)
             print(f"  {f'stream-K, {p} programs':24}{cells} error {s['max_error']:.3g}")
     report["seconds"] = round(time.time() - t0, 1)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
     print(f"{report['seconds']:.0f} s")
 
 

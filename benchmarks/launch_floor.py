@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 
 import torch
 import torch.nn.functional as F
 from gemm_buckets import one_row_line
-from gemm_family import ROTATION_BYTES, _cdiv, graph_us
+from gemm_family import ROTATION_BYTES, _cdiv, graph_us, write_json
 
 from qwen_mtp.ops import linear, triton_utils
 
@@ -129,9 +128,7 @@ def main() -> None:
         cells = " ".join(f"K={k}:{report[f'{key}_us'][k]:.1f}" for k in KS)
         fit = f"{line['intercept_us']:.2f} us + bytes at {line['tb_per_s']:.2f} TB/s"
         print(f"PDL {pdl}: {key:7s} N={N} {cells} -> {fit}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

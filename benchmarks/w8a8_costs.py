@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import torch
-from gemm_family import ROTATION_BYTES, _cdiv, graph_us
+from gemm_family import ROTATION_BYTES, _cdiv, graph_us, write_json
 from gemm_fp8 import random_fp8
 from launch_floor import READ_GRIDS, read_launch
 
@@ -177,9 +176,7 @@ def main() -> None:
                 r.get("equal_to_engine"), ""
             )
             print(f"  {label:16s}{r['us']:6.1f} (+{r['us'] - floor:.1f}){same}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

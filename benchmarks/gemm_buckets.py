@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import time
 
@@ -52,6 +51,7 @@ from gemm_family import (
     named_once,
     precompile,
     shapes,
+    write_json,
 )
 from gemm_fp8 import fp8_shapes, random_fp8
 from gemm_w8a8 import _compile as _compile_w8a8
@@ -514,8 +514,7 @@ def print_dispatch(report: dict, weight_bytes: int = 2) -> None:
 
 def write_report(out: str | None, report: dict, t0: float) -> None:
     path = out or os.path.join(os.environ.get("OUT", "."), "gemm_buckets.json")
-    with open(path, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report), f, indent=1)
+    write_json(path, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shapes=report))
     print(f"{time.time() - t0:.0f} s; wrote {path}")
 
 

@@ -79,6 +79,12 @@ def read_launch(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def read_times(sources: list[torch.Tensor]) -> dict[int, float]:
+    """us per launch reading one of `sources` (int32, rotated past L2 as the GEMMs' weights are), by grid size."""
+    outs = {g: torch.zeros(g, dtype=torch.int32, device=sources[0].device) for g in READ_GRIDS}
+    return {g: graph_us(lambda out, src: read_launch(src, out), outs[g], sources) for g in READ_GRIDS}
+
+
 def empty_launch(x: torch.Tensor, programs: torch.Tensor) -> torch.Tensor:
     """An empty kernel of `programs.numel()` programs (the graph helper's (x, weight) call shape; x is unused)."""
     _empty_kernel()[(programs.numel(),)](programs, **triton_utils.launch(programs.device))
@@ -97,9 +103,8 @@ def main() -> None:
     report["read_us"] = {}
     for name, (n, k) in READ_SHAPES.items():  # the W8A8 weights: one byte an element
         copies = max(1, _cdiv(ROTATION_BYTES, n * k))
-        outs = {g: torch.zeros(g, dtype=torch.int32, device="cuda") for g in READ_GRIDS}
         srcs = [torch.randint(0, 99, (n * k // 4,), dtype=torch.int32, device="cuda") for _ in range(copies)]
-        times = {g: graph_us(lambda out, src: read_launch(src, out), outs[g], srcs) for g in READ_GRIDS}
+        times = read_times(srcs)
         report["read_us"][name] = dict(mb=n * k / 1e6, us=times, best_tb_per_s=n * k / 1e6 / min(times.values()))
         del srcs
     plan = linear.row_plan(N, 6144, 1)  # o_proj's one-row plan at every K: the same tiles, splits of its columns

@@ -25,7 +25,7 @@ import functools
 import torch
 from gemm_family import ROTATION_BYTES, _cdiv, graph_us, write_json
 from gemm_fp8 import random_fp8
-from launch_floor import READ_GRIDS, read_launch
+from launch_floor import read_times
 
 from qwen_mtp.ops import linear, triton_utils
 
@@ -121,40 +121,32 @@ def launch(q, q_scale, w, scale, plan, counters, mode: int = 0, tiled: torch.Ten
 
 
 def shape_entry(n: int, k: int) -> dict:
-    copies = max(1, _cdiv(ROTATION_BYTES, n * k))
-    weights = [random_fp8(n, k, seed) for seed in range(copies)]
-    q, q_scale = linear.quantize_activation_rows_triton(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
     loads = linear.TMA_LOAD_BUCKETS["w8a8"]
     plan = linear.row_plan(n, k, 1, True, linear.W8A8_ROW_BUCKETS, linear.gemm_plan_w8a8, loads)
+    copies = max(1, _cdiv(ROTATION_BYTES, n * k))
+    # (weight, its block scales, its tile-major copy), rotated past L2
+    weights = [(w, sc, tile_major(w, plan)) for w, sc in (random_fp8(n, k, seed) for seed in range(copies))]
+    q, q_scale = linear.quantize_activation_rows_triton(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
     counters = torch.zeros(1 << 12, dtype=torch.int32, device="cuda")
 
     def engine(a, ws):  # graph_us calls fn(rows, weight): the rows' scales ride along
-        return linear.w8a8_matmul_triton(a, q_scale, *ws)
+        return linear.w8a8_matmul_triton(a, q_scale, ws[0], ws[1])
 
     entry = dict(n=n, k=k, mb=n * k / 1e6, plan=str(plan), engine_us=graph_us(engine, q, weights))
     reference = engine(q, weights[0])
     entry["modes"] = {}
-    for label, mode in MODES.items():
+    runs = [(label, mode, False) for label, mode in MODES.items()]
+    runs += [("full, tile-major", 0, True), ("no MMA, tile-major", 2, True)]
+    for label, mode, from_tiles in runs:
 
-        def fn(a, ws, mode=mode):
-            return launch(a, q_scale, *ws, plan, counters, mode)
+        def fn(a, ws, mode=mode, from_tiles=from_tiles):
+            return launch(a, q_scale, ws[0], ws[1], plan, counters, mode, tiled=ws[2] if from_tiles else None)
 
         entry["modes"][label] = dict(us=graph_us(fn, q, weights))
         if mode == 0:
             entry["modes"][label]["equal_to_engine"] = bool(torch.equal(fn(q, weights[0]), reference))
-    tiled = [(tile_major(w, plan), sc, w) for w, sc in weights]
-    for label, mode in (("full, tile-major", 0), ("no MMA, tile-major", 2)):
-
-        def fn(a, ws, mode=mode):
-            return launch(a, q_scale, ws[2], ws[1], plan, counters, mode, tiled=ws[0])
-
-        entry["modes"][label] = dict(us=graph_us(fn, q, tiled))
-        if mode == 0:
-            entry["modes"][label]["equal_to_engine"] = bool(torch.equal(fn(q, tiled[0]), reference))
-    del tiled
-    flat = [w.view(torch.int32).view(-1) for w, _ in weights]  # the same bytes, read as int32
-    outs = {g: torch.zeros(g, dtype=torch.int32, device="cuda") for g in READ_GRIDS}
-    entry["read_floor_us"] = min(graph_us(lambda o, src: read_launch(src, o), outs[g], flat) for g in READ_GRIDS)
+    flat = [w.view(torch.int32).view(-1) for w, _, _ in weights]  # the same bytes, read as int32
+    entry["read_floor_us"] = min(read_times(flat).values())
     del weights, flat
     torch.cuda.empty_cache()
     return entry

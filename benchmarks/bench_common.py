@@ -55,20 +55,23 @@ def kind(name: str) -> str:
 
 
 def gpu_split(fn, top: int = 12) -> dict:
-    """Device milliseconds of one call of `fn` per kernel category, and its `top` kernels by name (on CPU: the
-    ops' CPU time, the profiler's only device there)."""
+    """Device milliseconds of one call of `fn` per kernel category, its `top` kernels by name, and how many times
+    each of those ran ("launches"; on CPU: the ops' CPU time and calls, the profiler's only device there)."""
     on_gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         fn()
         sync()
     totals: dict = defaultdict(float)
     kernels: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total" if on_gpu else "self_cpu_time_total", 0)
         if us > 0:
             totals[kind(event.key)] += us / 1e3
             kernels[event.key[:80]] += us / 1e3
+            counts[event.key[:80]] += event.count
     totals["top kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])
+    totals["launches"] = {name: counts[name] for name in totals["top kernels"]}
     return dict(totals)
 
 

@@ -70,7 +70,7 @@ def main() -> None:
         if not args.no_profile:
             run["gpu_ms"] = profiled(engine, prompt)
         report["runs"][chunk] = run
-        split = "  ".join(f"{k} {v / 1e3:.2f} s" for k, v in run.get("gpu_ms", {}).items() if k != "top kernels")
+        split = "  ".join(f"{k} {v / 1e3:.2f} s" for k, v in run.get("gpu_ms", {}).items() if not isinstance(v, dict))
         print(f"chunk {chunk:5d}: TTFT {seconds:6.2f} s ({steps} steps, {seconds / floor_s:.2f}x floor)  {split}",
               flush=True)  # fmt: skip
         for name, ms in run.get("gpu_ms", {}).get("top kernels", {}).items():

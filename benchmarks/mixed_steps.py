@@ -279,7 +279,7 @@ def main() -> None:
             report["packed_32x128_gpu_ms"] = split = gpu_split(
                 lambda engine=engine, prompts=profile_prompts: burst(engine, prompts, 1)
             )
-            parts = "  ".join(f"{k} {v:.1f} ms" for k, v in split.items() if k != "top kernels")
+            parts = "  ".join(f"{k} {v:.1f} ms" for k, v in split.items() if not isinstance(v, dict))
             print(f"packed 32x128 profile: {parts}")
             for kernel, ms in split["top kernels"].items():
                 print(f"      {ms:9.1f} ms  {kernel}")
@@ -320,7 +320,8 @@ def main() -> None:
         for part in ("chunk_step_gpu_ms", "decode_step_gpu_ms"):
             if part in itl:
                 split = itl[part]
-                print(f"  {name} {part}: " + "  ".join(f"{k} {v:.1f}" for k, v in split.items() if k != "top kernels"))
+                kinds = "  ".join(f"{k} {v:.1f}" for k, v in split.items() if not isinstance(v, dict))
+                print(f"  {name} {part}: " + kinds)
                 for kernel, ms in split["top kernels"].items():
                     print(f"      {ms:9.2f} ms  {kernel}")
         if "chunk_step_host" in itl:

@@ -120,7 +120,8 @@ def profile_graphed(
             kinds = "  ".join(f"{kind} {ms:.2f}" for kind, ms in per_step.items() if not isinstance(ms, dict))
             print(f"{label}: {wall:.2f} ms a step (wall); GPU ms a step: {kinds}", flush=True)
             for name, ms in per_step["top kernels"].items():
-                print(f"    {ms * 1e3:8.1f} us  {name}")
+                launches = per_step["launches"][name]
+                print(f"    {ms * 1e3:8.1f} us  {launches:5.0f}x {ms * 1e3 / max(launches, 1):6.2f} us  {name}")
             del engine, run_steps
             free_memory()
     if out:

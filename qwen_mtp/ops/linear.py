@@ -33,10 +33,13 @@ L2 prefetch. Under a CUDA graph every kernel of ours launches with programmatic 
 programs start while the kernel before it (often a short norm or quantization that leaves HBM idle) still runs,
 and wait. A plan's `l2_prefetch` has each program first ask L2 for its weight slice's first K blocks
 (`triton_utils.prefetch_weight_rows`, `l2_prefetch_columns`); weights are never written during a step, so this
-races with nothing and changes no bit. Pointer-loading plans only. No table sets it: measured engine-wide (H200,
-sixteenth session, 27B FP8 B1) 4 blocks on every decode plan made the step slower (9.06 -> 9.41 ms plain; it also
-gives up the TMA loads of the buckets that have them). `QWEN_MTP_L2_PREFETCH=N` sets N blocks on every decode plan
-for the engine-wide A/B (`gpu_suite.sh` STAGE=prefetch).
+races with nothing and changes no bit. The kernels take the weight's address for it beside the tile loads' source,
+so a plan loading by TMA (whose weight operand is a descriptor) prefetches too. Every decode plan asks for
+`L2_PREFETCH` K blocks (`row_plan`; default 2, `QWEN_MTP_L2_PREFETCH=N` for the engine-wide A/B of `gpu_suite.sh`
+STAGE=prefetch, 0: none). Measured on an H100 (thirty-fifth session, 27B, plain and K=3 at B1 / B8 / B32, each
+against 0 in the same call): 2 blocks made FP8 steps 1.5-2.4% faster (B1 plain 11.89 -> 11.64 ms) and bf16 steps
+0.1-0.5%; 4 blocks did as 2, 8 nothing, 16 made FP8 B1 8% slower. The sixteenth session's loss (H200, 4 blocks,
+FP8 B1 9.06 -> 9.41 ms) came with the TMA loads turned off, which the prefetch then required.
 
 It is a custom op so `torch.compile` keeps it opaque and CUDA graphs capture it; backward is the plain GEMM
 gradient, so training runs the same module code.
@@ -84,10 +87,11 @@ from qwen_mtp.quant.fp8 import FP8_BLOCK, FP8_MAX, SCALE_FLOOR, dequantize_fp8_b
 # runs (`GemmPlan.tma_loads`; the same bits); =0: none does; unset: the row buckets `TMA_LOAD_BUCKETS` names. The
 # engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=tmaloads.
 TMA_LOADS: bool | None = {"1": True, "0": False}.get(os.environ.get("QWEN_MTP_TMA_LOADS", ""))
-# QWEN_MTP_L2_PREFETCH=N: every decode plan (`row_plan`) prefetches the first N K blocks of each program's weight
-# slice into L2 before it waits on the previous kernel (`GemmPlan.l2_prefetch`; loads by pointers then: a TMA plan
-# holds the weight as a descriptor only), the engine-wide A/B of `benchmarks/gpu_suite.sh` STAGE=prefetch.
-L2_PREFETCH = int(os.environ.get("QWEN_MTP_L2_PREFETCH", "0"))
+# Every decode plan (`row_plan`) prefetches the first L2_PREFETCH K blocks of each program's weight slice into L2
+# before it waits on the previous kernel (`GemmPlan.l2_prefetch`; its tile loads stay as the tables say; why 2: the
+# module docstring). QWEN_MTP_L2_PREFETCH=N sets N (0: none), the engine-wide A/B of `benchmarks/gpu_suite.sh`
+# STAGE=prefetch.
+L2_PREFETCH = int(os.environ.get("QWEN_MTP_L2_PREFETCH", "2"))
 TARGET_PROGRAMS = 320  # programs in flight for an untuned shape: ~2-3 per SM on a 132-SM H200
 FAMILIES = ("grid", "stream", "tma")
 MAX_ROW_TILES = 8  # a stream plan compiles one K loop per live row-tile count 1..row_tiles: code grows as its square
@@ -120,7 +124,7 @@ class GemmPlan:
     group_m: int = 8  # "tma": row tiles that walk the N tiles together (each weight tile read once per group)
     persistent: bool = False  # "tma": a program per SM looping over the tiles, instead of a program per tile
     tma_loads: bool = False  # "grid", "stream": tiles copied by the tensor memory accelerator where it runs
-    l2_prefetch: int = 0  # "grid", "stream", pointer loads: K blocks asked of L2 before the PDL wait (`row_plan`)
+    l2_prefetch: int = 0  # "grid", "stream": K blocks asked of L2 before the PDL wait (`row_plan`)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -141,8 +145,8 @@ class GemmPlan:
             raise ValueError("GemmPlan.group_m must be >= 1, and GemmPlan.persistent is a 'tma' option")
         if self.tma_loads and self.family == "tma":
             raise ValueError("GemmPlan.tma_loads is a 'grid' / 'stream' option (the 'tma' family always loads so)")
-        if self.l2_prefetch < 0 or (self.l2_prefetch and (self.family == "tma" or self.tma_loads)):
-            raise ValueError("GemmPlan.l2_prefetch is K blocks (>= 0) of a 'grid' / 'stream' plan loading by pointers")
+        if self.l2_prefetch < 0 or (self.l2_prefetch and self.family == "tma"):
+            raise ValueError("GemmPlan.l2_prefetch is K blocks (>= 0) of a 'grid' / 'stream' plan")
 
     def splits(self, k: int) -> int:
         k_blocks = -(-k // self.block_k)
@@ -396,31 +400,31 @@ def row_plan(
     n: int, k: int, m: int, hopper: bool = True, buckets: dict | None = None, base=None, loads: dict | None = None
 ) -> GemmPlan:
     """The decode plan a launch of `m` rows of an [N, K] bf16 weight runs: its row bucket's, else `gemm_plan`, with
-    its tiles loaded by TMA where `TMA_LOAD_BUCKETS` (or `QWEN_MTP_TMA_LOADS`) says. Only on Hopper (`hopper`), where
-    `sum_order` was measured; elsewhere the one plan serves every M. `buckets`, `base` and `loads`: another kernel's
-    tables and per-shape plan (W8A8: `W8A8_ROW_BUCKETS`, `gemm_plan_w8a8`, `TMA_LOAD_BUCKETS["w8a8"]`)."""
+    its tiles loaded by TMA where `TMA_LOAD_BUCKETS` (or `QWEN_MTP_TMA_LOADS`) says and its first `L2_PREFETCH` K
+    blocks asked of L2 before the PDL wait (a launch without PDL asks nothing: `l2_prefetch_columns`). The buckets
+    only on Hopper (`hopper`), where `sum_order` was measured; elsewhere the one plan serves every M. `buckets`,
+    `base` and `loads`: another kernel's tables and per-shape plan (W8A8: `W8A8_ROW_BUCKETS`, `gemm_plan_w8a8`,
+    `TMA_LOAD_BUCKETS["w8a8"]`)."""
     table = ROW_BUCKETS if buckets is None else buckets
     loads = (TMA_LOAD_BUCKETS["bf16"] if buckets is None else {}) if loads is None else loads
     plan, bucket_start = bucket_of(table.get((n, k), ()) if hopper else (), m, (base or gemm_plan)(n, k))
     tma = hopper and bucket_start in loads.get((n, k), ()) if TMA_LOADS is None else TMA_LOADS
     if plan.family == "tma":
         return plan
-    if L2_PREFETCH:
-        return replace(plan, tma_loads=False, l2_prefetch=L2_PREFETCH)
-    return replace(plan, tma_loads=tma)
+    return replace(plan, tma_loads=tma, l2_prefetch=L2_PREFETCH or plan.l2_prefetch)
 
 
-def l2_prefetch_columns(plan: GemmPlan, weight: torch.Tensor, pdl: bool, tma: bool) -> dict:
+def l2_prefetch_columns(plan: GemmPlan, weight: torch.Tensor, pdl: bool) -> dict:
     """The launch's `prefetch_weight_rows` constexprs: the plan's `l2_prefetch` K blocks (at most one K split, at
     most K) as columns and bytes a weight row, where the prefetch can help and is allowed: a launch with
-    programmatic dependent launch (`pdl`, else no kernel runs early) loading by pointers (not `tma`), on a weight
-    whose row starts and sizes are 16-byte multiples (the bulk prefetch's rule). Else zeros: no prefetch."""
+    programmatic dependent launch (`pdl`, else no kernel runs early), on a weight whose row starts and sizes are
+    16-byte multiples (the bulk prefetch's rule). Else zeros: no prefetch."""
     k = weight.shape[1]
     columns = min(plan.l2_prefetch, plan.k_per_split) * plan.block_k
     columns = min(columns, k // plan.block_k * plan.block_k)
     size, row, stride = (count * weight.element_size() for count in (columns, k, weight.stride(0)))
     aligned = size % 16 == 0 and row % 16 == 0 and stride % 16 == 0 and weight.data_ptr() % 16 == 0
-    if not (pdl and columns and not tma and aligned):
+    if not (pdl and columns and aligned):
         return {"L2_PREFETCH_K": 0, "L2_PREFETCH_BYTES": 0}
     return {"L2_PREFETCH_K": columns, "L2_PREFETCH_BYTES": size}
 
@@ -538,16 +542,17 @@ def _matmul_kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
     def matmul_grid(
-        x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        x_ptr, w_ptr, wp_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         FP8: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, MMA_SYNC: tl.constexpr = False,
         L2_PREFETCH_K: tl.constexpr = 0, L2_PREFETCH_BYTES: tl.constexpr = 0, TMA: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
-        triton_utils.prefetch_weight_rows(w_ptr, tl.program_id(1) * BLOCK_N, tl.program_id(2) * k_per_split * BLOCK_K,
+        triton_utils.prefetch_weight_rows(wp_ptr, tl.program_id(1) * BLOCK_N, tl.program_id(2) * k_per_split * BLOCK_K,
                                           N, K, sw_n, BLOCK_N, L2_PREFETCH_K, L2_PREFETCH_BYTES)  # fmt: skip
-        # TMA: x_ptr and w_ptr are tensor descriptors (`GemmPlan.tma_loads`), as in the stream family.
+        # TMA: x_ptr and w_ptr are tensor descriptors (`GemmPlan.tma_loads`), as in the stream family; wp_ptr is
+        # the weight's address either way (the prefetch's).
         # FP8: w_ptr is e4m3 and s_ptr its block scales [ceil(N/128), ceil(K/128)] (row stride ss_n); each weight
         # tile is dequantized to the activations' dtype in registers (`triton_utils.fp8_dequantize`).
         # Row tiles of one weight tile are neighbours in launch order, so a weight tile read from HBM serves
@@ -627,7 +632,7 @@ def _stream_kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
     def matmul_stream(
-        x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        x_ptr, w_ptr, wp_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sx_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, FP8: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -639,11 +644,12 @@ def _stream_kernel():
     ):  # fmt: skip
         # L2_PREFETCH_K: a split tail's programs (their tiles and K ranges are worked out below) ask for blocks of
         # other tiles or none of use: a wasted request, never a wrong one.
-        triton_utils.prefetch_weight_rows(w_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * k_per_split * BLOCK_K,
+        triton_utils.prefetch_weight_rows(wp_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * k_per_split * BLOCK_K,
                                           N, K, sw_n, BLOCK_N, L2_PREFETCH_K, L2_PREFETCH_BYTES)  # fmt: skip
         # FP8: as in the grid family; each weight block is dequantized once, for every row tile of the group.
         # TMA: x_ptr and w_ptr are tensor descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks
-        # (`GemmPlan.tma_loads`): the same tiles, copied by the tensor memory accelerator.
+        # (`GemmPlan.tma_loads`): the same tiles, copied by the tensor memory accelerator; wp_ptr is the weight's
+        # address either way (the prefetch's).
         triton_utils.wait_for_previous_kernel(PDL)
         pid_n, split = tl.program_id(0), tl.program_id(1)
         # k_blocks: this program's K blocks per split; n_splits: its tile's split count; part_n, part_n0: the
@@ -956,9 +962,9 @@ def invariant_matmul_triton(
     tma = plan.tma_loads and not fp8 and tma_available(x.device) and tma_supported(n, k, x.dtype)
     x_tiles, w_tiles = (tma and _tile_descriptors(x, weight, plan)) or (x, weight)  # a misaligned weight: pointers
     options = triton_utils.launch(x.device)
-    extra |= l2_prefetch_columns(plan, weight, options["PDL"], x_tiles is not x)
+    extra |= l2_prefetch_columns(plan, weight, options["PDL"])
     kernel[grid](
-        x_tiles, w_tiles, scale if fp8 else weight, out, part, counters, m, n, k,
+        x_tiles, w_tiles, weight, scale if fp8 else weight, out, part, counters, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0) if fp8 else 0, out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, **extra,
         FP8=fp8, INTERPRETED=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -1468,16 +1474,17 @@ def _w8a8_kernel():
 
     @triton.jit(do_not_specialize=["M"])  # one binary whatever the row count
     def matmul_w8a8(
-        q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+        q_ptr, qs_ptr, w_ptr, wp_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         sq_m, sqs_m, sw_n, ss_n, so_m, k_per_split,
         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRETED: tl.constexpr, L2_PREFETCH_K: tl.constexpr = 0,
         L2_PREFETCH_BYTES: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
     ):  # fmt: skip
-        triton_utils.prefetch_weight_rows(w_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * k_per_split * BLOCK_K,
+        triton_utils.prefetch_weight_rows(wp_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * k_per_split * BLOCK_K,
                                           N, K, sw_n, BLOCK_N, L2_PREFETCH_K, L2_PREFETCH_BYTES)  # fmt: skip
         # TMA: q_ptr and w_ptr are tensor descriptors of [BLOCK_M, 128] and [BLOCK_N, 128] e4m3 blocks
-        # (`GemmPlan.tma_loads`): the same blocks, copied by the tensor memory accelerator.
+        # (`GemmPlan.tma_loads`): the same blocks, copied by the tensor memory accelerator; wp_ptr is the weight's
+        # address either way (the prefetch's).
         triton_utils.wait_for_previous_kernel(PDL)
         pid_n, split = tl.program_id(0), tl.program_id(1)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1587,10 +1594,10 @@ def w8a8_matmul_triton(
     tma = plan.tma_loads and tma_available(q.device)  # e4m3 rows of K % 128 == 0 bytes: always 16-byte multiples
     q_tiles, w_tiles = (tma and _tile_descriptors(q, weight, plan)) or (q, weight)
     options = triton_utils.launch(q.device)
-    options |= l2_prefetch_columns(plan, weight, options["PDL"], q_tiles is not q)
+    options |= l2_prefetch_columns(plan, weight, options["PDL"])
     row_tiles = launch_row_tiles(plan, m)
     _w8a8_kernel()[(n_tiles, splits)](
-        q_tiles, q_scale, w_tiles, scale, out, part, counters, m, n, k,
+        q_tiles, q_scale, w_tiles, weight, scale, out, part, counters, m, n, k,
         q.stride(0), q_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0), plan.k_per_split,
         SPLITS=splits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ROW_TILES=row_tiles,
         SWAP_AB=plan.swap_ab, INTERPRETED=INTERPRET, TMA=q_tiles is not q, num_warps=plan.num_warps,

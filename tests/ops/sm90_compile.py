@@ -116,8 +116,8 @@ def compile_w8a8_sm90(plan: GemmPlan, n: int, k: int, **constexprs_set):
     as in `compile_sm90`)."""
     fn = linear._w8a8_kernel()
     values = dict(M=1, N=n, K=k, sq_m=k, sqs_m=k // 128, sw_n=k, ss_n=k // 128, so_m=n, k_per_split=plan.k_per_split)
-    pointers = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16")
-    pointers |= dict(part_ptr="*fp32", count_ptr="*i32")
+    pointers = dict(q_ptr="*fp8e4nv", qs_ptr="*fp32", w_ptr="*fp8e4nv", wp_ptr="*fp8e4nv", s_ptr="*fp32")
+    pointers |= dict(out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     const = dict(SPLITS=plan.splits(k), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
     const |= dict(ROW_TILES=plan.row_tiles, SWAP_AB=plan.swap_ab, INTERPRETED=False, TMA=plan.tma_loads, PDL=False)
     const |= dict(L2_PREFETCH_K=0, L2_PREFETCH_BYTES=0) | constexprs_set
@@ -278,7 +278,7 @@ def prefetch_report(plan: GemmPlan, n: int, k: int, kind: str) -> dict:
     where they stand against the grid dependency wait in the PTX."""
     element = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
     weight = torch.empty(n, k, dtype=element, device="meta")
-    columns = linear.l2_prefetch_columns(plan, weight, pdl=True, tma=False)
+    columns = linear.l2_prefetch_columns(plan, weight, pdl=True)
     if kind == "w8a8":
         compiled = compile_w8a8_sm90(plan, n, k, PDL=True, **columns)
     else:

@@ -314,6 +314,7 @@ def _bucket_table(n: int, k: int):
 
 
 def test_row_plan_picks_the_bucket_of_the_launch(monkeypatch):
+    monkeypatch.setattr(linear, "L2_PREFETCH", 0)  # the tables' plans as they are (the prefetch: the test below)
     table = _bucket_table(24, 192)
     monkeypatch.setitem(linear.TUNED, (24, 192), WGMMA_BASE)
     monkeypatch.setattr(linear, "ROW_BUCKETS", table)
@@ -383,34 +384,37 @@ def test_tma_load_buckets_must_name_buckets_of_the_table():
 
 def test_l2_prefetch_asks_for_aligned_blocks_of_one_split_under_pdl_only():
     """`l2_prefetch_columns`: the plan's K blocks, at most one K split and K, 16-byte multiples; nothing without
-    PDL (no kernel starts early), with TMA loads (the weight is a descriptor) or on a misaligned weight."""
+    PDL (no kernel starts early) or on a misaligned weight. TMA loads do not matter: the kernel prefetches from
+    the weight's address, not its descriptor."""
     plan = dataclasses.replace(WGMMA_BASE, k_per_split=6, l2_prefetch=3)
     weight = torch.zeros(24, 192, dtype=torch.bfloat16)
     columns = 3 * plan.block_k
-    assert linear.l2_prefetch_columns(plan, weight, True, False) == {
-        "L2_PREFETCH_K": columns, "L2_PREFETCH_BYTES": 2 * columns
-    }  # fmt: skip
+    asked = {"L2_PREFETCH_K": columns, "L2_PREFETCH_BYTES": 2 * columns}
+    assert linear.l2_prefetch_columns(plan, weight, True) == asked
+    assert linear.l2_prefetch_columns(dataclasses.replace(plan, tma_loads=True), weight, True) == asked
     split = dataclasses.replace(plan, k_per_split=1)
-    assert linear.l2_prefetch_columns(split, weight, True, False)["L2_PREFETCH_K"] == plan.block_k
+    assert linear.l2_prefetch_columns(split, weight, True)["L2_PREFETCH_K"] == plan.block_k
     none = {"L2_PREFETCH_K": 0, "L2_PREFETCH_BYTES": 0}
-    assert linear.l2_prefetch_columns(plan, weight, False, False) == none
-    assert linear.l2_prefetch_columns(plan, weight, True, True) == none
-    assert linear.l2_prefetch_columns(plan, torch.zeros(24, 196, dtype=torch.bfloat16)[:, :192], True, False) == none
-    assert linear.l2_prefetch_columns(plan, torch.zeros(24, 208, dtype=torch.bfloat16)[:, :196], True, False) == none
-    assert linear.l2_prefetch_columns(WGMMA_BASE, weight, True, False) == none
+    assert linear.l2_prefetch_columns(plan, weight, False) == none
+    assert linear.l2_prefetch_columns(plan, torch.zeros(24, 196, dtype=torch.bfloat16)[:, :192], True) == none
+    assert linear.l2_prefetch_columns(plan, torch.zeros(24, 208, dtype=torch.bfloat16)[:, :196], True) == none
+    assert linear.l2_prefetch_columns(WGMMA_BASE, weight, True) == none
 
 
-def test_l2_prefetch_switch_sets_every_decode_plan_and_loads_by_pointers(monkeypatch):
-    """QWEN_MTP_L2_PREFETCH=N (`linear.L2_PREFETCH`): every plan `row_plan` answers prefetches N K blocks and loads
-    by pointers (a TMA plan's weight is a descriptor), with the same sums; a plan cannot ask for both."""
-    monkeypatch.setattr(linear, "TMA_LOADS", True)
+@pytest.mark.parametrize("tma", [True, False])
+def test_l2_prefetch_switch_sets_every_decode_plan_and_keeps_its_loads(monkeypatch, tma):
+    """QWEN_MTP_L2_PREFETCH=N (`linear.L2_PREFETCH`): every plan `row_plan` answers prefetches N K blocks, loads
+    its tiles as it would without the switch, and sums alike; the "tma" family (prefill) cannot prefetch."""
+    monkeypatch.setattr(linear, "TMA_LOADS", tma)
     monkeypatch.setattr(linear, "L2_PREFETCH", 4)
     for m in (1, 64, 256):
         plan = linear.row_plan(34816, 5120, m)
-        assert plan.l2_prefetch == 4 and not plan.tma_loads
+        assert plan.l2_prefetch == 4 and plan.tma_loads == tma
         assert linear.same_sums(plan, linear.gemm_plan(34816, 5120), 34816, 5120)
+    monkeypatch.setattr(linear, "L2_PREFETCH", 0)
+    assert linear.row_plan(34816, 5120, 1).l2_prefetch == 0
     with pytest.raises(ValueError, match="l2_prefetch"):
-        dataclasses.replace(WGMMA_BASE, l2_prefetch=2, tma_loads=True)
+        GemmPlan(64, 64, 4, 4, 3, family="tma", block_m=64, l2_prefetch=2)
     with pytest.raises(ValueError, match="l2_prefetch"):
         dataclasses.replace(WGMMA_BASE, l2_prefetch=-1)
 

@@ -186,6 +186,7 @@ def test_w8a8_row_buckets_pick_the_plan_from_m_and_stay_right(monkeypatch):
     linear.check_row_buckets(buckets, lambda *_: base)
     monkeypatch.setitem(linear.TUNED_W8A8, (n, k), base)
     monkeypatch.setattr(linear, "W8A8_ROW_BUCKETS", buckets)
+    monkeypatch.setattr(linear, "L2_PREFETCH", 0)  # the tables' plans as they are
     assert linear.row_plan(n, k, 4, True, buckets, gemm_plan_w8a8) == base
     assert linear.row_plan(n, k, 5, True, buckets, gemm_plan_w8a8) == buckets[n, k][0][1]
     q, q_scale, weight, scale = exact_operands(12, n, k)

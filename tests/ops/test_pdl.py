@@ -124,11 +124,13 @@ def _prefetching(kind, n, k, plan_fields):
 
 def test_gemms_compiled_for_hopper_prefetch_weights_before_the_wait():
     """`GemmPlan.l2_prefetch` compiled as a graph capture launches it: bulk L2 prefetches, all before the one
-    grid dependency wait, for bf16 and W8A16 "stream" / "grid" plans and the W8A8 kernel; none without it."""
+    grid dependency wait, for bf16 and W8A16 "stream" / "grid" plans and the W8A8 kernel, loading their tiles by
+    pointers or by TMA (the prefetch takes the weight's address beside its descriptor); none without it."""
     stream = [64, 64, 80, 4, 6, "stream", {"block_m": 64, "swap_ab": True, "l2_prefetch": 4}]
     grid = [128, 64, 80, 4, 4, "grid", {"block_m": 16, "l2_prefetch": 2}]
     w8a8 = [64, 128, 40, 4, 4, "stream", {"block_m": 16, "row_tiles": 2, "swap_ab": True, "l2_prefetch": 4}]
-    for kind, plan in (("bf16", stream), ("w8a16", grid), ("w8a8", w8a8)):
+    tma = [[*stream[:-1], stream[-1] | {"tma_loads": True}], [*w8a8[:-1], w8a8[-1] | {"tma_loads": True}]]
+    for kind, plan in (("bf16", stream), ("w8a16", grid), ("w8a8", w8a8), ("bf16", tma[0]), ("w8a8", tma[1])):
         found = _prefetching(kind, 34816, 5120, plan)
         assert found["prefetches"] >= 1 and found["before_wait"] and found["waits"] == 1, (kind, found)
         assert found["columns"]["L2_PREFETCH_K"] == plan[-1]["l2_prefetch"] * plan[1], (kind, found)

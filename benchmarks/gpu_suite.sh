@@ -39,8 +39,9 @@
 #                bf16 bench (BF16_BATCHES, K=3 at oracle 0.8) without TMA loads and with the table's, FP8=1 (carry
 #                torchao) the same at FP8 (FP8_BATCHES), then the exactness subset with every plan loading by TMA;
 #   prefetch     `GemmPlan.l2_prefetch` (QWEN_MTP_L2_PREFETCH=N: every decode GEMM asks L2 for its first N weight
-#                K blocks before its PDL wait) and tree A/Bs: the 27B bench (BATCHES) per model in MODELS (bf16, fp8:
-#                carry torchao) and per SETTINGS (N, or "baseline": the qwen_mtp in BASELINE, carried), then
+#                K blocks before its PDL wait; default 2, 0: none) and tree A/Bs: the 27B bench (BATCHES) per model
+#                in MODELS (bf16, fp8: carry torchao) and per SETTINGS (N, or "baseline": the qwen_mtp in BASELINE,
+#                carried), then
 #                (EXACT=1) the W8A8 and bf16 exactness tests with PREFETCH_EXACT blocks;
 #   w8a8         kernel benchmarks (MICRO: gemm_w8a8, gdn_recurrent) with this tree and a carried BASELINE tree;
 #                FAMILY=1 adds the W8A8 plan family sweep;
@@ -600,8 +601,8 @@ if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
 fi
 if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide, and A/B trees
   # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
-  # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: the tables; N: every decode plan asks L2 for its first N K
-  # blocks before the PDL wait, loading by pointers); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
+  # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: none; N: every decode plan asks L2 for its first N K blocks
+  # before the PDL wait; the default is 2); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
   # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then,
   # with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT
   # blocks, each test's line as it ends.
@@ -619,10 +620,10 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   done
   if [[ "${EXACT:-1}" == 1 ]]; then
     if [[ " ${MODELS:-bf16 fp8} " == *" fp8 "* ]]; then
-      QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} counted 150 prefetch-fp8.log python3 -m pytest -vv -p no:cacheprovider \
+      QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-2} counted 150 prefetch-fp8.log python3 -m pytest -vv -p no:cacheprovider \
         tests/gpu/test_fp8.py -k "mtp_equals_plain and w8a8"
     fi
-    QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-4} counted "${EXACT_LIMIT:-300}" prefetch-exact.log python3 -m pytest -vv \
+    QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-2} counted "${EXACT_LIMIT:-300}" prefetch-exact.log python3 -m pytest -vv \
       -p no:cacheprovider tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
   fi
 fi

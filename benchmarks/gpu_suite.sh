@@ -3,7 +3,7 @@
 # plan sweep, a step profile), and `qwen-mtp bench`.
 # STAGE=tests|kernels|sweep|family|fp8family|longprefill|profile|bench|compile|verify|prefill|attention|context|
 # verifybench|ttft|probe|buckets|smallkernels|stepbench|longcontext|lookahead|pdl|ladefault|prefillgemm|tmaloads|prefetch|w8a8|prefillgraphs|issue20|
-# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|splitcosts|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|ksweep|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
+# prefillbuckets|mixeddefault|fp8prefill|newdefaults|splits|splitcosts|normcosts|penalties|structured|structuredsteps|conv|drafthead|targets|kauto|ksweep|serve|tp2|tp2serve|tp2bench runs one part (all but tests, kernels, profile and bench only when asked: minutes each). These are
 # one device call each:
 #   verify       the exactness subset after decode-path changes;
 #   prefill      the checks after prefill-path changes (kernel tests, packed steps, long-context MTP-on == MTP-off,
@@ -55,6 +55,8 @@
 #                graphs, host syncs, the draft lm_head, the op tests);
 #   splits       the N = 5120 decode shapes (o_proj, mlp down) as the engine launches them at more K splits (SPLITS,
 #                default 3,4,5,6,8,12; benchmarks/gemm_buckets.py --set splits), bf16 and W8A8, rows checked across M;
+#   normcosts    the quantizing 5120-wide norm at M = 1, 8, 32, and with its quantization spread over 5..40
+#                programs a row (benchmarks/norm_costs.py; bytes compared with the engine's);
 #   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
 #                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
@@ -398,6 +400,10 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~2 min; carry torchao): th
       [[ $rc == 0 ]] && rm -f "$OUT/gemm-splits-$kind-$shape.log"  # printed above; a call brings back few files
     done
   done
+fi
+if [[ "$STAGE" == normcosts ]]; then  # one device call (~1 min): the quantizing norm at one row and the same norm
+  # with its quantization spread over 5..40 programs a row (norm_costs.py: bytes compared with the engine's)
+  timeout 200 python3 benchmarks/norm_costs.py --out "$OUT/norm-costs.json" 2>&1 | grep -v Warn
 fi
 if [[ "$STAGE" == splitcosts ]]; then  # one device call (~2 min; carry .whl): where the N = 5120 shapes' gap to cuBLAS
   # at 64-128 rows goes (the same launch with the engine's split reduction, none, one shared by the splits, ...:

@@ -24,6 +24,7 @@ import functools
 
 import torch
 from gemm_family import write_json
+from small_kernels import graphed_us
 
 from qwen_mtp.ops import norm, triton_utils
 from qwen_mtp.quant.fp8 import SCALE_FLOOR
@@ -98,12 +99,6 @@ def engine_norm(x, weight, eps, delta=None, quantize=True):
 
 def same_bytes(a: tuple, b: tuple) -> bool:
     return all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a, b, strict=True))
-
-
-def graphed_us(fn) -> float:
-    import triton
-
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50)
 
 
 def time_case(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> dict:

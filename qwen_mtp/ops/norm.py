@@ -55,11 +55,11 @@ def _norm_kernel():
     def rms_norm_rows(
         x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, q_ptr, qs_ptr, N, eps, g_heads, g_s0, g_s1,
         GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
-        QUANT: tl.constexpr = False, FLOOR: tl.constexpr = 0.0, PDL: tl.constexpr = False,
+        QUANT: tl.constexpr = False, FLOOR: tl.constexpr = 0.0, PDL: tl.constexpr = False, SLICE: tl.constexpr = 0,
     ):  # fmt: skip
-        # One program per row. WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers, one tree sum;
-        # its weights are loaded before the PDL wait (a parameter, which no kernel writes: at batch 1 a norm is
-        # all latency, and the load overlaps the previous kernel's tail). (`_row_block` says which rows.)
+        # One program per row (but SLICE). WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers,
+        # one tree sum; its weights are loaded before the PDL wait (a parameter, which no kernel writes: at batch 1
+        # a norm is all latency, and the load overlaps the previous kernel's tail). (`_row_block` says which rows.)
         # Otherwise the sum of squares runs over BLOCK-wide chunks in order, then one tree sum, and a second pass
         # normalizes. ADD: the row is x + delta, rounded to the activation dtype as the separate add would be, and
         # stored (the second pass adds again rather than reading the stores back: a thread may not read what
@@ -67,14 +67,39 @@ def _norm_kernel():
         # the second pass out otherwise than the first). GATED: row r's gate is at (r // g_heads) * g_s0 +
         # (r % g_heads) * g_s1 (per-head rows of a strided projection slice, read in place). QUANT: the output row
         # is also quantized for the W8A8 product it feeds (q_ptr [rows, N] e4m3, qs_ptr [rows, N / 128] fp32; N
-        # and BLOCK multiples of 128).
+        # and BLOCK multiples of 128). SLICE (WHOLE_ROW only, a power of two of groups of 128 dividing N): program
+        # (row, s) sums the whole row as above, then writes only columns s * SLICE .. (s + 1) * SLICE, reloaded
+        # (`_quant_slice` says why).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        if WHOLE_ROW:
+        if SLICE:
+            part = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+            w_row = tl.load(w_ptr + part, mask=part < N, other=0.0)
+        elif WHOLE_ROW:
             w_row = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
         triton_utils.wait_for_previous_kernel(PDL)
         q_row, qs_row = q_ptr + row * N, qs_ptr + row * (N // 128)
-        if WHOLE_ROW:
+        if SLICE:
+            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0)
+            if ADD:
+                d = tl.load(d_ptr + row * N + cols, mask=cols < N, other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+            x = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+            inside = part < N
+            xs = tl.load(x_ptr + row * N + part, mask=inside, other=0.0)
+            if ADD:
+                ds = tl.load(d_ptr + row * N + part, mask=inside, other=0.0)
+                xs = (xs.to(tl.float32) + ds.to(tl.float32)).to(xs.dtype)
+                tl.store(sum_ptr + row * N + part, xs, mask=inside)
+            y = triton_utils.scale_norm_row(xs.to(tl.float32), inv, w_row, g_ptr, row, part, inside, g_heads, g_s0,
+                                            g_s1, GATED)  # fmt: skip
+            y = y.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * N + part, y, mask=inside)
+            if QUANT:
+                triton_utils.store_e4m3_groups(y.to(tl.float32), q_row, qs_row, tl.program_id(1) * SLICE, N,
+                                               SLICE // 128, FLOOR)  # fmt: skip
+        elif WHOLE_ROW:
             mask = cols < N
             x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
             if ADD:
@@ -124,11 +149,13 @@ def norm_triton(
     gate: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
     quantize: bool = False,
+    slice_columns: int | None = None,
 ):
     """Triton version of `rms_norm_reference` (gate None), `gated_rms_norm_reference`, or (delta given)
     `add_rms_norm_reference`, which returns (normed, x + delta). `quantize`: also the normed rows' W8A8 activation
     quantization, (e4m3 [rows, N], fp32 scales [rows, N / 128]), appended to what it returns: the bytes and scales
-    `quantize_activation_rows_triton` gives the normed rows (N a multiple of 128)."""
+    `quantize_activation_rows_triton` gives the normed rows (N a multiple of 128). `slice_columns` (benchmarks):
+    columns a program writes on the one-pass quantizing path, 0 for the whole row (default `_quant_slice`)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
     gates = rows[:, None] if gate is None else _per_head_rows(gate)
@@ -139,10 +166,13 @@ def norm_triton(
     if quantize and (n % FP8_BLOCK[1] or block % FP8_BLOCK[1]):
         raise ValueError(f"norm_triton(quantize=True) needs rows of a multiple of {FP8_BLOCK[1]}, got {n}")
     q, q_scale = empty_w8a8_input(rows, *rows.shape) if quantize else (out, out)
-    _norm_kernel()[(rows.shape[0],)](
+    part = (_quant_slice(n) if slice_columns is None else slice_columns) if quantize and whole_row else 0
+    if part and (n % part or part % 128 or (part // 128) & (part // 128 - 1)):
+        raise ValueError(f"norm_triton: rows of {n} do not cut into slices of {part} columns (2^i groups of 128)")
+    _norm_kernel()[(rows.shape[0], n // part if part else 1)](
         rows, gates, weight, out, deltas, summed, q, q_scale, n, eps, gates.shape[1], gates.stride(0), gates.stride(1),
         GATED=gate is not None, ADD=delta is not None, BLOCK=block, WHOLE_ROW=whole_row, QUANT=quantize,
-        FLOOR=SCALE_FLOOR, num_warps=warps, **triton_utils.launch(rows.device),
+        FLOOR=SCALE_FLOOR, SLICE=part, num_warps=warps, **triton_utils.launch(rows.device),
     )  # fmt: skip
     normed = out.reshape(x.shape)
     results = (normed,) if delta is None else (normed, summed.reshape(x.shape))
@@ -166,6 +196,20 @@ def _row_block(n: int) -> tuple[int, int, bool]:
     if block <= 8192:
         return block, min(16, block // 512), True
     return 1024, 4, False
+
+
+def _quant_slice(n: int) -> int:
+    """Columns each program writes when a one-pass norm row (`_row_block`) also quantizes its output: the widest
+    power of two of groups of 128, up to 1024, that divides n (1024 for the 27B's 5120). Each of the row's programs
+    sums the whole row alone, in the one program's order, so every byte is the one-program kernel's. Why: one
+    program quantizing a whole row regroups it [BLOCK / 128, 128] through shared memory, all latency at a few
+    rows; measured on an H100 (`benchmarks/norm_costs.py`, 5120 wide) 3.3 us a launch at M = 1 against 1.55 us
+    in 5 slices (1.5 us with no quantization), and still faster at M = 32 (2.0 against 3.4 us); 10 or more slices
+    lose as rows grow."""
+    groups = 8
+    while n % (groups * 128):
+        groups //= 2
+    return groups * 128
 
 
 def _per_head_rows(gate: torch.Tensor) -> torch.Tensor:

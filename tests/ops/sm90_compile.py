@@ -204,20 +204,22 @@ def pdl_instructions() -> dict[str, list[str]]:
 
 
 def quantizing_kernels() -> dict[str, int]:
-    """The norm kernel (one-pass, chunked, gated per head), the SwiGLU and the output gate kernels compiled for
-    sm_90 with QUANT (their output's W8A8 quantization, `triton_helpers.store_e4m3_groups`): per variant, the e4m3
-    conversions in its PTX."""
+    """The norm kernel (one-pass, one-pass in slices, chunked, gated per head), the SwiGLU and the output gate
+    kernels compiled for sm_90 with QUANT (their output's W8A8 quantization, `triton_helpers.store_e4m3_groups`):
+    per variant, the e4m3 conversions in its PTX."""
     from qwen_mtp.ops import norm, output_gate, swiglu
 
     found = {}
     norm_signature = {"x_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16",
                       "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "N": "i32", "eps": "fp32",
                       "g_heads": "i32", "g_s0": "i32", "g_s1": "i32"}  # fmt: skip
-    variants = {"one pass, add": (True, False, True, 8192, 16), "chunked": (False, False, False, 1024, 4),
-                "gated heads": (False, True, False, 128, 4)}  # fmt: skip
-    for name, (whole_row, gated, add, block, warps) in variants.items():
+    variants = {"one pass, add": (True, False, True, 8192, 16, 0),
+                "sliced, add": (True, False, True, 8192, 16, 1024),
+                "chunked": (False, False, False, 1024, 4, 0),
+                "gated heads": (False, True, False, 128, 4, 0)}  # fmt: skip
+    for name, (whole_row, gated, add, block, warps, part) in variants.items():
         constexprs = {"GATED": gated, "ADD": add, "BLOCK": block, "WHOLE_ROW": whole_row, "QUANT": True,
-                      "FLOOR": 1e-12, "PDL": True}  # fmt: skip
+                      "FLOOR": 1e-12, "PDL": True, "SLICE": part}  # fmt: skip
         src = ASTSource(norm._norm_kernel(), norm_signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
         found[f"norm {name}"] = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx))

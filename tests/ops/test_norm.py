@@ -127,6 +127,21 @@ def test_norm_quantizing_its_output_equals_the_separate_quantization_bitwise(dty
         assert torch.equal(alone_q.view(torch.uint8).reshape(1, -1), per_row[r : r + 1])
 
 
+@pytest.mark.parametrize("add", [False, True])
+def test_a_quantizing_row_cut_over_programs_gives_the_one_programs_bytes(add):
+    """The one-pass quantizing norm with its row written by several programs (`_quant_slice`; each sums the whole
+    row alone) gives the one-program kernel's normed rows, residual sums, e4m3 bytes and scales."""
+    x, delta = rand(2, 1280, dtype=torch.bfloat16, seed=1), rand(2, 1280, dtype=torch.bfloat16, seed=2)
+    weight = rand(1280, dtype=torch.bfloat16, seed=3, scale=0.1)
+    args = (x, weight, 1e-6, None, delta if add else None, True)
+    whole = norm_triton(*args, slice_columns=0)
+    for part in (None, 128, 256):  # the default (256 for 1280: 5 programs), then 10 and 5 programs
+        sliced = norm_triton(*args, slice_columns=part)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(sliced, whole, strict=True))
+    with pytest.raises(ValueError, match="slices"):
+        norm_triton(*args, slice_columns=640)  # 5 groups of 128: not a power of two
+
+
 def test_norm_w8a8_op_passes_opcheck_and_its_reference_is_the_norms():
     ops = torch.ops.qwen_mtp
     x, delta, w = rand(2, 3, 256), rand(2, 3, 256, seed=2), rand(256, seed=3, scale=0.1)
@@ -150,5 +165,6 @@ def test_norm_quantizing_rows_not_of_whole_groups_is_an_error():
 def test_quantizing_norm_swiglu_and_output_gate_kernels_compile_for_hopper():
     """The kernels with QUANT compiled for the H200: each converts to e4m3 (`cvt.rn.satfinite.e4m3x2`)."""
     found = sm90_report("quantizing")
-    assert set(found) == {"norm one pass, add", "norm chunked", "norm gated heads", "swiglu", "output gate"}
+    assert set(found) == {"norm one pass, add", "norm sliced, add", "norm chunked", "norm gated heads", "swiglu",
+                          "output gate"}  # fmt: skip
     assert all(count >= 1 for count in found.values()), found

@@ -55,7 +55,7 @@ def _norm_kernel():
     def rms_norm_rows(
         x_ptr, g_ptr, w_ptr, out_ptr, d_ptr, sum_ptr, q_ptr, qs_ptr, N, eps, g_heads, g_s0, g_s1,
         GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
-        QUANT: tl.constexpr = False, FLOOR: tl.constexpr = 0.0, PDL: tl.constexpr = False, SLICE: tl.constexpr = 0,
+        QUANT: tl.constexpr = False, FLOOR: tl.constexpr = 0.0, SLICE: tl.constexpr = 0, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program per row (but SLICE). WHOLE_ROW (N <= BLOCK): the row is loaded once and stays in registers,
         # one tree sum; its weights are loaded before the PDL wait (a parameter, which no kernel writes: at batch 1

@@ -55,9 +55,15 @@ PLANS = [
     SplitKvPlan(warps=8),
     SplitKvPlan(prefetch=True),  # each block's keys and values loaded one iteration early
     SplitKvPlan(prefetch=True, warps=8),
+    SplitKvPlan(),  # no lead: 512-key chunks from key 0 (the engine's plan before the thirty-sixth session)
+    SplitKvPlan(split=64),  # short chunks: at 128 keys of context, 3 chunks of 2 blocks in parallel
+    SplitKvPlan(lead=1024, lead_split=64),
+    SplitKvPlan(lead=4096, lead_split=64),
+    SplitKvPlan(lead=2048, lead_split=128),
+    SplitKvPlan(lead=2048, lead_split=64, split=1024),
 ]
 COLD_BYTES = 256 * 2**20  # KV one timed replay walks through: ~5x the H200's L2
-CHECK_CONTEXTS = [511, 512, 513, 1027, 4096, 8191, 100, 20001]
+CHECK_CONTEXTS = [511, 512, 513, 1027, 4096, 8191, 100, 20001, 2047, 2049]
 
 
 def pages_for(positions: int) -> int:
@@ -73,14 +79,17 @@ def name(plan: SplitKvPlan | None) -> str:
         return "unsplit"
     mark = "*" if plan == SPLIT_KV_PLAN else ""
     early = "/prefetch" if plan.prefetch else ""
-    return f"split {plan.split}/{plan.block_n}/r{plan.rows}/w{plan.warps}/p{plan.programs}/m{plan.merge}{early}{mark}"
+    lead = f"lead {plan.lead}/{plan.lead_split} then " if plan.lead else ""
+    shape = f"{plan.split}/{plan.block_n}/r{plan.rows}/w{plan.warps}/p{plan.programs}/m{plan.merge}"
+    return f"split {lead}{shape}{early}{mark}"
 
 
 def same_sums(plan: SplitKvPlan) -> bool:
     """Whether the plan sums as the engine's does (the same chunks, blocks, tile rows and merge lanes): its output
     must then be the engine plan's bit for bit."""
-    return (plan.split, plan.block_n, plan.rows, plan.merge) == (
-        SPLIT_KV_PLAN.split, SPLIT_KV_PLAN.block_n, SPLIT_KV_PLAN.rows, SPLIT_KV_PLAN.merge,
+    return (plan.split, plan.block_n, plan.rows, plan.merge, plan.lead, plan.lead_split) == (
+        SPLIT_KV_PLAN.split, SPLIT_KV_PLAN.block_n, SPLIT_KV_PLAN.rows, SPLIT_KV_PLAN.merge, SPLIT_KV_PLAN.lead,
+        SPLIT_KV_PLAN.lead_split,
     )  # fmt: skip
 
 

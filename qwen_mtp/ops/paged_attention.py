@@ -7,10 +7,11 @@ on its own with a fixed key-block order, so a position's result is the same in a
 
 Two CUDA kernels compute that, `SPLIT_KV` picks the op's:
 - unsplit: one program per (request row x query position, KV head) walks all visible keys in blocks of 32;
-- split-KV (flash-decoding): the visible keys of each (row, position, KV head) are cut into chunks of
-  `SplitKvPlan.split` positions counted from position 0, so a chunk's keys depend on the position alone, never
-  on the batch, T or the launch. Programs compute chunk partials (running max, sum of exponentials, weighted
-  values; same block loop as unsplit), then a second kernel merges each position's partials in a fixed order.
+- split-KV (flash-decoding): the visible keys of each (row, position, KV head) are cut into chunks counted from
+  position 0 (`SplitKvPlan.lead_split` keys each up to key `lead`, then `split` keys each), so a chunk's keys
+  depend on the position alone, never on the batch, T or the launch. Programs compute chunk partials (running
+  max, sum of exponentials, weighted values; same block loop as unsplit), then a second kernel merges each
+  position's partials in a fixed order.
   A few programs per key head would leave most of a GPU idle at batch 1; chunks fill it. The T positions x
   GROUP query heads of a (request, KV head) share one tile of `SplitKvPlan.rows` pairs, so a verify reads each
   key block once for all its positions, not T times (at 128k context a K=3 verify read 4 x 8.6 GB of KV). A
@@ -192,7 +193,7 @@ class SplitKvPlan:
     order, `merge` the order partials are merged in: a plan's numbers depend on them, so one plan serves every
     decode and verify step. `programs` only spreads chunks over programs and never changes a result."""
 
-    split: int = 512  # keys per chunk, counted from position 0; a multiple of block_n
+    split: int = 512  # keys per chunk after the lead, a multiple of block_n
     block_n: int = 32  # keys per block inside a chunk, in position order
     rows: int = 32  # (query position, query head) pairs per tile: a request's positions x its KV head's group
     warps: int = 4
@@ -201,19 +202,31 @@ class SplitKvPlan:
     # Load block i + 1's keys and values while block i is attended (the loop's next loads no longer wait for its
     # arithmetic); only when loads are issued changes, never a result.
     prefetch: bool = False
+    # The first `lead` keys are cut into chunks of `lead_split` (then chunks of `split` from key `lead` on). Why:
+    # a request's first keys in short chunks spread a short context over many programs (at batch 1 and 2048 keys,
+    # 512-key chunks keep 16 programs busy, 64-key chunks 128), while a long context still merges few partials.
+    # The boundaries stay a function of the position alone.
+    lead: int = 0
+    lead_split: int = 64
 
     def __post_init__(self):
-        if self.split % self.block_n:
-            raise ValueError(f"SplitKvPlan: split ({self.split}) must be a multiple of block_n ({self.block_n})")
+        for name, size in (("split", self.split), ("lead_split", self.lead_split)):
+            if size <= 0 or size % self.block_n:
+                raise ValueError(f"SplitKvPlan: {name} ({size}) must be a multiple of block_n ({self.block_n})")
+        if self.lead < 0 or self.lead % self.lead_split:
+            raise ValueError(f"SplitKvPlan: lead ({self.lead}) must be a multiple of lead_split ({self.lead_split})")
         if self.rows < 16 or self.rows & (self.rows - 1):
             raise ValueError(f"SplitKvPlan: rows ({self.rows}) must be a power of two >= 16 (tl.dot's minimum)")
 
     def chunks(self, width: int, page_size: int) -> int:
         """The most chunks a row of a `width`-page table can have: the partials' shape, from shapes only."""
-        return -(-width * page_size // self.split)
+        keys = width * page_size
+        return -(-min(keys, self.lead) // self.lead_split) + -(-max(keys - self.lead, 0) // self.split)
 
 
-SPLIT_KV_PLAN = SplitKvPlan()
+# The engine's plan: 64-key chunks for the first 2048 keys, then 512-key ones (benchmarks/decode_attention.py;
+# docs/benchmark-log.md has the runs).
+SPLIT_KV_PLAN = SplitKvPlan(lead=2048, lead_split=64)
 
 
 @functools.cache  # build (and let Triton cache) the kernels once, on first use
@@ -227,12 +240,14 @@ def _split_kv_kernels():
         T, GROUP, H, CHUNKS, scale,
         sq_b, sq_t, sq_h, s_half, s_page, s_slot, s_head, s_table,
         D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False, LEAD: tl.constexpr = 0,
+        LEAD_SPLIT: tl.constexpr = 64, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: chunks first, first + stride, ... of ROWS (query position, query head) pairs of one
-        # (request, KV head): its T positions x GROUP heads, flattened, cut into tiles of ROWS. Chunk c holds
-        # keys [c * SPLIT, (c + 1) * SPLIT), in blocks of BLOCK_N, each block loaded once for the tile; a pair
-        # sees the keys before its own position only. Which program computes a chunk does not change its numbers.
+        # (request, KV head): its T positions x GROUP heads, flattened, cut into tiles of ROWS. Chunk c holds the
+        # keys `chunk_keys` gives it (LEAD_SPLIT-key chunks up to key LEAD, then SPLIT-key ones), in blocks of
+        # BLOCK_N, each block loaded once for the tile; a pair sees the keys before its own position only. Which
+        # program computes a chunk does not change its numbers.
         triton_utils.wait_for_previous_kernel(PDL)
         tiles = tl.cdiv(T * GROUP, ROWS)
         bi = tl.program_id(0) // tiles
@@ -250,10 +265,11 @@ def _split_kv_kernels():
         visible = context - T + t + 1  # [ROWS]: each pair sees keys [0, visible)
         reach = context - T + tl.minimum((tile * ROWS + ROWS - 1) // GROUP, T - 1) + 1  # the tile's furthest
         parts = ((bi * T + t).to(tl.int64) * H + heads) * CHUNKS  # [ROWS]: where each pair's partials start
-        for chunk in range(tl.program_id(2), tl.cdiv(reach, SPLIT), tl.num_programs(2)):
-            start = chunk * SPLIT
-            end = tl.minimum(start + SPLIT, reach)
-            ends = tl.minimum(start + SPLIT, visible)  # [ROWS]: each pair's end in this chunk
+        chunks = triton_utils.chunk_count(reach, SPLIT, LEAD, LEAD_SPLIT)
+        for chunk in range(tl.program_id(2), chunks, tl.num_programs(2)):
+            start, stop = triton_utils.chunk_keys(chunk, SPLIT, LEAD, LEAD_SPLIT)
+            end = tl.minimum(stop, reach)
+            ends = tl.minimum(stop, visible)  # [ROWS]: each pair's end in this chunk
             m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
             denom = tl.zeros([ROWS], dtype=tl.float32)
             acc = tl.zeros([ROWS, D], dtype=tl.float32)
@@ -293,7 +309,8 @@ def _split_kv_kernels():
     def merge(
         m_ptr, denom_ptr, acc_ptr, lens_ptr, out_ptr,
         T, H, CHUNKS, sq_b, sq_t, sq_h,
-        D: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr = False,
+        D: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, LEAD: tl.constexpr = 0,
+        LEAD_SPLIT: tl.constexpr = 64, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # One program: one (row, query position, query head). Partials are rescaled to the position's maximum
         # score (a max: exact in any order); lane j sums chunks j, j + MERGE, j + 2 MERGE, ... in chunk order,
@@ -305,7 +322,7 @@ def _split_kv_kernels():
         t = pid % T
         cs = tl.arange(0, MERGE)
         ds = tl.arange(0, D)
-        chunks = tl.cdiv(tl.load(lens_ptr + bi) - T + t + 1, SPLIT)
+        chunks = triton_utils.chunk_count(tl.load(lens_ptr + bi) - T + t + 1, SPLIT, LEAD, LEAD_SPLIT)
         parts = (pid.to(tl.int64) * H + h) * CHUNKS
         top = tl.full([MERGE], float("-inf"), dtype=tl.float32)
         for first in range(0, chunks, MERGE):
@@ -357,12 +374,14 @@ def split_kv_attention_triton(
         block_tables.stride(0),
         D=dim, PAGE=page_size, ROWS=plan.rows, BLOCK_N=plan.block_n,
         SPLIT=plan.split, INTERPRETED=triton_utils.INTERPRET,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFETCH=plan.prefetch, num_warps=plan.warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFETCH=plan.prefetch, LEAD=plan.lead,
+        LEAD_SPLIT=plan.lead_split, num_warps=plan.warps,
         **triton_utils.launch(q.device),
     )  # fmt: skip
     merge[(rows, heads)](
         m, denom, acc, context_lens, out, length, heads, chunks, q.stride(0), q.stride(1), q.stride(2),
-        D=dim, SPLIT=plan.split, MERGE=plan.merge, num_warps=min(16, max(4, plan.merge * dim // 1024)),
+        D=dim, SPLIT=plan.split, MERGE=plan.merge, LEAD=plan.lead, LEAD_SPLIT=plan.lead_split,
+        num_warps=min(16, max(4, plan.merge * dim // 1024)),
         **triton_utils.launch(m.device),
     )  # fmt: skip
     return out

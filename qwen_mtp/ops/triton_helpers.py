@@ -180,6 +180,21 @@ def store_e4m3_groups(y, q_ptr, s_ptr, first, N, GROUPS: tl.constexpr, FLOOR: tl
 
 
 @triton.jit
+def chunk_count(keys, SPLIT: tl.constexpr, LEAD: tl.constexpr, LEAD_SPLIT: tl.constexpr):  # noqa: N803
+    """How many split-KV chunks hold keys [0, keys): LEAD_SPLIT-key ones up to key LEAD, then SPLIT-key ones
+    (`paged_attention.SplitKvPlan`)."""
+    return tl.cdiv(tl.minimum(keys, LEAD), LEAD_SPLIT) + tl.cdiv(tl.maximum(keys - LEAD, 0), SPLIT)
+
+
+@triton.jit
+def chunk_keys(chunk, SPLIT: tl.constexpr, LEAD: tl.constexpr, LEAD_SPLIT: tl.constexpr):  # noqa: N803
+    """Split-KV chunk `chunk`'s keys [start, stop), a function of its index alone (`chunk_count`'s cut)."""
+    leading: tl.constexpr = LEAD // LEAD_SPLIT
+    start = tl.where(chunk < leading, chunk * LEAD_SPLIT, LEAD + (chunk - leading) * SPLIT)
+    return start, start + tl.where(chunk < leading, LEAD_SPLIT, SPLIT)
+
+
+@triton.jit
 def kv_slots(table_ptr, pos, mask, PAGE: tl.constexpr, s_page, s_slot):  # noqa: N803
     """Element offsets of positions `pos` in a request's KV pages (`table_ptr`: its row of the page table; `mask`:
     which positions exist) in the cache [2, pages, PAGE, KV, D]. In int64: pages x page stride passes 2^31 elements

@@ -7,15 +7,22 @@ import pytest
 import torch
 from op_helpers import DEVICE, DTYPES, REAL, VERIFY_DTYPE, close, rand
 
-from qwen_mtp.ops.paged_attention import SplitKvPlan, paged_attention_reference, split_kv_attention_triton
+from qwen_mtp.ops.paged_attention import (
+    SPLIT_KV_PLAN,
+    SplitKvPlan,
+    paged_attention_reference,
+    split_kv_attention_triton,
+)
 
 # 2 blocks a chunk; 3+ chunks take 2+ merge steps; tiles of 16 pairs: a verify's 5 x 6 pairs take two, cutting
 # a position's heads apart
 SMALL = SplitKvPlan(split=32, block_n=16, rows=16, merge=2)
 WIDE = SplitKvPlan(split=64, block_n=32)
+# Chunks of 16 keys up to key 48 (three), then of 32: contexts cross the lead's end (47 / 48 / 49) and later ones
+LEADING = SplitKvPlan(split=32, block_n=16, rows=16, merge=2, lead=48, lead_split=16)
 # Contexts around SMALL's chunk boundaries (64 = 2 x 32: ends on one, 65: one past, 63: one short, 33 / 31) and
 # WIDE's (64, 65, 63, 127), with a short and a long one.
-CONTEXTS = [64, 65, 63, 33, 31, 5, 127]
+CONTEXTS = [64, 65, 63, 33, 31, 5, 127, 48, 49]
 
 
 def paged_cache(contexts, heads, kv_heads=2, dim=32, page=8, length=1, dtype=torch.float32, seed=0):
@@ -35,7 +42,9 @@ def paged_cache(contexts, heads, kv_heads=2, dim=32, page=8, length=1, dtype=tor
 
 
 @pytest.mark.parametrize("length", [1, 4])
-@pytest.mark.parametrize("page, group, plan", [(8, 1, SMALL), (16, 3, SMALL), (8, 6, WIDE), (16, 6, SMALL)])
+@pytest.mark.parametrize(
+    "page, group, plan", [(8, 1, SMALL), (16, 3, SMALL), (8, 6, WIDE), (16, 6, SMALL), (8, 3, LEADING)]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_kv_matches_reference(dtype, page, group, plan, length):
     q, kv, tables, lens = paged_cache(CONTEXTS, heads=2 * group, page=page, length=length, dtype=dtype)
@@ -46,14 +55,15 @@ def test_split_kv_matches_reference(dtype, page, group, plan, length):
     )
 
 
-@pytest.mark.parametrize("group", [1, 3, 6])
-def test_split_kv_verify_row_equals_decode_at_its_position(group):
-    """Row t of a 5-token verify (positions straddle chunk boundaries: 60..64, 61..65, ...) equals a 1-token
-    decode at its position, bit for bit: the property MTP-on == MTP-off rests on."""
+@pytest.mark.parametrize("group, plan", [(1, SMALL), (3, SMALL), (6, SMALL), (3, LEADING)])
+def test_split_kv_verify_row_equals_decode_at_its_position(group, plan):
+    """Row t of a 5-token verify (positions straddle chunk boundaries: 60..64, 61..65, ...; with LEADING the
+    lead's end too: 44..48, 45..49) equals a 1-token decode at its position, bit for bit: the property MTP-on ==
+    MTP-off rests on."""
     q, kv, tables, lens = paged_cache(CONTEXTS, heads=2 * group, page=16, length=5)
-    verify = split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, SMALL)
+    verify = split_kv_attention_triton(q, kv, tables, lens, 32**-0.5, plan)
     for t in range(5):
-        decode = split_kv_attention_triton(q[:, t : t + 1], kv, tables, lens - 4 + t, 32**-0.5, SMALL)
+        decode = split_kv_attention_triton(q[:, t : t + 1], kv, tables, lens - 4 + t, 32**-0.5, plan)
         assert torch.equal(decode[:, 0], verify[:, t]), t
 
 
@@ -81,10 +91,10 @@ def test_split_kv_row_is_the_same_alone_and_in_any_batch(length):
 
 def test_split_kv_real_shapes_verify_equals_decode_and_batch_equals_alone():
     """The engine's plan at Qwen3.5-27B's attention shapes on CUDA (bf16, 24 query / 4 KV heads, head dim 256,
-    pages of 64; contexts around its 512-key chunks); tiny shapes and chunks of 32 on CPU."""
+    pages of 64); tiny shapes and chunks of 32 on CPU."""
     if REAL:
-        heads, kv_heads, dim, page, plan = 24, 4, 256, 64, SplitKvPlan()
-        contexts = [512, 513, 511, 1027, 1536, 5, 2100, 64]
+        heads, kv_heads, dim, page, plan = 24, 4, 256, 64, SPLIT_KV_PLAN
+        contexts = [512, 513, 511, 1027, 2047, 5, 2100, 2049]  # around its 64-key chunks, the lead's end, 512-key ones
     else:
         heads, kv_heads, dim, page, plan = 6, 2, 32, 8, SplitKvPlan(split=32, block_n=16, merge=2)
         contexts = [32, 33, 31, 68, 96, 5, 73, 8]
@@ -122,6 +132,18 @@ def test_split_kv_graph_replay_follows_new_context_lengths():
 def test_split_kv_plan_refuses_chunks_that_cut_a_block():
     with pytest.raises(ValueError, match="multiple of block_n"):
         SplitKvPlan(split=48, block_n=32)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        SplitKvPlan(lead=96, lead_split=48, block_n=32)
+    with pytest.raises(ValueError, match="multiple of lead_split"):
+        SplitKvPlan(lead=100, lead_split=64)
+
+
+def test_split_kv_plan_counts_lead_chunks_then_split_ones():
+    """The partials' chunk count from a table's width: 64-key chunks up to key 2048, then 512-key ones."""
+    plan = SplitKvPlan(split=512, lead=2048, lead_split=64)
+    assert plan.chunks(1, 64) == 1 and plan.chunks(32, 64) == 32  # 64 keys; 2048 keys
+    assert plan.chunks(33, 64) == 33 and plan.chunks(512, 64) == 32 + 60  # 2112 keys; 32768 keys
+    assert SplitKvPlan().chunks(512, 64) == 64  # no lead: 512-key chunks from key 0
 
 
 def test_split_kv_plan_refuses_tiles_no_dot_runs():

@@ -606,7 +606,7 @@ if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
     tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
 fi
 if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide, and A/B trees
-  # The 27B bench (K=3 at oracle 0.8, BATCHES) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
+  # The 27B bench (K=3 at oracle 0.8, BATCHES, contexts PROMPT_LENS: e.g. [128,2048]) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
   # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: none; N: every decode plan asks L2 for its first N K blocks
   # before the PDL wait; the default is 2); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
   # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then,
@@ -621,7 +621,7 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
       # PYTHONSAFEPATH: `python3 -m` would put the working directory (this tree) ahead of PYTHONPATH, so a
       # "baseline" run would run this tree; the bench JSON's "package" names the tree that ran.
       PYTHONSAFEPATH=1 PYTHONPATH="$path" QWEN_MTP_L2_PREFETCH=$blocks bench_27b 100 "bench-$model-$setting" "${sets[@]}" \
-        --set "bench.batch_sizes=${BATCHES:-[1]}"
+        --set "bench.batch_sizes=${BATCHES:-[1]}" --set "bench.prompt_len=${PROMPT_LENS:-128}"
     done
   done
   if [[ "${EXACT:-1}" == 1 ]]; then

@@ -55,7 +55,7 @@ PLANS = [
     SplitKvPlan(warps=8),
     SplitKvPlan(prefetch=True),  # each block's keys and values loaded one iteration early
     SplitKvPlan(prefetch=True, warps=8),
-    SplitKvPlan(),  # no lead: 512-key chunks from key 0 (the engine's plan before the thirty-sixth session)
+    SplitKvPlan(lead=2048, lead_split=64),  # the first 2048 keys in 64-key chunks
     SplitKvPlan(split=64),  # short chunks: at 128 keys of context, 3 chunks of 2 blocks in parallel
     SplitKvPlan(lead=1024, lead_split=64),
     SplitKvPlan(lead=4096, lead_split=64),

@@ -224,9 +224,11 @@ class SplitKvPlan:
         return -(-min(keys, self.lead) // self.lead_split) + -(-max(keys - self.lead, 0) // self.split)
 
 
-# The engine's plan: 64-key chunks for the first 2048 keys, then 512-key ones (benchmarks/decode_attention.py;
-# docs/benchmark-log.md has the runs).
-SPLIT_KV_PLAN = SplitKvPlan(lead=2048, lead_split=64)
+# The engine's plan: 512-key chunks from key 0. A lead of 64-key chunks up to key 2048 was measured (H100,
+# benchmarks/decode_attention.py): at batch 1 it cuts a call from 38 to 14 us at 2048 keys and from 14 to 10 us
+# at 128, but at batch 8 it costs 12-45% at 2048-8192 keys (more partials to store and merge where the keys
+# already fill the GPU), and the cut may not depend on the batch. docs/benchmark-log.md has the runs.
+SPLIT_KV_PLAN = SplitKvPlan()
 
 
 @functools.cache  # build (and let Triton cache) the kernels once, on first use

@@ -67,6 +67,22 @@ def test_split_kv_verify_row_equals_decode_at_its_position(group, plan):
         assert torch.equal(decode[:, 0], verify[:, t]), t
 
 
+def test_split_kv_lead_plan_at_real_shapes_verify_equals_decode():
+    """A plan with a lead (64-key chunks up to key 2048 on CUDA; 16-key ones up to key 48 on CPU), at the real
+    shapes on CUDA: verify row t == a 1-token decode at its position, around the lead's end."""
+    if REAL:
+        heads, kv_heads, dim, page, plan = 24, 4, 256, 64, SplitKvPlan(lead=2048, lead_split=64)
+        contexts = [2047, 2048, 2049, 2051, 64, 65, 3000]
+    else:
+        heads, kv_heads, dim, page, plan = 6, 2, 32, 8, LEADING
+        contexts = [47, 48, 49, 51, 16, 17, 90]
+    q, kv, tables, lens = paged_cache(contexts, heads, kv_heads, dim, page, length=4, dtype=VERIFY_DTYPE, seed=6)
+    verify = split_kv_attention_triton(q, kv, tables, lens, dim**-0.5, plan)
+    for t in range(4):
+        decode = split_kv_attention_triton(q[:, t : t + 1], kv, tables, lens - 3 + t, dim**-0.5, plan)
+        assert torch.equal(decode[:, 0], verify[:, t]), t
+
+
 @pytest.mark.parametrize("length", [1, 3])
 def test_split_kv_row_is_the_same_alone_and_in_any_batch(length):
     """A request's rows are the same bit for bit alone (its table only as wide as its own pages, as an eager step
@@ -94,7 +110,7 @@ def test_split_kv_real_shapes_verify_equals_decode_and_batch_equals_alone():
     pages of 64); tiny shapes and chunks of 32 on CPU."""
     if REAL:
         heads, kv_heads, dim, page, plan = 24, 4, 256, 64, SPLIT_KV_PLAN
-        contexts = [512, 513, 511, 1027, 2047, 5, 2100, 2049]  # around its 64-key chunks, the lead's end, 512-key ones
+        contexts = [512, 513, 511, 1027, 2047, 5, 2100, 2049]  # around 512-key chunks (and a 2048-key lead's end)
     else:
         heads, kv_heads, dim, page, plan = 6, 2, 32, 8, SplitKvPlan(split=32, block_n=16, merge=2)
         contexts = [32, 33, 31, 68, 96, 5, 73, 8]

@@ -55,8 +55,8 @@
 #                graphs, host syncs, the draft lm_head, the op tests);
 #   splits       the N = 5120 decode shapes (o_proj, mlp down) as the engine launches them at more K splits (SPLITS,
 #                default 3,4,5,6,8,12; benchmarks/gemm_buckets.py --set splits), bf16 and W8A8, rows checked across M;
-#   normcosts    the quantizing 5120-wide norm at M = 1, 8, 32, and with its quantization spread over 5..40
-#                programs a row (benchmarks/norm_costs.py; bytes compared with the engine's);
+#   normcosts    the quantizing 5120-wide norm at M = 1, 8, 32, one program a row against 5..40 (the engine's: 5;
+#                benchmarks/norm_costs.py, bytes compared with the one-program kernel's);
 #   fp8prefill   packed prefill rows of FP8 weights (W8A8 "tma" plans): their GPU tests, the plan sweep applied,
 #                mixed_steps.py at 27B FP8 (carry torchao);
 #   lookahead    cache.lookahead: the host-sync tests, the exactness subset, B1 / B8 / B32 plain and K=3 with and
@@ -401,8 +401,8 @@ if [[ "$STAGE" == splits ]]; then  # one device call (~2 min; carry torchao): th
     done
   done
 fi
-if [[ "$STAGE" == normcosts ]]; then  # one device call (~1 min): the quantizing norm at one row and the same norm
-  # with its quantization spread over 5..40 programs a row (norm_costs.py: bytes compared with the engine's)
+if [[ "$STAGE" == normcosts ]]; then  # one device call (~1 min): the quantizing norm, one program a row against
+  # 5..40 programs a row (norm_costs.py: bytes compared with the one-program kernel's)
   timeout 200 python3 benchmarks/norm_costs.py --out "$OUT/norm-costs.json" 2>&1 | grep -v Warn
 fi
 if [[ "$STAGE" == splitcosts ]]; then  # one device call (~2 min; carry .whl): where the N = 5120 shapes' gap to cuBLAS

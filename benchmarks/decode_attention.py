@@ -9,7 +9,8 @@ chunk are paid for. One replay walks several copies of the cache (other pages) w
 50 MB L2: keys come from HBM, as in a step that reads 16 layers and the weights between them. GB/s counts the KV
 bytes of the requests' contexts once per call (a verify's positions share them).
 
-Then bitwise checks at a batch of 8 mixed contexts (around 256 / 512 / 1024-key chunk boundaries): verify row t
+Then bitwise checks at a batch of 10 mixed contexts (around 256 / 512 / 1024-key chunk boundaries and a 2048-key
+lead's end): verify row t
 == a 1-token decode at its position; each request alone (its table only as wide as its pages) == its row in the
 batch; a shuffled batch; the engine-wide table == the tight one; a captured graph replayed with new context
 lengths == eager; and the largest difference from the reference and from the unsplit kernel.

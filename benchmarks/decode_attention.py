@@ -10,10 +10,9 @@ chunk are paid for. One replay walks several copies of the cache (other pages) w
 bytes of the requests' contexts once per call (a verify's positions share them).
 
 Then bitwise checks at a batch of 10 mixed contexts (around 256 / 512 / 1024-key chunk boundaries and a 2048-key
-lead's end): verify row t
-== a 1-token decode at its position; each request alone (its table only as wide as its pages) == its row in the
-batch; a shuffled batch; the engine-wide table == the tight one; a captured graph replayed with new context
-lengths == eager; and the largest difference from the reference and from the unsplit kernel.
+lead's end): verify row t == a 1-token decode at its position; each request alone (its table only as wide as its
+pages) == its row in the batch; a shuffled batch; the engine-wide table == the tight one; a captured graph replayed
+with new context lengths == eager; and the largest difference from the reference and from the unsplit kernel.
 
 Usage (GPU box, from the repo root; about 2 minutes on an H200):
     PYTHONPATH=. python3 benchmarks/decode_attention.py [--out PATH] [--contexts 128 2048 ...] [--engine-plan-only]

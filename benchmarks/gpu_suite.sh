@@ -606,9 +606,9 @@ if [[ "$STAGE" == tmaloads ]]; then  # one device call (~9 min)
     tests/gpu/test_cuda_exactness.py -k "(mtp_equals_plain_bf16 and graphs) or stress"
 fi
 if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_prefetch` engine-wide, and A/B trees
-  # The 27B bench (K=3 at oracle 0.8, BATCHES, contexts PROMPT_LENS: e.g. [128,2048]) per MODELS (bf16, fp8: carry torchao) and per SETTINGS: a number N
-  # runs this tree with QWEN_MTP_L2_PREFETCH=N (0: none; N: every decode plan asks L2 for its first N K blocks
-  # before the PDL wait; the default is 2); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
+  # The 27B bench (K=3 at oracle 0.8, BATCHES, contexts PROMPT_LENS: e.g. [128,2048]) per MODELS (bf16, fp8: carry
+  # torchao) and per SETTINGS: a number N runs this tree with QWEN_MTP_L2_PREFETCH=N (0: none; N: every decode plan
+  # asks L2 for its first N K blocks before the PDL wait; the default is 2); "baseline" runs the qwen_mtp under BASELINE (carried: e.g.
   # `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the qwen_mtp under DIR. Then,
   # with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in MODELS) and the exactness subset with PREFETCH_EXACT
   # blocks, each test's line as it ends.

@@ -68,8 +68,8 @@ def _norm_kernel():
         # (r % g_heads) * g_s1 (per-head rows of a strided projection slice, read in place). QUANT: the output row
         # is also quantized for the W8A8 product it feeds (q_ptr [rows, N] e4m3, qs_ptr [rows, N / 128] fp32; N
         # and BLOCK multiples of 128). SLICE (WHOLE_ROW only, a power of two of groups of 128 dividing N): program
-        # (row, s) sums the whole row as above, then writes only columns s * SLICE .. (s + 1) * SLICE, reloaded
-        # (`_quant_slice` says why).
+        # (row, s) sums the whole row as above, then writes only columns s * SLICE .. (s + 1) * SLICE, loaded again
+        # (a program cannot pick its columns out of the row it holds in registers; `_quant_slice` says why slices).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         if SLICE:

@@ -272,8 +272,9 @@ def _conv_update_kernel():
         KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, MAX_T: tl.constexpr, FULL: tl.constexpr, TAPS: tl.constexpr,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
-        # One program: one request, BLOCK_C channels, all T tokens. The weights never change during a step, so
-        # they load before the wait for the previous kernel. (Wider programs, 256 to 2048 channels, were slower
+        # One program: one request, BLOCK_C channels, all T tokens. The weights never change during a step, and
+        # no kernel that may still run writes the window (`triton_utils.launch`), so both load before the wait for
+        # the previous kernel; the new tokens after it. (Wider programs, 256 to 2048 channels, were slower
         # on the H200 at every B and T: docs/img/small-kernels-fifteenth.json.) The whole conv input (window +
         # new tokens) is loaded as one [BLOCK_C, FULL] tile before the barrier; the pool is written after it, so
         # the window read at offset `committed` survives its overwrite at offset 0.
@@ -283,7 +284,6 @@ def _conv_update_kernel():
         weights = tl.load(
             w_ptr + cs[:, None] * KERNEL + taps[None, :], mask=cmask[:, None] & (taps[None, :] < KERNEL), other=0.0
         ).to(tl.float32)  # [BLOCK_C, TAPS]
-        triton_utils.wait_for_previous_kernel(PDL)
         b = tl.program_id(0)
         cols = tl.arange(0, FULL)
         row = tl.load(rows_ptr + b)
@@ -292,6 +292,7 @@ def _conv_update_kernel():
         in_window = cols[None, :] < KERNEL - 1
         t_new = cols[None, :] - (KERNEL - 1)
         from_pool = tl.load(pool_row + start + cols[None, :], mask=cmask[:, None] & in_window, other=0.0)
+        triton_utils.wait_for_previous_kernel(PDL)
         x_ptrs = x_ptr + b * stride_xb + t_new * stride_xt + cs[:, None]
         new_mask = cmask[:, None] & (t_new >= 0) & (t_new < T)
         from_x = tl.load(x_ptrs, mask=new_mask, other=0.0)
@@ -340,14 +341,14 @@ def _conv_update_columns_kernel():
         w1 = tl.load(w_ptr + cs * KERNEL + 1, mask=cmask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + cs * KERNEL + 2, mask=cmask, other=0.0).to(tl.float32)
         w3 = tl.load(w_ptr + cs * KERNEL + 3, mask=cmask, other=0.0).to(tl.float32)
-        triton_utils.wait_for_previous_kernel(PDL)
         b = tl.program_id(0)
         row = tl.load(rows_ptr + b)
         start = tl.load(committed_ptr + row)
         pool_row = pool_ptr + row * stride_pr + cs * stride_pc
-        win0 = tl.load(pool_row + start + 0, mask=cmask, other=0.0).to(tl.float32)
-        win1 = tl.load(pool_row + start + 1, mask=cmask, other=0.0).to(tl.float32)
+        win0 = tl.load(pool_row + start + 0, mask=cmask, other=0.0).to(tl.float32)  # the window: before the wait,
+        win1 = tl.load(pool_row + start + 1, mask=cmask, other=0.0).to(tl.float32)  # as `conv_update_window`
         win2 = tl.load(pool_row + start + 2, mask=cmask, other=0.0).to(tl.float32)
+        triton_utils.wait_for_previous_kernel(PDL)
         x_row = x_ptr + b * stride_xb + cs
         for t in tl.static_range(MAX_T):
             if t < T:

@@ -26,6 +26,14 @@ def hopper_or_later(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Pointers a kernel reads before its wait besides the weights' (`launch` says why that is safe), per kernel.
+STATE_READS_BEFORE_THE_WAIT = {
+    "gdn_recurrent_rows": {"pool_ptr", "rows_ptr", "committed_ptr", "alog_ptr", "dtb_ptr"},
+    "conv_update_window": {"pool_ptr", "rows_ptr", "committed_ptr"},
+    "conv_update_columns": {"pool_ptr", "rows_ptr", "committed_ptr"},
+}
+
+
 def launch(device) -> dict:
     """The launch options every kernel of ours takes: `PDL` (its constexpr) and Triton's `launch_pdl`.
 
@@ -35,7 +43,12 @@ def launch(device) -> dict:
     `triton_helpers.wait_for_previous_kernel` until that kernel has finished and its writes are visible before it
     touches anything a kernel writes, so nothing it reads or writes can race, and the numbers are the same bits as
     without it. Only its weights (`w_ptr`: model parameters, never written while a step runs) may be read or
-    prefetched before the wait (`tests/ops/test_pdl.py` checks every kernel's source for this).
+    prefetched before the wait, and a recurrent state kernel's own state (`STATE_READS_BEFORE_THE_WAIT`: the GDN
+    delta rule's and the conv update's pool slot, with the batch's rows and start slots). Those are safe because a
+    kernel lets the next one launch only after its own wait: when a kernel starts early, only the one just before
+    it can still run, and that one never writes them (the conv update runs just before the delta rule, an input
+    projection just before the conv update; their pools are written by the same kernels of the previous step).
+    `tests/ops/test_pdl.py` checks every kernel's source for this.
 
     Only while a CUDA graph is being captured: there (the decode, verify and draft steps) kernels follow each
     other with no host time between them, and there it was measured (H200, 27B bf16 batch 1: the graphed forward

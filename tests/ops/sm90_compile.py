@@ -4,7 +4,8 @@ instructions the H200 would run can be read here), or with "kwidth" first, the d
 plan's kernel on e4m3 and on bf16 weights, or with "loops" first, the shared memory and K loops of a plan's kernel on
 bf16 weights, or with "compile" first, the launches (by name) that fail to compile, or with "w8a8" first, the W8A8
 kernel's opcode counts and wgmma operands, or with "pdl" first, the grid dependency instructions of a kernel compiled
-with and without programmatic dependent launch, with "quantizing" first, the e4m3 conversions of the norm,
+with and without programmatic dependent launch (with "stateloads" first, the global loads before and after it in the
+recurrent state kernels), with "quantizing" first, the e4m3 conversions of the norm,
 SwiGLU and output gate kernels that quantize their output, or with "tma" first, the "tma" kernel's MMA and
 tensor-memory-accelerator instructions (with "tmaloads" first, a decode plan's with `tma_loads`; with "binaries", a
 hash of every 27B decode GEMM binary). Run without TRITON_INTERPRET (the interpreter replaces `triton.jit`);
@@ -292,6 +293,42 @@ def prefetch_report(plan: GemmPlan, n: int, k: int, kind: str) -> dict:
             "waits": ptx.count("griddepcontrol.wait"), "shared": compiled.metadata.shared}  # fmt: skip
 
 
+def state_loads() -> dict[str, dict[str, int]]:
+    """The GDN delta rule and the two conv update kernels compiled for sm_90 as a graph capture launches them (PDL
+    on; the 27B's head and channel sizes): the global loads in their PTX before and after the grid dependency wait
+    (`triton_utils.STATE_READS_BEFORE_THE_WAIT`: the state and the weights before, the new tokens after)."""
+    from qwen_mtp.ops import conv
+    from qwen_mtp.ops.gdn import recurrent
+
+    def count(kernel, signature, constexprs, warps) -> dict[str, int]:
+        src = ASTSource(kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)
+        ptx = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True}
+        ).asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        loads = [m.start() for m in re.finditer(r"\bld\.global", ptx)]
+        return {"before": sum(at < wait for at in loads), "after": sum(at > wait for at in loads),
+                "waits": ptx.count("griddepcontrol.wait")}  # fmt: skip
+
+    gdn = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "out_ptr")}
+    gdn |= {"pool_ptr": "*fp32", "rows_ptr": "*i32", "committed_ptr": "*i32", "T": "i32", "HV": "i32",
+            "GROUP": "i32", "scale": "fp32"}  # fmt: skip
+    gdn |= dict.fromkeys(("sq_b", "sq_t", "sq_h", "sv_b", "sv_t", "sv_h", "sa_b", "sa_t", "sp_r", "sp_s", "sp_h",
+                          "so_b", "so_t", "so_h"), "i32")  # fmt: skip
+    found = {"gdn_recurrent_rows": count(recurrent._gdn_recurrent_kernel(), gdn,
+                                         {"DK": 128, "DV": 128, "BLOCK_V": 32, "PDL": True}, 4)}  # fmt: skip
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*bf16", "rows_ptr": "*i32",
+                 "committed_ptr": "*i32", "out_ptr": "*bf16"}  # fmt: skip
+    signature |= dict.fromkeys(("T", "C", "W", "stride_xb", "stride_xt", "stride_ob", "stride_ot", "stride_pr",
+                                "stride_pc"), "i32")  # fmt: skip
+    found["conv_update_columns"] = count(conv._conv_update_columns_kernel(), signature,
+                                         {"KERNEL": 4, "BLOCK_C": 128, "MAX_T": 8, "PDL": True}, 4)  # fmt: skip
+    found["conv_update_window"] = count(conv._conv_update_kernel(), signature,
+                                        {"KERNEL": 4, "BLOCK_C": 128, "MAX_T": 8, "FULL": 16, "TAPS": 4,
+                                         "PDL": True}, 4)  # fmt: skip
+    return found
+
+
 def decode_binaries() -> dict[str, str]:
     """A hash of the code (PTX without its debug sections and line records) of every decode GEMM binary the 27B
     runs (bf16 `TUNED` and `ROW_BUCKETS`, W8A16 `TUNED_FP8`, W8A8 `TUNED_W8A8` and `W8A8_ROW_BUCKETS`), for
@@ -332,6 +369,8 @@ if __name__ == "__main__":
         print(json.dumps(tma_loads_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, w8a8)))
     elif sys.argv[1] == "pdl":
         print(json.dumps(pdl_instructions()))
+    elif sys.argv[1] == "stateloads":
+        print(json.dumps(state_loads()))
     elif sys.argv[1] == "quantizing":
         print(json.dumps(quantizing_kernels()))
     elif sys.argv[1] == "tma":

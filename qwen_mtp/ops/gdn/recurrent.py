@@ -59,7 +59,9 @@ def _gdn_recurrent_kernel():
         # One program: one request, one value head, BLOCK_V value columns, all T tokens in order. The state
         # tile [DK, BLOCK_V] lives in registers (read from the start slot before any slot is written; other
         # programs touch other heads/columns); nothing in it depends on other requests or on T.
-        triton_utils.wait_for_previous_kernel(PDL)
+        # The state tile, the gates' parameters and the request's row and start slot are read before the wait for
+        # the previous kernel (`triton_utils.launch` says why no running kernel can be writing them); the
+        # projected inputs q, k, v, a, b after it.
         pid = tl.program_id(0)
         bi = pid // HV
         h = pid % HV
@@ -74,6 +76,7 @@ def _gdn_recurrent_kernel():
         state = tl.load(base + start * sp_s + tile, mask=vmask[None, :], other=0.0).to(tl.float32)
         decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        triton_utils.wait_for_previous_kernel(PDL)
         # Token t + 1's inputs are loaded while token t computes (the last token's twice): a load where it is used
         # made every token wait for its round trip. The loop body, hence every token's arithmetic, is one.
         qk = q_ptr + bi * sq_b + hk * sq_h + ks, k_ptr + bi * sq_b + hk * sq_h + ks

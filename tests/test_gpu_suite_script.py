@@ -30,3 +30,34 @@ def test_every_file_the_suite_names_exists():
     names = re.findall(r"(?:benchmarks|tests|recipes)/[\w/.-]+\.(?:py|sh|yaml)", SUITE.read_text())
     assert names
     assert [name for name in sorted(set(names)) if not (ROOT / name).exists()] == []
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(tmp_path):
+    """`STAGE=prefetch`'s A/B runs, with `python3` and `nvidia-smi` stubbed to record what each bench run gets: a
+    "baseline" or "tree:DIR" run uses its tree's default L2 prefetch (the variable unset; a run with 0 compared two
+    trees and the prefetch at once), a number sets it, and a repeated setting writes to a folder of its own."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    record = tmp_path / "runs.txt"
+    (stubs / "nvidia-smi").write_text("#!/bin/sh\necho stub\n")
+    (stubs / "python3").write_text(
+        "#!/bin/bash\n"
+        '[[ "$1" == -c ]] && exit 0\n'
+        "for arg; do [[ $arg == bench.out_dir=* ]] && out=${arg#bench.out_dir=}; done\n"
+        f'echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}" >> {record}\n'
+    )
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "STAGE": "prefetch", "MODELS": "fp8", "EXACT": "0",
+           "SETTINGS": "baseline 4 tree:.variant baseline 4", "OUT": str(tmp_path / "out"),
+           "HOME": str(tmp_path)}  # fmt: skip
+    subprocess.run(["bash", str(SUITE)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+    runs = [line.split() for line in record.read_text().splitlines()]
+    assert runs == [
+        ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline"],
+        ["4", str(ROOT), "bench-fp8-4"],
+        ["unset", f"{ROOT}/.variant", "bench-fp8-treevariant"],
+        ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline-run2"],
+        ["4", str(ROOT), "bench-fp8-4-run2"],
+    ]

@@ -341,14 +341,16 @@ def _conv_update_columns_kernel():
         w1 = tl.load(w_ptr + cs * KERNEL + 1, mask=cmask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + cs * KERNEL + 2, mask=cmask, other=0.0).to(tl.float32)
         w3 = tl.load(w_ptr + cs * KERNEL + 3, mask=cmask, other=0.0).to(tl.float32)
+        # The window after the wait, unlike `conv_update_window`: read before it, its gain was not measured apart
+        # from another change (docs/benchmark-log.md, thirty-seventh session).
+        triton_utils.wait_for_previous_kernel(PDL)
         b = tl.program_id(0)
         row = tl.load(rows_ptr + b)
         start = tl.load(committed_ptr + row)
         pool_row = pool_ptr + row * stride_pr + cs * stride_pc
-        win0 = tl.load(pool_row + start + 0, mask=cmask, other=0.0).to(tl.float32)  # the window: before the wait,
-        win1 = tl.load(pool_row + start + 1, mask=cmask, other=0.0).to(tl.float32)  # as `conv_update_window`
+        win0 = tl.load(pool_row + start + 0, mask=cmask, other=0.0).to(tl.float32)
+        win1 = tl.load(pool_row + start + 1, mask=cmask, other=0.0).to(tl.float32)
         win2 = tl.load(pool_row + start + 2, mask=cmask, other=0.0).to(tl.float32)
-        triton_utils.wait_for_previous_kernel(PDL)
         x_row = x_ptr + b * stride_xb + cs
         for t in tl.static_range(MAX_T):
             if t < T:

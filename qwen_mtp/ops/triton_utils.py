@@ -30,7 +30,6 @@ def hopper_or_later(device) -> bool:
 STATE_READS_BEFORE_THE_WAIT = {
     "gdn_recurrent_rows": {"pool_ptr", "rows_ptr", "committed_ptr", "alog_ptr", "dtb_ptr"},
     "conv_update_window": {"pool_ptr", "rows_ptr", "committed_ptr"},
-    "conv_update_columns": {"pool_ptr", "rows_ptr", "committed_ptr"},
 }
 
 
@@ -44,11 +43,11 @@ def launch(device) -> dict:
     touches anything a kernel writes, so nothing it reads or writes can race, and the numbers are the same bits as
     without it. Only its weights (`w_ptr`: model parameters, never written while a step runs) may be read or
     prefetched before the wait, and a recurrent state kernel's own state (`STATE_READS_BEFORE_THE_WAIT`: the GDN
-    delta rule's and the conv update's pool slot, with the batch's rows and start slots). Those are safe because a
-    kernel lets the next one launch only after its own wait: when a kernel starts early, only the one just before
-    it can still run, and that one never writes them (the conv update runs just before the delta rule, an input
-    projection just before the conv update; their pools are written by the same kernels of the previous step).
-    `tests/ops/test_pdl.py` checks every kernel's source for this.
+    delta rule's and the multi-token conv update's pool slot, with the batch's rows and start slots). Those are
+    safe because a kernel lets the next one launch only after its own wait: when a kernel starts early, only the
+    one just before it can still run, and that one never writes them (the conv update runs just before the delta
+    rule, an input projection just before the conv update; their pools are written by the same kernels of the
+    previous step). `tests/ops/test_pdl.py` checks every kernel's source for this.
 
     Only while a CUDA graph is being captured: there (the decode, verify and draft steps) kernels follow each
     other with no host time between them, and there it was measured (H200, 27B bf16 batch 1: the graphed forward

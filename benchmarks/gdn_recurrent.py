@@ -6,7 +6,10 @@ per token (T = 1 for a decode, K + 1 for a verify), so at B32 a K=3 verify moves
 9.7 GB for a plain step. Per (B, T): microseconds per layer call under a CUDA graph (pools bigger than L2, rows
 rotated), GB/s of the bytes it must move, and that as a share of a device-to-device copy measured in the same run,
 for the engine's shape (32 value columns a program, 4 warps) and others. Other shapes lay the dk sums out otherwise
-(other rounding): timing only, the engine keeps one.
+(other rounding): timing only, the engine keeps one. Since the thirty-seventh session the kernel reads its state
+before its programmatic-dependent-launch wait, so in this graph of back-to-back calls each call's state read
+overlaps the call before it (other rows: no race); in a step the conv update runs before it instead, so these times
+are a bound on a step's.
 
 Usage (GPU box, repo root): PYTHONPATH=$PWD python3 benchmarks/gdn_recurrent.py [--out PATH]
 """

@@ -612,7 +612,8 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   # BASELINE (carried: e.g. `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the
   # qwen_mtp under DIR, both with their own default prefetch (QWEN_MTP_L2_PREFETCH unset: until the thirty-seventh
   # session they ran with 0, so their A/Bs against "2" also switched the prefetch). A setting that comes again writes
-  # to its own folder (bench-MODEL-SETTING-run2, ...). Then, with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in
+  # to its own folder (bench-MODEL-SETTING-run2, ...); `benchmarks/ab_table.py` then prints every run side by side
+  # (ab-table.md). Then, with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in
   # MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.
   declare -A runs=()
   for model in ${MODELS:-bf16 fp8}; do
@@ -632,6 +633,9 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
       )
     done
   done
+  # every run side by side, each setting against the first (SKIP_FIRST: settings whose first run was a cold warm-up)
+  python3 benchmarks/ab_table.py "$OUT" --settings ${SETTINGS:-0 2 4 8} ${SKIP_FIRST:+--skip-first $SKIP_FIRST} \
+    | tee "$OUT/ab-table.md"
   if [[ "${EXACT:-1}" == 1 ]]; then
     if [[ " ${MODELS:-bf16 fp8} " == *" fp8 "* ]]; then
       QWEN_MTP_L2_PREFETCH=${PREFETCH_EXACT:-2} counted 150 prefetch-fp8.log python3 -m pytest -vv -p no:cacheprovider \

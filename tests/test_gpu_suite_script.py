@@ -45,7 +45,8 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         "#!/bin/bash\n"
         '[[ "$1" == -c ]] && exit 0\n'
         "for arg; do [[ $arg == bench.out_dir=* ]] && out=${arg#bench.out_dir=}; done\n"
-        f'echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}" >> {record}\n'
+        f'[[ -n ${{out:-}} ]] && echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}" >> {record}\n'
+        f'[[ $1 == benchmarks/ab_table.py ]] && echo "$@" >> {record}.table\n'
     )
     for stub in stubs.iterdir():
         stub.chmod(0o755)
@@ -61,3 +62,5 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline-run2"],
         ["4", str(ROOT), "bench-fp8-4-run2"],
     ]
+    table = ["benchmarks/ab_table.py", str(tmp_path / "out"), "--settings", *env["SETTINGS"].split()]
+    assert (tmp_path / "runs.txt.table").read_text().split() == table

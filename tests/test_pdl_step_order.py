@@ -1,7 +1,8 @@
 """The kernel order `triton_utils.STATE_READS_BEFORE_THE_WAIT` relies on: under programmatic dependent launch the
-GDN delta rule and the conv update read their pool slot before waiting for the kernel just before them, which is
-safe only if that kernel never writes the pool. Recorded here from the ops a decode and a verify step dispatch
-(bf16 and FP8 checkpoints, the one-GEMM layout CUDA runs), views left out (they launch nothing)."""
+GDN delta rule and the conv update (its multi-token kernel) read their pool slot before waiting for the kernel just
+before them, which is safe only if that kernel never writes the pool. Recorded here from the ops a decode and a
+verify step dispatch (bf16 and FP8 checkpoints, the one-GEMM layout CUDA runs), views left out (they launch
+nothing)."""
 
 import pytest
 from helpers import random_prompt

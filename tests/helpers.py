@@ -148,12 +148,13 @@ def random_traffic(engine, rng, arrivals: int, arrive: float, cancel: float, sub
     return submitted, cancelled
 
 
-def cpu_engine(path, k: int | None = None, **mtp):
-    """An fp32 CPU engine on the checkpoint at `path`, prefill chunks of 16 tokens: MTP off, or on with K = `k`
-    and the other `mtp.*` settings given."""
+def cpu_engine(path, k: int | None = None, quant: str = "none", **mtp):
+    """An fp32 CPU engine on the checkpoint at `path` (`quant`: `model.quant`), prefill chunks of 16 tokens: MTP
+    off, or on with K = `k` and the other `mtp.*` settings given."""
     from qwen_mtp import Engine
 
-    recipe = {"model": {"path": str(path), "dtype": "float32", "device": "cpu"}, "cache": {"prefill_chunk": 16}}
+    model = {"path": str(path), "dtype": "float32", "device": "cpu", "quant": quant}
+    recipe = {"model": model, "cache": {"prefill_chunk": 16}}
     if k is not None:
         recipe["mtp"] = {"enabled": True, "k": k, **mtp}
     return Engine.from_recipe(recipe, log=lambda _: None)

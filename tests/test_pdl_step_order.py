@@ -5,10 +5,10 @@ verify step dispatch (bf16 and FP8 checkpoints, the one-GEMM layout CUDA runs), 
 nothing)."""
 
 import pytest
-from helpers import random_prompt
+from helpers import cpu_engine, random_prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwen_mtp import Engine, SamplingParams
+from qwen_mtp import SamplingParams
 from qwen_mtp.ops import triton_utils
 
 VIEWS = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "slice", "select", "transpose", "t",
@@ -29,22 +29,14 @@ class OpOrder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _engine(path, k, quant):
-    recipe = {"model": {"path": str(path), "device": "cpu", "quant": quant}, "cache": {"max_batch": 2}}
-    if k:
-        recipe["mtp"] = {"enabled": True, "k": k}
-    engine = Engine.from_recipe(recipe, log=lambda _: None)
-    engine.model.use_one_gemm()
-    return engine
-
-
 MODELS = [("tiny", "float32", "none"), ("tiny-fp8", "bfloat16", "fp8-block")]
 
 
 @pytest.mark.parametrize(("preset", "dtype", "quant"), MODELS)
 @pytest.mark.parametrize("k", [0, 2])
 def test_the_kernel_before_each_state_reader_does_not_write_its_pool(checkpoint, preset, dtype, quant, k):
-    engine = _engine(checkpoint(preset, "text", dtype=dtype), k, quant)
+    engine = cpu_engine(checkpoint(preset, "text", dtype=dtype), k or None, quant)
+    engine.model.use_one_gemm()
     engine.submit(random_prompt(9, seed=3), SamplingParams(6, ignore_eos=True))
     engine.step()  # the prefill
     with OpOrder() as order:

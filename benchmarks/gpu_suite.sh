@@ -41,7 +41,7 @@
 #   prefetch     `GemmPlan.l2_prefetch` (QWEN_MTP_L2_PREFETCH=N: every decode GEMM asks L2 for its first N weight
 #                K blocks before its PDL wait; default 2, 0: none) and tree A/Bs: the 27B bench (BATCHES) per model
 #                in MODELS (bf16, fp8: carry torchao) and per SETTINGS (N; "baseline": the qwen_mtp in BASELINE,
-#                carried; "tree:DIR"; those two with their own default prefetch), then
+#                carried; "tree:DIR"; those two with their own default prefetch; "env:NAME=VALUE,..."), then
 #                (EXACT=1) the W8A8 and bf16 exactness tests with PREFETCH_EXACT blocks;
 #   w8a8         kernel benchmarks (MICRO: gemm_w8a8, gdn_recurrent) with this tree and a carried BASELINE tree;
 #                FAMILY=1 adds the W8A8 plan family sweep;
@@ -611,7 +611,8 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   # asks L2 for its first N K blocks before the PDL wait; the default is 2); "baseline" runs the qwen_mtp under
   # BASELINE (carried: e.g. `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the
   # qwen_mtp under DIR, both with their own default prefetch (QWEN_MTP_L2_PREFETCH unset: until the thirty-seventh
-  # session they ran with 0, so their A/Bs against "2" also switched the prefetch). A setting that comes again writes
+  # session they ran with 0, so their A/Bs against "2" also switched the prefetch); "env:NAME=VALUE[,NAME=VALUE]" runs
+  # this tree with those variables set (e.g. env:QWEN_MTP_WINDOW_PREFETCH=0). A setting that comes again writes
   # to its own folder (bench-MODEL-SETTING-run2, ...); `benchmarks/ab_table.py` then prints every run side by side
   # (ab-table.md). Then, with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in
   # MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.
@@ -619,15 +620,17 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   for model in ${MODELS:-bf16 fp8}; do
     sets=(); [[ $model == fp8 ]] && sets=(--set model.synthetic=qwen3.5-27b-fp8)
     for setting in ${SETTINGS:-0 2 4 8}; do
-      path="$PYTHONPATH" blocks=$setting
+      path="$PYTHONPATH" blocks=$setting assignments=
       [[ $setting == baseline ]] && path="$PWD/${BASELINE:-.baseline}:$PYTHONPATH" blocks=
       [[ $setting == tree:* ]] && path="$PWD/${setting#tree:}:$PYTHONPATH" blocks= setting=${setting//[^A-Za-z0-9_-]/}
+      [[ $setting == env:* ]] && assignments=${setting#env:} blocks= setting=${setting//[^A-Za-z0-9_-]/}
       runs[$model-$setting]=$(( ${runs[$model-$setting]:-0} + 1 ))
       name="bench-$model-$setting"; (( runs[$model-$setting] > 1 )) && name+="-run${runs[$model-$setting]}"
       # PYTHONSAFEPATH: `python3 -m` would put the working directory (this tree) ahead of PYTHONPATH, so a
       # "baseline" run would run this tree; the bench JSON's "package" names the tree that ran.
       (
         unset QWEN_MTP_L2_PREFETCH; [[ -n $blocks ]] && export QWEN_MTP_L2_PREFETCH=$blocks
+        for assignment in ${assignments//,/ }; do export "$assignment"; done
         PYTHONSAFEPATH=1 PYTHONPATH="$path" bench_27b 100 "$name" "${sets[@]}" \
           --set "bench.batch_sizes=${BATCHES:-[1]}" --set "bench.prompt_len=${PROMPT_LENS:-128}"
       )

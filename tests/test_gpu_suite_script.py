@@ -36,7 +36,8 @@ def test_every_file_the_suite_names_exists():
 def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(tmp_path):
     """`STAGE=prefetch`'s A/B runs, with `python3` and `nvidia-smi` stubbed to record what each bench run gets: a
     "baseline" or "tree:DIR" run uses its tree's default L2 prefetch (the variable unset; a run with 0 compared two
-    trees and the prefetch at once), a number sets it, and a repeated setting writes to a folder of its own."""
+    trees and the prefetch at once), a number sets it, an "env:" setting sets its variables for its run only, and a
+    repeated setting writes to a folder of its own."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     record = tmp_path / "runs.txt"
@@ -45,22 +46,25 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         "#!/bin/bash\n"
         '[[ "$1" == -c ]] && exit 0\n'
         "for arg; do [[ $arg == bench.out_dir=* ]] && out=${arg#bench.out_dir=}; done\n"
-        f'[[ -n ${{out:-}} ]] && echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}" >> {record}\n'
+        f'[[ -n ${{out:-}} ]] && echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}'
+        f' ${{QWEN_MTP_WINDOW_PREFETCH-unset}}" >> {record}\n'
         f'[[ $1 == benchmarks/ab_table.py ]] && echo "$@" >> {record}.table\n'
     )
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STAGE": "prefetch", "MODELS": "fp8", "EXACT": "0",
-           "SETTINGS": "baseline 4 tree:.variant baseline 4", "OUT": str(tmp_path / "out"),
+           "SETTINGS": "baseline 4 tree:.variant env:QWEN_MTP_WINDOW_PREFETCH=0 baseline 4",
+           "OUT": str(tmp_path / "out"),
            "HOME": str(tmp_path)}  # fmt: skip
     subprocess.run(["bash", str(SUITE)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
     runs = [line.split() for line in record.read_text().splitlines()]
     assert runs == [
-        ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline"],
-        ["4", str(ROOT), "bench-fp8-4"],
-        ["unset", f"{ROOT}/.variant", "bench-fp8-treevariant"],
-        ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline-run2"],
-        ["4", str(ROOT), "bench-fp8-4-run2"],
+        ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline", "unset"],
+        ["4", str(ROOT), "bench-fp8-4", "unset"],
+        ["unset", f"{ROOT}/.variant", "bench-fp8-treevariant", "unset"],
+        ["unset", str(ROOT), "bench-fp8-envQWEN_MTP_WINDOW_PREFETCH0", "0"],
+        ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline-run2", "unset"],
+        ["4", str(ROOT), "bench-fp8-4-run2", "unset"],
     ]
     table = ["benchmarks/ab_table.py", str(tmp_path / "out"), "--settings", *env["SETTINGS"].split()]
     assert (tmp_path / "runs.txt.table").read_text().split() == table

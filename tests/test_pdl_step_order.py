@@ -49,6 +49,6 @@ def test_the_kernel_before_each_state_reader_does_not_write_its_pool(checkpoint,
         before = ops[i - 1]
         if ops[i][1] == "gdn_recurrent":
             assert before == ("qwen_mtp", "conv_update"), ops[i - 3 : i + 1]
-        else:
-            assert before[0] == "qwen_mtp" and before[1].startswith("linear"), ops[i - 3 : i + 1]
+        else:  # the input projection, or the L2 prefetch of out_proj's weight launched after it (writes nothing)
+            assert before[0] == "qwen_mtp" and before[1].startswith(("linear", "prefetch_weight")), ops[i - 3 : i + 1]
     assert {"gdn_recurrent_rows", "conv_update_window"} == set(triton_utils.STATE_READS_BEFORE_THE_WAIT)

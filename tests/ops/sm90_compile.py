@@ -329,6 +329,26 @@ def state_loads() -> dict[str, dict[str, int]]:
     return found
 
 
+def weight_prefetch_instructions() -> dict:
+    """`ops/weight_prefetch.py`'s kernel on an e4m3 27B o_proj (3 K splits of 2048 columns, whole) compiled for sm_90
+    with programmatic dependent launch: its grid dependency waits, bulk L2 prefetches (before the wait, and in
+    all), global loads and stores."""
+    from qwen_mtp.ops import weight_prefetch
+
+    kernel = weight_prefetch._prefetch_kernel()
+    signature = {"w_ptr": "*fp8e4nv", "N": "i32", "sw_n": "i32"}
+    constexprs = {"K": 6144, "SPLIT_COLUMNS": 2048, "SPLITS": 3, "SPLITS_P2": 4, "COLUMNS": 2048, "ELEMENT_BYTES": 1,
+                  "ROWS": weight_prefetch.ROWS_PER_PROGRAM, "PDL": True}  # fmt: skip
+    src = ASTSource(kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2", ptx)]
+    return {"waits": ptx.count("griddepcontrol.wait"), "prefetches": len(prefetches),
+            "prefetches_before_wait": sum(at < wait for at in prefetches),
+            "loads": len(re.findall(r"\bld\.global", ptx)),
+            "stores": len(re.findall(r"\bst\.global", ptx))}  # fmt: skip
+
+
 def decode_binaries() -> dict[str, str]:
     """A hash of the code (PTX without its debug sections and line records) of every decode GEMM binary the 27B
     runs (bf16 `TUNED` and `ROW_BUCKETS`, W8A16 `TUNED_FP8`, W8A8 `TUNED_W8A8` and `W8A8_ROW_BUCKETS`), for
@@ -369,6 +389,8 @@ if __name__ == "__main__":
         print(json.dumps(tma_loads_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, w8a8)))
     elif sys.argv[1] == "pdl":
         print(json.dumps(pdl_instructions()))
+    elif sys.argv[1] == "weightprefetch":
+        print(json.dumps(weight_prefetch_instructions()))
     elif sys.argv[1] == "stateloads":
         print(json.dumps(state_loads()))
     elif sys.argv[1] == "quantizing":

@@ -349,6 +349,29 @@ def weight_prefetch_instructions() -> dict:
             "stores": len(re.findall(r"\bst\.global", ptx))}  # fmt: skip
 
 
+def fma_contraction() -> dict[str, int]:
+    """The fused multiply-adds in `y = a * b + c` compiled for sm_90 with Triton's default contraction turned off
+    (TRITON_DEFAULT_FP_FUSION=0, Triton 3.10's announced default), with and without `triton_utils.FP_FUSION`."""
+    import triton.language as tl
+
+    from qwen_mtp.ops import triton_utils
+
+    @triton.jit
+    def multiply_add(a_ptr, b_ptr, c_ptr, y_ptr):
+        cols = tl.arange(0, 128)
+        tl.store(y_ptr + cols, tl.load(a_ptr + cols) * tl.load(b_ptr + cols) + tl.load(c_ptr + cols))
+
+    os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
+    signature = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "y_ptr"), "*fp32")
+    found = {}
+    for name, options in (("pinned", triton_utils.FP_FUSION), ("default", {})):
+        compiled = triton.compile(
+            ASTSource(multiply_add, signature), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}
+        )
+        found[name] = len(re.findall(r"\bfma\.rn\.f32", compiled.asm["ptx"]))
+    return found
+
+
 def decode_binaries() -> dict[str, str]:
     """A hash of the code (PTX without its debug sections and line records) of every decode GEMM binary the 27B
     runs (bf16 `TUNED` and `ROW_BUCKETS`, W8A16 `TUNED_FP8`, W8A8 `TUNED_W8A8` and `W8A8_ROW_BUCKETS`), for
@@ -389,6 +412,8 @@ if __name__ == "__main__":
         print(json.dumps(tma_loads_report(GemmPlan(*fields[:-1], **fields[-1]), n, k, w8a8)))
     elif sys.argv[1] == "pdl":
         print(json.dumps(pdl_instructions()))
+    elif sys.argv[1] == "fpfusion":
+        print(json.dumps(fma_contraction()))
     elif sys.argv[1] == "weightprefetch":
         print(json.dumps(weight_prefetch_instructions()))
     elif sys.argv[1] == "stateloads":

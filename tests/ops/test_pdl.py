@@ -114,8 +114,16 @@ def test_every_launch_passes_the_launch_options():
 
 
 def test_launch_options_are_off_on_a_cpu():
-    assert triton_utils.launch(torch.device("cpu")) == {"PDL": False}
-    assert triton_utils.launch(torch.device("meta")) == {"PDL": False}
+    assert triton_utils.launch(torch.device("cpu")) == {"PDL": False, "enable_fp_fusion": True}
+    assert triton_utils.launch(torch.device("meta")) == {"PDL": False, "enable_fp_fusion": True}
+
+
+def test_launch_options_pin_fma_contraction_whatever_tritons_default():
+    """`triton_utils.FP_FUSION` (in every launch's options) keeps multiply-adds fused where Triton's default does
+    not (TRITON_DEFAULT_FP_FUSION=0, its announced default from 3.10): the kernels round as they were measured."""
+    assert triton_utils.launch(torch.device("cpu"))["enable_fp_fusion"] is True
+    found = sm90_report("fpfusion")
+    assert found["pinned"] >= 1 and found["default"] == 0, found
 
 
 def test_a_kernel_compiled_for_hopper_waits_only_with_pdl():

@@ -24,9 +24,9 @@ turn -0.0 into +0.0), so a row without penalties chooses in a penalized step as 
 Every element's result depends only on its own logit, count and its row's values, so a row's numbers never depend
 on the other rows, in a 1-token decode or a verify. The kernel reads the counts by state row and adds the drafts
 itself, so a verify never builds a [rows x (K+1), V] copy of its requests' counts; it rounds every operation as
-torch does (a correctly rounded division, `enable_fp_fusion=False` so no product is contracted into an FMA), so it
-equals the reference bit for bit. As a custom op it stays opaque to `torch.compile`, which could otherwise fuse the
-reference's operations differently in one compiled step than in another.
+torch does (a correctly rounded division, launched with `fp_fusion=False` so no product is contracted into an FMA),
+so it equals the reference bit for bit. As a custom op it stays opaque to `torch.compile`, which could otherwise fuse
+the reference's operations differently in one compiled step than in another.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def apply_penalties_triton(
         logits, counts, seen.view(torch.uint8), bias, stops.view(torch.uint8), rows, drafts, positions, repetition,
         frequency, presence, min_end, out, vocab, logits.stride(0), counts.stride(0), seen.stride(0), bias.stride(0),
         stops.stride(0), drafts.stride(0), width,
-        BLOCK=block, enable_fp_fusion=False, **triton_utils.launch(logits.device),
+        BLOCK=block, **triton_utils.launch(logits.device, fp_fusion=False),
     )  # fmt: skip
     return out
 

@@ -111,8 +111,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin):
         length, heads, kv_heads, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0),
         D=dim, RD=cos.shape[-1],
-        enable_fp_fusion=False,  # no mul+add -> FMA contraction: torch rounds the products before the sum,
-        **triton_utils.launch(q.device),
+        **triton_utils.launch(q.device, fp_fusion=False),  # no FMA: torch rounds the products before the sum
     )  # fmt: skip
     return q_out, k_out
 

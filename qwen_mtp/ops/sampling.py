@@ -255,8 +255,8 @@ def sample_tokens_triton(logits, inv_temperature, threshold, seed, position, blo
     partials[(rows, chunks)](
         logits, logits.stride(0), vocab, inv_temperature, threshold if filtered else inv_temperature,
         seed, position, best, index, top, total, chunks,
-        FILTERED=filtered, BLOCK=block, **triton_utils.launch(logits.device),
-        enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds the product first
+        FILTERED=filtered, BLOCK=block,
+        **triton_utils.launch(logits.device, fp_fusion=False),  # no FMA: the reference rounds the product first
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -610,14 +610,12 @@ def _counted_threshold(logits, keep, inv_temperature, top_p, min_p_offset, row_m
     block_mass = torch.empty_like(block_count)
     block_sums[(rows, blocks)](
         counts, inv_temperature, top_p, row_max, window, low, block_count, block_mass,
-        BLOCKS=blocks, BINS=COUNTS_BINS,
-        enable_fp_fusion=False, **triton_utils.launch(device),
+        BLOCKS=blocks, BINS=COUNTS_BINS, **triton_utils.launch(device, fp_fusion=False),
     )  # fmt: skip
     tau = torch.empty(rows, dtype=torch.float32, device=device)
     counted_threshold[(rows,)](
         counts, block_count, block_mass, low, total, vocab, keep, inv_temperature, top_p, min_p_offset, row_max, tau,
-        BLOCKS=blocks, BINS=COUNTS_BINS,
-        enable_fp_fusion=False, **triton_utils.launch(device),
+        BLOCKS=blocks, BINS=COUNTS_BINS, **triton_utils.launch(device, fp_fusion=False),
     )  # fmt: skip
     return tau
 
@@ -636,8 +634,8 @@ def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
     chunk_mass = torch.empty(rows, chunks, dtype=torch.int64, device=device)
     level_counts[(rows, chunks)](
         logits, logits.stride(0), vocab, keep, inv_temperature, top_p, row_max, levels, chunk_mass, chunks,
-        BLOCK=block, LEVELS=MASS_LEVELS, **triton_utils.launch(device),
-        enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
+        BLOCK=block, LEVELS=MASS_LEVELS,
+        **triton_utils.launch(device, fp_fusion=False),  # no FMA: the reference rounds every product
     )  # fmt: skip
     window, low = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(2))
     total = torch.empty(rows, dtype=torch.int64, device=device)
@@ -649,7 +647,7 @@ def _windowed_counts(logits, keep, inv_temperature, top_p, row_max, block):
     )  # fmt: skip
     value_counts[(rows, chunks)](
         logits, logits.stride(0), vocab, inv_temperature, row_max, window, counts, BLOCK=block,
-        **triton_utils.launch(device), enable_fp_fusion=False,  # the levels must be `level_counts`' to the bit
+        **triton_utils.launch(device, fp_fusion=False),  # the levels must be `level_counts`' to the bit
     )  # fmt: skip
     return counts, window, low, total
 
@@ -679,8 +677,7 @@ def _radix_thresholds(logits, keep, inv_temperature, top_p, row_max, block):
             histogram[(rows, chunks)](
                 logits, logits.stride(0), vocab, active, row_max, inv_temperature, floor, prefix, hist, chunks,
                 SHIFT=shift, MASS=mass, BITS=RADIX_BITS, BLOCK=block, SUB=min(RADIX_SUB, block),
-                **triton_utils.launch(logits.device),
-                enable_fp_fusion=False,  # no mul+add -> FMA contraction: the reference rounds every product
+                **triton_utils.launch(logits.device, fp_fusion=False),  # no FMA: the reference rounds products
             )  # fmt: skip
             select[(rows,)](
                 hist, chunks, active, goal, prefix, above, target, out,

@@ -26,8 +26,6 @@ def hopper_or_later(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-# Every launch contracts multiply-adds into FMAs, as Triton did by default until 3.10 (`launch` says why).
-FP_FUSION = {"enable_fp_fusion": True}
 # Pointers a kernel reads before its wait besides the weights' (`launch` says why that is safe), per kernel.
 STATE_READS_BEFORE_THE_WAIT = {
     "gdn_recurrent_rows": {"pool_ptr", "rows_ptr", "committed_ptr", "alog_ptr", "dtb_ptr"},
@@ -35,7 +33,7 @@ STATE_READS_BEFORE_THE_WAIT = {
 }
 
 
-def launch(device) -> dict:
+def launch(device, fp_fusion: bool = True) -> dict:
     """The launch options every kernel of ours takes: `PDL` (its constexpr), Triton's `launch_pdl`, and
     `enable_fp_fusion=True`.
 
@@ -43,6 +41,8 @@ def launch(device) -> dict:
     every figure, plan table and bitwise comparison of this engine was measured so (`sum_order`'s equalities
     across plans included). Triton 3.9 warns that its default becomes no contraction in 3.10, which would change
     the rounding of every kernel on a newer Triton; pinned here, a kernel compiles the same on every version.
+    `fp_fusion=False` for the kernels that must round as torch does, a product before its sum (the sampler's,
+    the penalties', q/k norm and rope).
 
     Why: a decode step is ~800 dependent kernels of a few microseconds each, and between two of them the GPU
     drains one grid, then launches and ramps up the next. With programmatic dependent launch (Hopper on) a
@@ -64,8 +64,8 @@ def launch(device) -> dict:
     (about 12 us a launch, with or without PDL: `benchmarks/pdl_launch.py`). Off under the interpreter, on CPUs
     and GPUs before sm_90, and with QWEN_MTP_PDL=0."""
     on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and hopper_or_later(device)
-    pdl = on and torch.cuda.is_current_stream_capturing()
-    return {"PDL": True, "launch_pdl": True, **FP_FUSION} if pdl else {"PDL": False, **FP_FUSION}
+    options = {"PDL": True, "launch_pdl": True} if on and torch.cuda.is_current_stream_capturing() else {"PDL": False}
+    return options | {"enable_fp_fusion": fp_fusion}
 
 
 def __getattr__(name: str):

@@ -351,7 +351,8 @@ def weight_prefetch_instructions() -> dict:
 
 def fma_contraction() -> dict[str, int]:
     """The fused multiply-adds in `y = a * b + c` compiled for sm_90 with Triton's default contraction turned off
-    (TRITON_DEFAULT_FP_FUSION=0, Triton 3.10's announced default), with and without `triton_utils.FP_FUSION`."""
+    (TRITON_DEFAULT_FP_FUSION=0, Triton 3.10's announced default), with and without the fusion option our
+    launches pass (`triton_utils.launch`)."""
     import triton.language as tl
 
     from qwen_mtp.ops import triton_utils
@@ -364,7 +365,8 @@ def fma_contraction() -> dict[str, int]:
     os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
     signature = dict.fromkeys(("a_ptr", "b_ptr", "c_ptr", "y_ptr"), "*fp32")
     found = {}
-    for name, options in (("pinned", triton_utils.FP_FUSION), ("default", {})):
+    pinned = {"enable_fp_fusion": triton_utils.launch(torch.device("cpu"))["enable_fp_fusion"]}
+    for name, options in (("pinned", pinned), ("default", {})):
         compiled = triton.compile(
             ASTSource(multiply_add, signature), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}
         )

@@ -119,9 +119,11 @@ def test_launch_options_are_off_on_a_cpu():
 
 
 def test_launch_options_pin_fma_contraction_whatever_tritons_default():
-    """`triton_utils.FP_FUSION` (in every launch's options) keeps multiply-adds fused where Triton's default does
-    not (TRITON_DEFAULT_FP_FUSION=0, its announced default from 3.10): the kernels round as they were measured."""
+    """`enable_fp_fusion=True` in every launch's options (unless a kernel asks for `fp_fusion=False`) keeps
+    multiply-adds fused where Triton's default does not (TRITON_DEFAULT_FP_FUSION=0, its announced default from
+    3.10): the kernels round as they were measured."""
     assert triton_utils.launch(torch.device("cpu"))["enable_fp_fusion"] is True
+    assert triton_utils.launch(torch.device("cpu"), fp_fusion=False)["enable_fp_fusion"] is False
     found = sm90_report("fpfusion")
     assert found["pinned"] >= 1 and found["default"] == 0, found
 

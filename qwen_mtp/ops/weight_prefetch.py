@@ -51,14 +51,19 @@ WINDOW_PREFETCH_ROWS = int(os.environ.get("QWEN_MTP_WINDOW_PREFETCH_ROWS", "4"))
 ROWS_PER_PROGRAM = 64  # weight rows a program asks for (x the K splits: one bulk prefetch each)
 
 
+def k_splits(k: int, split_columns: int) -> tuple[int, int]:
+    """(columns of a K split, K splits) of a K-column weight cut every `split_columns` columns (one split if wider)."""
+    split_columns = min(split_columns, k)
+    return split_columns, -(-k // split_columns)
+
+
 def prefetch_columns(weight: torch.Tensor, split_columns: int, budget_bytes: float) -> int:
     """The leading columns of every K split (of `split_columns` columns) to ask for, so that all rows x splits stay
     within `budget_bytes` (the whole split where they fit), or 0 where the bulk prefetch cannot take them: its
     addresses and sizes must be 16-byte multiples (the weight's start, row stride, row, split and the count)."""
     n, k = weight.shape
     size = weight.element_size()
-    split_columns = min(split_columns, k)
-    splits = -(-k // split_columns)
+    split_columns, splits = k_splits(k, split_columns)
     aligned = (
         weight.stride(1) == 1
         and weight.data_ptr() % 16 == 0
@@ -68,7 +73,7 @@ def prefetch_columns(weight: torch.Tensor, split_columns: int, budget_bytes: flo
         return 0
     per_row_split = int(budget_bytes // (n * splits * size))  # columns within the budget
     columns = min(split_columns, per_row_split)
-    step = 16 // size if 16 % size == 0 else 16  # columns of 16 bytes
+    step = 16 // size  # columns of 16 bytes (element sizes divide 16)
     return columns // step * step
 
 
@@ -114,8 +119,7 @@ def prefetch_weight_triton(weight: torch.Tensor, split_columns: int, columns: in
     import triton
 
     n, k = weight.shape
-    split_columns = min(split_columns, k)
-    splits = -(-k // split_columns)
+    split_columns, splits = k_splits(k, split_columns)
     _prefetch_kernel()[(triton.cdiv(n, ROWS_PER_PROGRAM),)](
         weight, n, weight.stride(0), K=k, SPLIT_COLUMNS=split_columns, SPLITS=splits,
         SPLITS_P2=triton.next_power_of_2(splits), COLUMNS=columns, ELEMENT_BYTES=weight.element_size(),

@@ -612,7 +612,7 @@ if [[ "$STAGE" == prefetch ]]; then  # one device call (~9 min): `GemmPlan.l2_pr
   # BASELINE (carried: e.g. `git archive <commit> qwen_mtp | tar -x -C .baseline`) with the tables, "tree:DIR" the
   # qwen_mtp under DIR, both with their own default prefetch (QWEN_MTP_L2_PREFETCH unset: until the thirty-seventh
   # session they ran with 0, so their A/Bs against "2" also switched the prefetch); "env:NAME=VALUE[,NAME=VALUE]" runs
-  # this tree with those variables set (e.g. env:QWEN_MTP_WINDOW_PREFETCH=0). A setting that comes again writes
+  # this tree with those variables set (e.g. env:QWEN_MTP_PDL=0). A setting that comes again writes
   # to its own folder (bench-MODEL-SETTING-run2, ...); `benchmarks/ab_table.py` then prints every run side by side
   # (ab-table.md). Then, with EXACT=1, the W8A8 MTP-on == MTP-off tests (fp8 in
   # MODELS) and the exactness subset with PREFETCH_EXACT blocks, each test's line as it ends.

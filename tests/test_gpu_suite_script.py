@@ -47,13 +47,13 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         '[[ "$1" == -c ]] && exit 0\n'
         "for arg; do [[ $arg == bench.out_dir=* ]] && out=${arg#bench.out_dir=}; done\n"
         f'[[ -n ${{out:-}} ]] && echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}'
-        f' ${{QWEN_MTP_WINDOW_PREFETCH-unset}}" >> {record}\n'
+        f' ${{QWEN_MTP_PDL-unset}}" >> {record}\n'
         f'[[ $1 == benchmarks/ab_table.py ]] && echo "$@" >> {record}.table\n'
     )
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STAGE": "prefetch", "MODELS": "fp8", "EXACT": "0",
-           "SETTINGS": "baseline 4 tree:.variant env:QWEN_MTP_WINDOW_PREFETCH=0 baseline 4",
+           "SETTINGS": "baseline 4 tree:.variant env:QWEN_MTP_PDL=0 baseline 4",
            "OUT": str(tmp_path / "out"),
            "HOME": str(tmp_path)}  # fmt: skip
     subprocess.run(["bash", str(SUITE)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
@@ -62,7 +62,7 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline", "unset"],
         ["4", str(ROOT), "bench-fp8-4", "unset"],
         ["unset", f"{ROOT}/.variant", "bench-fp8-treevariant", "unset"],
-        ["unset", str(ROOT), "bench-fp8-envQWEN_MTP_WINDOW_PREFETCH0", "0"],
+        ["unset", str(ROOT), "bench-fp8-envQWEN_MTP_PDL0", "0"],
         ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline-run2", "unset"],
         ["4", str(ROOT), "bench-fp8-4-run2", "unset"],
     ]

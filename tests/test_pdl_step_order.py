@@ -9,7 +9,7 @@ from helpers import cpu_engine, random_prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen_mtp import SamplingParams
-from qwen_mtp.ops import triton_utils, weight_prefetch
+from qwen_mtp.ops import triton_utils
 
 VIEWS = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "slice", "select", "transpose", "t",
          "unsqueeze", "squeeze", "expand", "as_strided", "alias", "detach", "permute", "unbind"}  # fmt: skip
@@ -34,13 +34,7 @@ MODELS = [("tiny", "float32", "none"), ("tiny-fp8", "bfloat16", "fp8-block")]
 
 @pytest.mark.parametrize(("preset", "dtype", "quant"), MODELS)
 @pytest.mark.parametrize("k", [0, 2])
-@pytest.mark.parametrize("window", [0, 32])
-def test_the_kernel_before_each_state_reader_does_not_write_its_pool(
-    checkpoint, monkeypatch, preset, dtype, quant, k, window
-):
-    """`window`: the MiB `qwen_mtp::prefetch_weight` may ask for (0, the default: the op is not called): with it, an
-    output projection's L2 prefetch comes right after its layer's input projection and writes nothing."""
-    monkeypatch.setattr(weight_prefetch, "WINDOW_PREFETCH_MIB", window)
+def test_the_kernel_before_each_state_reader_does_not_write_its_pool(checkpoint, preset, dtype, quant, k):
     engine = cpu_engine(checkpoint(preset, "text", dtype=dtype), k or None, quant)
     engine.model.use_one_gemm()
     engine.submit(random_prompt(9, seed=3), SamplingParams(6, ignore_eos=True))
@@ -55,10 +49,6 @@ def test_the_kernel_before_each_state_reader_does_not_write_its_pool(
         before = ops[i - 1]
         if ops[i][1] == "gdn_recurrent":
             assert before == ("qwen_mtp", "conv_update"), ops[i - 3 : i + 1]
-        else:  # the input projection, or the L2 prefetch of out_proj's weight launched after it (writes nothing)
-            assert before[0] == "qwen_mtp" and before[1].startswith(("linear", "prefetch_weight")), ops[i - 3 : i + 1]
+        else:  # the input projection
+            assert before[0] == "qwen_mtp" and before[1].startswith("linear"), ops[i - 3 : i + 1]
     assert {"gdn_recurrent_rows", "conv_update_window"} == set(triton_utils.STATE_READS_BEFORE_THE_WAIT)
-    prefetches = [i for i, (ns, name) in enumerate(ops) if ns == "qwen_mtp" and name == "prefetch_weight"]
-    assert bool(prefetches) == bool(window)
-    for i in prefetches:  # after the input projection (the GDN's second GEMM, in_proj_b/a, in FP8 checkpoints)
-        assert ops[i - 1][0] == "qwen_mtp" and ops[i - 1][1].startswith("linear"), ops[i - 3 : i + 2]

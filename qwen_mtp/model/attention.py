@@ -40,8 +40,6 @@ class GatedAttention(nn.Module):
         batch, length, _ = x.shape
         invariant = batch_invariant(cache)
         q_gate, k, v = self.qkv_proj(x, invariant, x_w8a8)
-        if decode_rows(cache):
-            self.o_proj.prefetch(k)  # L2 fetches o_proj's weight while rope and attention run
         q_gate = q_gate.view(batch, length, self.heads, 2 * self.head_dim)
         k = k.view(batch, length, self.kv_heads, self.head_dim)
         v = v.view(batch, length, self.kv_heads, self.head_dim)

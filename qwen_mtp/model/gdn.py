@@ -45,8 +45,6 @@ class GatedDeltaNet(nn.Module):
         batch, length, _ = x.shape
         invariant = batch_invariant(cache)
         raw, z, b, a = self.in_proj(x, invariant, x_w8a8)  # raw [B, T, C]: pre-conv [q | k | v]
-        if decode_rows(cache):
-            self.out_proj.prefetch(raw)  # L2 fetches out_proj's weight while the conv and delta rule run
         z = z.reshape(batch, length, -1, self.dv)
         weight = self.conv1d.weight.squeeze(1)
         if cache is not None and cache.gdn_recurrent(length):

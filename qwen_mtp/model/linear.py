@@ -26,9 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from qwen_mtp.ops import weight_prefetch
-from qwen_mtp.ops.linear import decode_split_columns, linear, linear_fp8, w8a8_input_wanted
-from qwen_mtp.ops.weight_prefetch import prefetch_weight
+from qwen_mtp.ops.linear import linear, linear_fp8, w8a8_input_wanted
 from qwen_mtp.quant.fp8 import FP8_BLOCK, check_kernel_scales, quantize_fp8_block, scale_grid
 
 
@@ -92,14 +90,6 @@ class Linear(nn.Module):
         """Whether the decode-path product quantizes x for W8A8 (`ops.linear.w8a8_input_wanted`): then the op that
         makes x may quantize it in its own launch and pass it as `x_w8a8` (one launch fewer, the same bits)."""
         return w8a8_input_wanted(x, self.weight, self.weight_scale_inv, self.fp8_decode == "w8a8")
-
-    def prefetch(self, after: torch.Tensor) -> None:
-        """Ask L2 for the weight ahead of this module's decode-path product, once `after` exists (the layer's input
-        projection output): the short launches between leave HBM idle (`qwen_mtp::prefetch_weight`; a cache hint,
-        no number changes). With no budget (`WINDOW_PREFETCH_MIB` 0, the default) not even the op is traced, so a
-        compiled step is what it was without it."""
-        if weight_prefetch.WINDOW_PREFETCH_MIB > 0:
-            prefetch_weight(self.weight, after, decode_split_columns(self.weight, self.fp8_decode == "w8a8"))
 
     @torch.no_grad()
     def weight_loader(self, tensor: torch.Tensor) -> None:

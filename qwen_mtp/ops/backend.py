@@ -43,7 +43,6 @@ OPS = frozenset(
         "output_gate_w8a8",
         "paged_attention",
         "paged_prefill_attention",
-        "prefetch_weight",
         "qk_norm_rope",
         "rms_norm",
         "sample_tokens",

@@ -1615,18 +1615,6 @@ def linear_fp8_w8a8_triton(
     return w8a8_matmul_triton(q, q_scale, weight, scale, plan, x.dtype)
 
 
-def decode_split_columns(weight: torch.Tensor, w8a8: bool = True) -> int:
-    """The columns of one K split of the decode plan an [N, K] weight's invariant product runs (bf16: `gemm_plan`;
-    FP8: `gemm_plan_w8a8`, else `gemm_plan_fp8` for W8A16): its row buckets split K at the same points
-    (`sum_order`), so this holds at every M. A program of the product walks one split's K blocks in order."""
-    n, k = weight.shape
-    if weight.dtype == torch.float8_e4m3fn:
-        plan = gemm_plan_w8a8(n, k) if w8a8 else gemm_plan_fp8(n, k)
-    else:
-        plan = gemm_plan(n, k)
-    return min(plan.k_per_split * plan.block_k, k)
-
-
 def check_tma_load_buckets(loads: dict, buckets: dict) -> None:
     """Every row bucket `TMA_LOAD_BUCKETS` names for a kernel exists in its table (1: the shape's own plan)."""
     for (n, k), starts in loads.items():

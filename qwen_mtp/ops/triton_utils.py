@@ -54,9 +54,8 @@ def launch(device, fp_fusion: bool = True) -> dict:
     delta rule's and the multi-token conv update's pool slot, with the batch's rows and start slots). Those are
     safe because a kernel lets the next one launch only after its own wait: when a kernel starts early, only the
     one just before it can still run, and that one never writes them (the conv update runs just before the delta
-    rule, an input projection or the L2 prefetch of a weight (`weight_prefetch`, which writes nothing) just before
-    the conv update; their pools are written by the same kernels of the previous step). `tests/ops/test_pdl.py`
-    checks every kernel's source for this.
+    rule, an input projection just before the conv update; their pools are written by the same kernels of the
+    previous step). `tests/ops/test_pdl.py` checks every kernel's source for this.
 
     Only while a CUDA graph is being captured: there (the decode, verify and draft steps) kernels follow each
     other with no host time between them, and there it was measured (H200, 27B bf16 batch 1: the graphed forward

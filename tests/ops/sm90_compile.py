@@ -329,26 +329,6 @@ def state_loads() -> dict[str, dict[str, int]]:
     return found
 
 
-def weight_prefetch_instructions() -> dict:
-    """`ops/weight_prefetch.py`'s kernel on an e4m3 27B o_proj (3 K splits of 2048 columns, whole) compiled for sm_90
-    with programmatic dependent launch: its grid dependency waits, bulk L2 prefetches (before the wait, and in
-    all), global loads and stores."""
-    from qwen_mtp.ops import weight_prefetch
-
-    kernel = weight_prefetch._prefetch_kernel()
-    signature = {"w_ptr": "*fp8e4nv", "N": "i32", "sw_n": "i32"}
-    constexprs = {"K": 6144, "SPLIT_COLUMNS": 2048, "SPLITS": 3, "SPLITS_P2": 4, "COLUMNS": 2048, "ELEMENT_BYTES": 1,
-                  "ROWS": weight_prefetch.ROWS_PER_PROGRAM, "PDL": True}  # fmt: skip
-    src = ASTSource(kernel, signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    prefetches = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2", ptx)]
-    return {"waits": ptx.count("griddepcontrol.wait"), "prefetches": len(prefetches),
-            "prefetches_before_wait": sum(at < wait for at in prefetches),
-            "loads": len(re.findall(r"\bld\.global", ptx)),
-            "stores": len(re.findall(r"\bst\.global", ptx))}  # fmt: skip
-
-
 def fma_contraction() -> dict[str, int]:
     """The fused multiply-adds in `y = a * b + c` compiled for sm_90 with Triton's default contraction turned off
     (TRITON_DEFAULT_FP_FUSION=0, Triton 3.10's announced default), with and without the fusion option our
@@ -416,8 +396,6 @@ if __name__ == "__main__":
         print(json.dumps(pdl_instructions()))
     elif sys.argv[1] == "fpfusion":
         print(json.dumps(fma_contraction()))
-    elif sys.argv[1] == "weightprefetch":
-        print(json.dumps(weight_prefetch_instructions()))
     elif sys.argv[1] == "stateloads":
         print(json.dumps(state_loads()))
     elif sys.argv[1] == "quantizing":

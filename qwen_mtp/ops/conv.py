@@ -341,8 +341,8 @@ def _conv_update_columns_kernel():
         w1 = tl.load(w_ptr + cs * KERNEL + 1, mask=cmask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + cs * KERNEL + 2, mask=cmask, other=0.0).to(tl.float32)
         w3 = tl.load(w_ptr + cs * KERNEL + 3, mask=cmask, other=0.0).to(tl.float32)
-        # The window after the wait, unlike `conv_update_window`: read before it, its gain was not measured apart
-        # from another change (docs/benchmark-log.md, thirty-seventh session).
+        # The window after the wait, unlike `conv_update_window`: read before it, FP8 27B B1 plain steps were 0.4%
+        # slower on an H100, K=3 and B32 unchanged (docs/benchmark-log.md, thirty-ninth session).
         triton_utils.wait_for_previous_kernel(PDL)
         b = tl.program_id(0)
         row = tl.load(rows_ptr + b)

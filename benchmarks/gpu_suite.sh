@@ -98,8 +98,8 @@ STAGE="${STAGE:-all}"
 # The prefill, attention and context stages' helpers. counted LIMIT LOG CMD...: CMD's output into $OUT/LOG, then
 # its rc, how many tests passed and any FAILED / ERROR line (pytest -q -rA: the verdicts at the end; -vv: a line per
 # test as it ends, so a run its LIMIT cuts still shows what passed). bench_27b LIMIT NAME SETS...: `qwen-mtp bench`
-# at 27B bf16, K=3 at oracle 0.8, 64 new tokens, into $OUT/NAME; its table printed (a device call brings back few files:
-# the JSON is kept, the log only when the run failed).
+# at 27B bf16, K=3 at oracle 0.8, 64 new tokens, into $OUT/NAME; its table printed (a device call brings back at most
+# 8 files: the JSON is kept, the log only when the run failed, the plot only with KEEP_PLOTS=1).
 counted() { local limit=$1 log=$2; shift 2; timeout "$limit" "$@" >"$OUT/$log" 2>&1
             echo "[rc $? at ${SECONDS}s] $log: $(grep -cE "^PASSED| PASSED( |$)" "$OUT/$log") passed"
             grep -E "^(FAILED|ERROR)| (FAILED|ERROR)( |$)" "$OUT/$log"; }
@@ -108,7 +108,8 @@ bench_27b() { local limit=$1 name=$2 rc; shift 2
                 --set bench.head=false --set bench.output_len=64 --set 'bench.ks=[3]' "$@" \
                 --set "bench.out_dir=$OUT/$name" >"$OUT/$name.log" 2>&1; rc=$?; echo "[rc $rc at ${SECONDS}s] $name"
               cat "$OUT/$name/bench.txt" 2>/dev/null || tail -5 "$OUT/$name.log"
-              rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"; }
+              rm -f "$OUT/$name/bench.txt"; [[ $rc == 0 ]] && rm -f "$OUT/$name.log"
+              [[ "${KEEP_PLOTS:-0}" == 1 ]] || rm -f "$OUT/$name/bench.png"; }
 # itl_27b NAME GEMM_ROWS [SETS...]: benchmarks/mixed_steps.py at 27B (the bursts' TTFT, the ITL of 16 running
 # requests while a 2048-token prompt arrives every 0.5 s; packing off and on) into $OUT/mixed-steps-NAME.json, its
 # TTFT and ITL lines printed; GEMM_ROWS '' skips its bf16 GEMM timings. b32_mixed: the 27B B32 bench (plain, K=3)

@@ -37,14 +37,7 @@ def launch(device, fp_fusion: bool = True) -> dict:
     """The launch options every kernel of ours takes: `PDL` (its constexpr), Triton's `launch_pdl`, and
     `enable_fp_fusion=True`.
 
-    Why the last: Triton contracts a multiply and an add into one fused multiply-add unless told otherwise, and
-    every figure, plan table and bitwise comparison of this engine was measured so (`sum_order`'s equalities
-    across plans included). Triton 3.9 warns that its default becomes no contraction in 3.10, which would change
-    the rounding of every kernel on a newer Triton; pinned here, a kernel compiles the same on every version.
-    `fp_fusion=False` for the kernels that must round as torch does, a product before its sum (the sampler's,
-    the penalties', q/k norm and rope).
-
-    Why: a decode step is ~800 dependent kernels of a few microseconds each, and between two of them the GPU
+    Why PDL: a decode step is ~800 dependent kernels of a few microseconds each, and between two of them the GPU
     drains one grid, then launches and ramps up the next. With programmatic dependent launch (Hopper on) a
     kernel's programs are launched while the previous kernel's last ones still run; each waits at
     `triton_helpers.wait_for_previous_kernel` until that kernel has finished and its writes are visible before it
@@ -61,7 +54,14 @@ def launch(device, fp_fusion: bool = True) -> dict:
     other with no host time between them, and there it was measured (H200, 27B bf16 batch 1: the graphed forward
     14.62 -> 14.26 ms, `benchmarks/gpu_suite.sh` STAGE=pdl). Launched eagerly, a kernel waits for the host anyway
     (about 12 us a launch, with or without PDL: `benchmarks/pdl_launch.py`). Off under the interpreter, on CPUs
-    and GPUs before sm_90, and with QWEN_MTP_PDL=0."""
+    and GPUs before sm_90, and with QWEN_MTP_PDL=0.
+
+    Why `enable_fp_fusion`: Triton contracts a multiply and an add into one fused multiply-add unless told
+    otherwise, and every figure, plan table and bitwise comparison of this engine was measured so (`sum_order`'s
+    equalities across plans included). Triton 3.9 warns that its default becomes no contraction in 3.10, which
+    would change the rounding of every kernel on a newer Triton; pinned here, a kernel compiles the same on every
+    version. `fp_fusion=False` for the kernels that must round as torch does, a product before its sum (the
+    sampler's, the penalties', q/k norm and rope)."""
     on = PDL_ENABLED and not INTERPRET and device.type == "cuda" and hopper_or_later(device)
     options = {"PDL": True, "launch_pdl": True} if on and torch.cuda.is_current_stream_capturing() else {"PDL": False}
     return options | {"enable_fp_fusion": fp_fusion}

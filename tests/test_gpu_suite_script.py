@@ -37,7 +37,8 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
     """`STAGE=prefetch`'s A/B runs, with `python3` and `nvidia-smi` stubbed to record what each bench run gets: a
     "baseline" or "tree:DIR" run uses its tree's default L2 prefetch (the variable unset; a run with 0 compared two
     trees and the prefetch at once), a number sets it, an "env:" setting sets its variables for its run only, and a
-    repeated setting writes to a folder of its own."""
+    repeated setting writes to a folder of its own; each run's JSON stays and its plot goes (KEEP_PLOTS unset: a
+    device call brings back 8 files)."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     record = tmp_path / "runs.txt"
@@ -48,6 +49,7 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         "for arg; do [[ $arg == bench.out_dir=* ]] && out=${arg#bench.out_dir=}; done\n"
         f'[[ -n ${{out:-}} ]] && echo "${{QWEN_MTP_L2_PREFETCH-unset}} ${{PYTHONPATH%%:*}} ${{out##*/}}'
         f' ${{QWEN_MTP_PDL-unset}}" >> {record}\n'
+        '[[ -n ${out:-} ]] && mkdir -p "$out" && touch "$out/bench.json" "$out/bench.png"\n'
         f'[[ $1 == benchmarks/ab_table.py ]] && echo "$@" >> {record}.table\n'
     )
     for stub in stubs.iterdir():
@@ -66,5 +68,7 @@ def test_the_ab_stage_runs_each_tree_with_its_own_prefetch_and_keeps_every_run(t
         ["unset", f"{ROOT}/.baseline", "bench-fp8-baseline-run2", "unset"],
         ["4", str(ROOT), "bench-fp8-4-run2", "unset"],
     ]
+    kept = sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").glob("*/*"))
+    assert kept == sorted(f"{run[2]}/bench.json" for run in runs)
     table = ["benchmarks/ab_table.py", str(tmp_path / "out"), "--settings", *env["SETTINGS"].split()]
     assert (tmp_path / "runs.txt.table").read_text().split() == table

@@ -35,7 +35,7 @@ STATE_READS_BEFORE_THE_WAIT = {
 
 def launch(device, fp_fusion: bool = True) -> dict:
     """The launch options every kernel of ours takes: `PDL` (its constexpr), Triton's `launch_pdl`, and
-    `enable_fp_fusion=True`.
+    `enable_fp_fusion` (`fp_fusion`: True unless the kernel must round as torch does).
 
     Why PDL: a decode step is ~800 dependent kernels of a few microseconds each, and between two of them the GPU
     drains one grid, then launches and ramps up the next. With programmatic dependent launch (Hopper on) a
